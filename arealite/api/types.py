@@ -1,0 +1,164 @@
+"""The few typed concepts every part of arealite speaks.
+
+- ``SamplingParams``: how to sample one request. Per call, so that training
+  sampling and greedy evaluation go through the same engine.
+- ``GenerationRequest``: one prompt (token ids) to complete.
+- ``Completion``: what an inference engine returns for one request. It carries
+  no reward and no group: the generator only generates.
+- ``TRAJECTORY_KEYS`` / ``validate_trajectory``: the flat TensorDict a workflow
+  hands the trainer (see docs/architecture.md for the schema).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+
+@dataclass
+class SamplingParams:
+    """Sampling parameters of one generation request.
+
+    ``greedy=True`` forces temperature 0 (argmax decoding), whatever
+    ``temperature`` says; evaluation uses it as a per-call override.
+    """
+
+    max_new_tokens: int = 128
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    greedy: bool = False
+
+    def replace(self, **overrides: Any) -> "SamplingParams":
+        """A copy with some fields changed (e.g. ``greedy=True`` for evaluation)."""
+        unknown = set(overrides) - {f.name for f in dataclasses.fields(self)}
+        if unknown:
+            raise ValueError(
+                f"unknown sampling parameter(s) {sorted(unknown)}; "
+                f"allowed: {[f.name for f in dataclasses.fields(self)]}"
+            )
+        return dataclasses.replace(self, **overrides)
+
+    def to_sglang(self) -> dict[str, Any]:
+        """The ``sampling_params`` object of SGLang's ``/generate`` route."""
+        out: dict[str, Any] = {
+            "max_new_tokens": int(self.max_new_tokens),
+            "temperature": 0.0 if self.greedy else float(self.temperature),
+            "top_p": float(self.top_p),
+            "top_k": int(self.top_k),
+        }
+        if self.min_p:
+            out["min_p"] = float(self.min_p)
+        if self.stop_token_ids:
+            out["stop_token_ids"] = [int(t) for t in self.stop_token_ids]
+        if self.ignore_eos:
+            out["ignore_eos"] = True
+        return out
+
+
+@dataclass
+class GenerationRequest:
+    """One prompt to complete.
+
+    ``affinity_key``: requests sharing it (the samples of one group, the turns
+    of one conversation) go to the same server, for prefix-cache reuse.
+    """
+
+    input_ids: list[int]
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    rid: str = field(default_factory=lambda: uuid.uuid4().hex)
+    affinity_key: str | None = None
+    metadata: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class Completion:
+    """What an inference engine returns for one request.
+
+    ``output_logprobs[i]`` is the behaviour log-prob of ``output_ids[i]``
+    (``log_softmax(logits / T)``), ``output_versions[i]`` the policy version
+    that produced it. After an interrupted generation the tokens may carry
+    several versions.
+    """
+
+    rid: str
+    input_ids: list[int]
+    output_ids: list[int]
+    output_logprobs: list[float]
+    output_versions: list[int]
+    finish_reason: str  # "stop" | "length" | "abort"
+    latency_s: float = 0.0
+    server: str = ""
+    n_interruptions: int = 0
+
+    @property
+    def all_ids(self) -> list[int]:
+        return list(self.input_ids) + list(self.output_ids)
+
+
+# --------------------------------------------------------------------------
+# The trajectory: one flat TensorDict, batch dims [B, L], right-padded.
+# --------------------------------------------------------------------------
+
+#: key -> (dtype, per-token?) ; per-token keys are [B, L], the others [B].
+TRAJECTORY_KEYS: dict[str, tuple[torch.dtype, bool]] = {
+    "input_ids": (torch.int64, True),
+    "attention_mask": (torch.bool, True),
+    "loss_mask": (torch.bool, True),
+    "logprobs": (torch.float32, True),
+    "versions": (torch.int64, True),
+    "rewards": (torch.float32, False),
+    "group_id": (torch.int64, False),
+}
+
+
+class TrajectoryError(ValueError):
+    """A workflow produced a malformed trajectory."""
+
+
+def validate_trajectory(td: Any, where: str = "trajectory") -> None:
+    """Check a workflow's TensorDict against the schema; raise naming the key.
+
+    Extra keys are allowed (workflows may add per-step rewards, turn ids...).
+    """
+    from tensordict import TensorDictBase
+
+    if not isinstance(td, TensorDictBase):
+        raise TrajectoryError(
+            f"{where}: expected a TensorDict (or None to reject), got {type(td).__name__}"
+        )
+    if td.batch_dims < 1:
+        raise TrajectoryError(f"{where}: the TensorDict needs a batch dimension [B]")
+    B = td.batch_size[0]
+    L = None
+    for key, (dtype, per_token) in TRAJECTORY_KEYS.items():
+        if key not in td.keys():
+            raise TrajectoryError(f"{where}: missing key '{key}' (required: {sorted(TRAJECTORY_KEYS)})")
+        t = td.get(key)
+        if t.dtype != dtype:
+            raise TrajectoryError(f"{where}: key '{key}' has dtype {t.dtype}, expected {dtype}")
+        if per_token:
+            if t.dim() != 2 or t.shape[0] != B:
+                raise TrajectoryError(
+                    f"{where}: key '{key}' has shape {tuple(t.shape)}, expected [B={B}, L]"
+                )
+            if L is None:
+                L = t.shape[1]
+            elif t.shape[1] != L:
+                raise TrajectoryError(
+                    f"{where}: key '{key}' has length {t.shape[1]}, but input_ids has length {L}"
+                )
+        elif tuple(t.shape) != (B,):
+            raise TrajectoryError(f"{where}: key '{key}' has shape {tuple(t.shape)}, expected [B={B}]")
+    am = td["attention_mask"]
+    if (td["loss_mask"] & ~am).any():
+        raise TrajectoryError(f"{where}: key 'loss_mask' marks tokens outside 'attention_mask'")
+    if not torch.isfinite(td["rewards"]).all():
+        raise TrajectoryError(f"{where}: key 'rewards' holds NaN or inf")

@@ -1,0 +1,324 @@
+"""Config sections: one pydantic model per component, ``extra="forbid"``.
+
+Every field carries a docstring (it becomes the description in the JSON
+schema and in docs/config_reference.md) and a recommended default.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class Section(BaseModel):
+    """Base of every config section: unknown keys are errors, docstrings are descriptions."""
+
+    model_config = ConfigDict(
+        extra="forbid", use_attribute_docstrings=True, validate_assignment=True
+    )
+
+
+class ExperimentConfig(Section):
+    name: str = "arealite"
+    """Experiment name; runs are written under `<output_root>/<name>/<trial>`."""
+    trial: str = "trial0"
+    """Trial name within the experiment; re-running the same name resumes it."""
+    output_root: str = "runs"
+    """Root directory of all run outputs (logs, checkpoints, stats, plots)."""
+    seed: int = 1
+    """Global random seed (torch, python, numpy, data shuffling, server sampling)."""
+
+
+class LaunchConfig(Section):
+    n_servers: int = Field(1, ge=0)
+    """Number of inference servers the local launcher starts (0 = use `server_addrs`)."""
+    server_backend: Literal["embedded", "sglang"] = "embedded"
+    """`embedded` (arealite's CPU/GPU server in PyTorch) or `sglang` (GPU inference engine)."""
+    server_addrs: list[str] = Field(default_factory=list)
+    """Addresses `host:port` of servers started outside the launcher. Also read from
+    the environment variable AREALITE_SERVER_ADDRS (comma-separated)."""
+    n_trainer_procs: int = Field(1, ge=1)
+    """Number of trainer processes `torchrun` starts (one per GPU on CUDA)."""
+    server_startup_timeout_s: float = Field(300.0, gt=0)
+    """How long to wait for every server's `/health` before giving up."""
+    trainer_env: dict[str, str] = Field(default_factory=dict)
+    """Extra environment variables for the trainer processes."""
+
+
+class SGLangOptions(Section):
+    mem_fraction_static: float = Field(0.8, gt=0, le=1)
+    """Fraction of GPU memory SGLang reserves for weights and KV cache."""
+    tp_size: int = Field(1, ge=1)
+    """Tensor-parallel size of each SGLang server."""
+    skip_tokenizer_init: bool = True
+    """Run SGLang without a tokenizer (token-in/token-out)."""
+    context_length: int | None = None
+    """Override the model's context length (None = the model's own)."""
+    extra_args: list[str] = Field(default_factory=list)
+    """Extra command-line arguments passed verbatim to `sglang.launch_server`."""
+
+
+class ServerConfig(Section):
+    model_path: str | None = None
+    """Model directory the servers load at start (None = `actor.model_path`)."""
+    dtype: Literal["float32", "bfloat16", "float16", "auto"] = "auto"
+    """Server weight dtype; `auto` = float32 on CPU, bfloat16 on CUDA."""
+    host: str = "127.0.0.1"
+    """Interface the servers bind to. Keep 127.0.0.1 unless other hosts must reach them."""
+    base_port: int = Field(0, ge=0, le=65535)
+    """First port to try (0 = pick free ports)."""
+    api_key: str | None = None
+    """If set, every request must carry `Authorization: Bearer <api_key>`; never logged."""
+    random_seed: int | None = None
+    """Server sampling seed (None = `experiment.seed`)."""
+    max_batch_size: int = Field(64, ge=1)
+    """Embedded server: most sequences decoded together in one batch."""
+    context_length: int | None = Field(None, ge=1)
+    """Embedded server: longest prompt + completion accepted (None = the model's max positions)."""
+    sglang: SGLangOptions = Field(default_factory=SGLangOptions)
+    """Options used only when `launch.server_backend` is `sglang`."""
+
+
+class RolloutConfig(Section):
+    max_concurrent_rollouts: int = Field(64, ge=1)
+    """Most episodes (workflow calls) in flight at once, per trainer rank."""
+    queue_size: int = Field(1024, ge=1)
+    """Capacity of the input and output queues; a full queue back-pressures admission."""
+    consumer_batch_size: int = Field(8, ge=1)
+    """Trajectory groups (prompts) per training step, over all trainer ranks."""
+    max_head_offpolicyness: int = Field(2, ge=0)
+    """Staleness bound eta in policy versions; 0 = synchronous RL."""
+    request_timeout_s: float = Field(600.0, gt=0)
+    """Timeout of one HTTP generation request before it is retried elsewhere."""
+    request_retries: int = Field(3, ge=0)
+    """Retries of a failed request (on another healthy server) before the error is raised."""
+    retry_backoff_s: float = Field(0.5, ge=0)
+    """First backoff between retries; doubles on each retry."""
+    max_inflight_per_server: int = Field(256, ge=1)
+    """Most requests in flight on one server."""
+    on_workflow_error: Literal["fail", "drop"] = "fail"
+    """What a raising workflow does to the run: `fail` stops it, `drop` logs, counts and goes on."""
+    reward_timeout_s: float = Field(15.0, gt=0)
+    """Timeout of one reward-function call."""
+    on_reward_error: Literal["zero", "reject"] = "zero"
+    """A reward function that raises, hangs or returns a non-number: reward 0 or reject the group."""
+    reward_workers: int = Field(2, ge=1)
+    """Threads running reward functions off the event loop."""
+    dump_dir: str | None = None
+    """If set, dump generated texts per policy version as JSONL here, for inspection."""
+    filter_equal_rewards: bool = False
+    """Dynamic sampling: reject groups whose rewards are all equal (no GRPO signal)."""
+
+
+class GenerationConfig(Section):
+    n_samples: int = Field(4, ge=1)
+    """Samples per prompt (the GRPO group size)."""
+    max_new_tokens: int = Field(256, gt=0)
+    """Most tokens generated per sample."""
+    temperature: float = Field(1.0, ge=0)
+    """Sampling temperature; 0 is greedy."""
+    top_p: float = Field(1.0, gt=0, le=1)
+    """Nucleus sampling threshold."""
+    top_k: int = Field(-1, ge=-1)
+    """Top-k sampling (-1 = all tokens)."""
+    min_p: float = Field(0.0, ge=0, le=1)
+    """Min-p sampling threshold (0 = off)."""
+    stop_token_ids: list[int] = Field(default_factory=list)
+    """Extra token ids that end a sample (the EOS token always does)."""
+    greedy: bool = False
+    """Decode greedily (argmax), whatever the temperature."""
+
+
+class OptimizerConfig(Section):
+    type: Literal["adamw"] = "adamw"
+    """Optimizer."""
+    lr: float = Field(1e-6, gt=0)
+    """Peak learning rate."""
+    weight_decay: float = Field(0.01, ge=0)
+    """Decoupled weight decay."""
+    beta1: float = Field(0.9, ge=0, lt=1)
+    """Adam beta1."""
+    beta2: float = Field(0.999, ge=0, lt=1)
+    """Adam beta2."""
+    eps: float = Field(1e-8, gt=0)
+    """Adam epsilon."""
+    lr_scheduler: Literal["constant", "linear", "cosine"] = "constant"
+    """LR schedule after warmup."""
+    warmup_steps: int = Field(0, ge=0)
+    """Linear warmup steps from 0 to `lr`."""
+    min_lr_ratio: float = Field(0.0, ge=0, le=1)
+    """Final LR of the linear/cosine schedule, as a fraction of `lr`."""
+    total_steps: int | None = Field(None, ge=1)
+    """Steps of the schedule (None = set by the training script from the data)."""
+    gradient_clipping: float = Field(1.0, ge=0)
+    """Clip the global gradient norm to this (0 = no clipping)."""
+
+
+class ActorConfig(Section):
+    model_path: str = ""
+    """Hugging Face model directory to train (config.json, safetensors, tokenizer)."""
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    """Parameter dtype during compute; on CUDA bf16 params reduce in fp32."""
+    optimizer: OptimizerConfig = Field(default_factory=OptimizerConfig)
+    """Optimizer and LR schedule."""
+    mb_max_tokens: int = Field(8192, ge=1)
+    """Token budget of one packed micro-batch."""
+    gradient_checkpointing: bool = False
+    """Recompute activations in backward to save memory."""
+    cpu_offload: bool = False
+    """Offload parameters and gradients to CPU (FSDP2 CPUOffloadPolicy)."""
+    temperature: float | None = Field(None, gt=0)
+    """Temperature used to recompute log-probs (None = `generation.temperature`)."""
+
+
+class AlgorithmConfig(Section):
+    adv_estimator: Literal["grpo", "drgrpo", "rloo", "none"] = "grpo"
+    """Advantage: GRPO (group mean/std), Dr.GRPO (group mean), RLOO (leave-one-out), none (raw reward)."""
+    adv_norm: Literal["none", "batch"] = "none"
+    """Extra normalisation of advantages over the whole batch."""
+    reward_scale: float = 1.0
+    """Rewards are mapped to `clip((r + bias) * scale)`."""
+    reward_bias: float = 0.0
+    """Added to rewards before scaling."""
+    reward_clip: float | None = Field(None, gt=0)
+    """Clip scaled rewards to [-reward_clip, reward_clip] (None = no clipping)."""
+    eps_clip: float = Field(0.2, gt=0)
+    """PPO clip epsilon (lower side, and upper side unless `eps_clip_high` is set)."""
+    eps_clip_high: float | None = Field(None, gt=0)
+    """Upper clip epsilon (clip-higher, DAPO); None = `eps_clip`."""
+    c_clip: float | None = None
+    """Dual-clip constant (> 1) bounding the loss of negative-advantage tokens; None = off."""
+    use_decoupled_loss: bool = True
+    """Decoupled PPO: proximal log-probs are recomputed before the update; behaviour
+    log-probs from the server weight the loss (importance weight capped)."""
+    behav_imp_weight_cap: float | None = Field(5.0, gt=1)
+    """Tokens whose behaviour importance weight exceeds this are masked out (None = no cap)."""
+    kl_coef: float = Field(0.0, ge=0)
+    """Coefficient of the KL penalty to the reference model (0 = no reference model)."""
+    kl_estimator: Literal["k1", "k2", "k3"] = "k3"
+    """KL estimator (Schulman's k1, k2, k3)."""
+    entropy_coef: float = Field(0.0, ge=0)
+    """Entropy bonus coefficient."""
+    loss_agg_mode: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"] = "token-mean"
+    """How token losses become one scalar."""
+    loss_agg_constant: float | None = Field(None, gt=0)
+    """Length normaliser of `seq-mean-token-sum` (None = `generation.max_new_tokens`)."""
+    n_minibatches: int = Field(1, ge=1)
+    """Optimizer steps per training batch (the batch is split into this many mini-batches)."""
+    stepwise_divide_by_steps: bool = False
+    """Multi-step trajectories: divide the broadcast advantage by the number of steps."""
+
+
+class DataConfig(Section):
+    train_path: str = ""
+    """Training prompts, a JSONL file (one object per line)."""
+    eval_path: str | None = None
+    """Held-out prompts for greedy evaluation (JSONL)."""
+    batch_size: int = Field(8, ge=1)
+    """Prompts the dataloader yields per fetch, per trainer rank."""
+    shuffle: bool = True
+    """Shuffle prompts every epoch (seeded by `experiment.seed` and the epoch)."""
+    prompt_key: str = "prompt"
+    """Field holding the prompt text (or `messages`, a chat list)."""
+    answer_key: str = "answer"
+    """Field holding the reference answer passed to the reward function."""
+    apply_chat_template: bool = False
+    """Wrap prompts with the tokenizer's chat template."""
+    max_prompt_len: int | None = Field(None, ge=1)
+    """Prompts longer than this (in tokens) are an error before training starts."""
+    total_train_epochs: int = Field(1, ge=1)
+    """Epochs over the training prompts."""
+    max_train_steps: int | None = Field(None, ge=1)
+    """Stop after this many training steps (None = run all epochs)."""
+
+
+class SaverConfig(Section):
+    freq_steps: int | None = Field(None, ge=1)
+    """Checkpoint every this many steps (None = not by steps)."""
+    freq_secs: float | None = Field(None, gt=0)
+    """Checkpoint every this many seconds (None = not by time)."""
+    keep_last: int = Field(2, ge=1)
+    """Complete checkpoints kept; older ones are deleted."""
+    export_hf_at_end: bool = True
+    """Export the final model as a Hugging Face directory."""
+
+
+class RecoverConfig(Section):
+    mode: Literal["auto", "disabled", "required"] = "auto"
+    """`auto`: resume if a checkpoint exists; `disabled`: always start fresh; `required`: fail without one."""
+
+
+class EvaluationConfig(Section):
+    freq_steps: int | None = Field(None, ge=1)
+    """Greedy evaluation on `data.eval_path` every this many steps (None = only at start and end)."""
+    max_prompts: int | None = Field(None, ge=1)
+    """Evaluate on at most this many held-out prompts (None = all)."""
+    max_new_tokens: int | None = Field(None, gt=0)
+    """Token limit of evaluation samples (None = `generation.max_new_tokens`)."""
+
+
+class WandbConfig(Section):
+    mode: Literal["disabled", "online", "offline"] = "disabled"
+    """W&B mode; disabled by default."""
+    project: str = "arealite"
+    """W&B project."""
+    entity: str | None = None
+    """W&B entity (team or user)."""
+
+
+class StatsConfig(Section):
+    tensorboard: bool = False
+    """Also write TensorBoard event files under the run directory."""
+    wandb: WandbConfig = Field(default_factory=WandbConfig)
+    """Weights & Biases logging."""
+    plot: bool = True
+    """Write `reward_curve.png` under the run directory at the end."""
+    progress_bar: bool = True
+    """Show a progress bar with step, reward and accuracy."""
+
+
+class WeightSyncConfig(Section):
+    method: Literal["distributed", "disk"] = "distributed"
+    """`distributed`: broadcast over a process group (gloo on CPU, NCCL on CUDA); `disk`: safetensors directory."""
+    bucket_size_mb: float = Field(64.0, gt=0)
+    """Tensors are sent in buckets of about this size."""
+    verify_n_tensors: int = Field(2, ge=0)
+    """Tensors read back with `get_weights_by_name` after each update and compared."""
+    backend: Literal["auto", "gloo", "nccl"] = "auto"
+    """Process-group backend for the distributed method (auto = nccl on CUDA, else gloo)."""
+    timeout_s: float = Field(600.0, gt=0)
+    """Timeout of one weight update."""
+    disk_dir: str | None = None
+    """Scratch directory of the disk method (None = under the run directory)."""
+
+
+class ArealiteConfig(Section):
+    """The whole configuration of one arealite run."""
+
+    experiment: ExperimentConfig = Field(default_factory=ExperimentConfig)
+    """Name, output directory and seed."""
+    launch: LaunchConfig = Field(default_factory=LaunchConfig)
+    """Processes the local launcher starts."""
+    server: ServerConfig = Field(default_factory=ServerConfig)
+    """Inference servers."""
+    rollout: RolloutConfig = Field(default_factory=RolloutConfig)
+    """Rollout controller: concurrency, queues, staleness, retries, faults."""
+    generation: GenerationConfig = Field(default_factory=GenerationConfig)
+    """Sampling of training rollouts (evaluation overrides it to greedy)."""
+    actor: ActorConfig = Field(default_factory=ActorConfig)
+    """The trained policy and its train engine."""
+    algorithm: AlgorithmConfig = Field(default_factory=AlgorithmConfig)
+    """Rewards, advantages, PPO/GRPO loss."""
+    data: DataConfig = Field(default_factory=DataConfig)
+    """Datasets and the dataloader."""
+    saver: SaverConfig = Field(default_factory=SaverConfig)
+    """Periodic checkpoints."""
+    recover: RecoverConfig = Field(default_factory=RecoverConfig)
+    """Resuming a killed run."""
+    evaluation: EvaluationConfig = Field(default_factory=EvaluationConfig)
+    """Periodic greedy evaluation on held-out prompts."""
+    stats: StatsConfig = Field(default_factory=StatsConfig)
+    """Stats logging and plots."""
+    weight_sync: WeightSyncConfig = Field(default_factory=WeightSyncConfig)
+    """How new weights reach the inference servers."""

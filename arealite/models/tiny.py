@@ -1,0 +1,203 @@
+"""Build a tiny but real Hugging Face causal LM directory, offline.
+
+Nothing can be downloaded from a model hub on CI or a laptop without network,
+so tests, the demo and the benchmarks use a model written here: a Qwen2-style
+decoder (``config.json`` + ``model.safetensors``, deterministic for a seed), a
+byte-level BPE tokenizer trained locally with ``tokenizers`` (``tokenizer.json``),
+and a chat template. The directory loads with ``AutoTokenizer`` and
+``AutoModelForCausalLM`` like any hub model, so the loading code under test is
+the real one.
+
+    python -m arealite.models.tiny OUT_DIR --size small --seed 0
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+from pathlib import Path
+
+#: Named sizes: hidden, layers, heads, kv heads, intermediate, vocab.
+SIZES: dict[str, dict[str, int]] = {
+    # ~0.1M parameters: unit tests.
+    "micro": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, intermediate_size=128, vocab_size=512),
+    # ~1M: the CPU demo and end-to-end tests.
+    "small": dict(hidden_size=128, num_hidden_layers=4, num_attention_heads=4,
+                  num_key_value_heads=2, intermediate_size=384, vocab_size=512),
+    # ~10M
+    "base": dict(hidden_size=320, num_hidden_layers=8, num_attention_heads=8,
+                 num_key_value_heads=4, intermediate_size=960, vocab_size=1024),
+    # ~50M: weight-sync and training benchmarks.
+    "large": dict(hidden_size=640, num_hidden_layers=10, num_attention_heads=10,
+                  num_key_value_heads=5, intermediate_size=1920, vocab_size=4096),
+}
+
+PAD_TOKEN = "<|pad|>"
+EOS_TOKEN = "<|endoftext|>"
+IM_START = "<|im_start|>"
+IM_END = "<|im_end|>"
+SPECIAL_TOKENS = [PAD_TOKEN, EOS_TOKEN, IM_START, IM_END]
+
+# A Qwen-style chat template: turns are `<|im_start|>role\ncontent<|im_end|>\n`.
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
+
+def _training_corpus(seed: int, n_lines: int = 3000) -> list[str]:
+    """Text the tokenizer is trained on: arithmetic, chat turns and plain English."""
+    rng = random.Random(seed)
+    words = (
+        "the a of to and in is it you that he was for on are with as I his they be at one "
+        "have this from or had by word but what some we can out other were all there when "
+        "up use your how said an each she which do their time if will way about many then "
+        "them write would like so these her long make thing see him two has look more day "
+        "could go come did number sound no most people my over know water than call first "
+        "who may down side been now find answer question correct wrong try again think step "
+        "sum plus minus times equals result final reward problem solve compute add subtract"
+    ).split()
+    lines = []
+    for _ in range(n_lines):
+        kind = rng.random()
+        if kind < 0.4:
+            a, b = rng.randint(0, 999), rng.randint(0, 999)
+            op = rng.choice("+-*")
+            lines.append(f"What is {a} {op} {b}? The answer is \\boxed{{{eval(f'{a}{op}{b}')}}}.")
+        elif kind < 0.6:
+            lines.append(f"#### {rng.randint(-500, 5000)}")
+        else:
+            lines.append(" ".join(rng.choice(words) for _ in range(rng.randint(3, 14))) + ".")
+    return lines
+
+
+def build_tokenizer(vocab_size: int, seed: int = 0):
+    """Train a byte-level BPE tokenizer (digits split one by one) on a local corpus."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+    tok = Tokenizer(models.BPE(unk_token=None, byte_fallback=False))
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Digits(individual_digits=True),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
+        ]
+    )
+    tok.decoder = decoders.ByteLevel()
+    tok.post_processor = processors.ByteLevel(trim_offsets=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(_training_corpus(seed), trainer=trainer)
+    return tok
+
+
+def build_tiny_model(
+    out_dir: str | os.PathLike,
+    size: str = "small",
+    seed: int = 0,
+    max_position_embeddings: int = 1024,
+    tie_word_embeddings: bool = True,
+    **overrides: int,
+) -> Path:
+    """Write a Hugging Face model directory and return its path.
+
+    ``size`` is one of ``SIZES``; ``overrides`` change single config values
+    (e.g. ``num_hidden_layers=1``). Weights are deterministic for ``seed``.
+    """
+    import torch
+    from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+
+    if size not in SIZES:
+        raise ValueError(f"size={size!r} is not one of {sorted(SIZES)}")
+    dims = {**SIZES[size], **overrides}
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+
+    raw = build_tokenizer(dims["vocab_size"], seed=seed)
+    vocab_size = raw.get_vocab_size()  # may be below the target on a small corpus
+    hf_tok = PreTrainedTokenizerFast(
+        tokenizer_object=raw,
+        eos_token=EOS_TOKEN,
+        pad_token=PAD_TOKEN,
+        bos_token=None,
+        unk_token=None,
+        model_max_length=max_position_embeddings,
+    )
+    hf_tok.chat_template = CHAT_TEMPLATE
+    hf_tok.save_pretrained(out)
+    # Keep the tokenizer class generic so that no library rebuilds it from a
+    # model type: what we trained is exactly what loads.
+    cfg_path = out / "tokenizer_config.json"
+    tcfg = json.loads(cfg_path.read_text())
+    tcfg["tokenizer_class"] = "PreTrainedTokenizerFast"
+    tcfg["chat_template"] = CHAT_TEMPLATE
+    cfg_path.write_text(json.dumps(tcfg, indent=2))
+
+    config = Qwen2Config(
+        vocab_size=vocab_size,
+        hidden_size=dims["hidden_size"],
+        intermediate_size=dims["intermediate_size"],
+        num_hidden_layers=dims["num_hidden_layers"],
+        num_attention_heads=dims["num_attention_heads"],
+        num_key_value_heads=dims["num_key_value_heads"],
+        max_position_embeddings=max_position_embeddings,
+        rope_theta=10000.0,
+        tie_word_embeddings=tie_word_embeddings,
+        bos_token_id=None,
+        eos_token_id=raw.token_to_id(EOS_TOKEN),
+        pad_token_id=raw.token_to_id(PAD_TOKEN),
+        torch_dtype="float32",
+    )
+    gen = torch.random.fork_rng(devices=[])
+    with gen:
+        torch.manual_seed(seed)
+        model = Qwen2ForCausalLM(config)
+    model.save_pretrained(out, safe_serialization=True)
+    (out / "generation_config.json").unlink(missing_ok=True)
+    return out
+
+
+def n_parameters(model_dir: str | os.PathLike) -> int:
+    """Parameter count of a saved model (tied weights counted once)."""
+    from safetensors import safe_open
+
+    total = 0
+    with safe_open(str(Path(model_dir) / "model.safetensors"), "pt") as f:
+        for k in f.keys():
+            total += _prod(f.get_slice(k).get_shape())
+    return total
+
+
+def _prod(shape) -> int:
+    n = 1
+    for s in shape:
+        n *= int(s)
+    return n
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("out_dir")
+    p.add_argument("--size", default="small", choices=sorted(SIZES))
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--max-position-embeddings", type=int, default=1024)
+    p.add_argument("--untied", action="store_true", help="separate input and output embeddings")
+    args = p.parse_args(argv)
+    out = build_tiny_model(
+        args.out_dir, size=args.size, seed=args.seed,
+        max_position_embeddings=args.max_position_embeddings,
+        tie_word_embeddings=not args.untied,
+    )
+    print(f"wrote {out} ({n_parameters(out) / 1e6:.2f}M parameters)")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,64 @@
+"""Shared test setup: uvloop as the event loop, the tiny model, gpu skipping.
+
+All async tests share one session-scoped uvloop loop (set in pyproject.toml):
+one consistent scope, because a fixture and a test on different loops hang
+rather than fail.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import uvloop
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def pytest_asyncio_loop_factories(config, item):
+    return {"uvloop": uvloop.new_event_loop}
+
+
+def pytest_collection_modifyitems(config, items):
+    try:
+        import torch
+
+        has_cuda = torch.cuda.is_available()
+    except ImportError:  # pragma: no cover
+        has_cuda = False
+    if not has_cuda:
+        skip = pytest.mark.skip(reason="needs a CUDA GPU")
+        for item in items:
+            if "gpu" in item.keywords:
+                item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory) -> Path:
+    """A ~1M-parameter Qwen2-style HF model directory, built offline once per session."""
+    from arealite.models.tiny import build_tiny_model
+
+    return build_tiny_model(tmp_path_factory.mktemp("tiny_small"), size="small", seed=0)
+
+
+@pytest.fixture(scope="session")
+def micro_model_dir(tmp_path_factory) -> Path:
+    """A ~0.1M-parameter model for the fastest tests."""
+    from arealite.models.tiny import build_tiny_model
+
+    return build_tiny_model(tmp_path_factory.mktemp("tiny_micro"), size="micro", seed=0)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
