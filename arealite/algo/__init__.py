@@ -1,0 +1,43 @@
+"""Algorithms: log-probs, advantages and PPO/GRPO losses as pure functions; PPOActor ties them to an engine."""
+
+from arealite.algo.actor import PPOActor, logprob_hook, split_minibatches
+from arealite.algo.advantage import (
+    broadcast_to_tokens,
+    group_advantages,
+    normalize_advantages,
+    stepwise_advantages,
+    transform_rewards,
+)
+from arealite.algo.logprob import gather_logprobs, gather_logprobs_entropy, token_entropy
+from arealite.algo.loss import (
+    aggregate_loss,
+    kl_penalty,
+    loss_weight,
+    masked_mean,
+    ppo_actor_loss,
+    ppo_policy_loss,
+)
+from arealite.algo.sft import build_sft_batch, sft_loss_fn, sft_loss_weight
+
+__all__ = [
+    "PPOActor",
+    "logprob_hook",
+    "split_minibatches",
+    "broadcast_to_tokens",
+    "group_advantages",
+    "normalize_advantages",
+    "stepwise_advantages",
+    "transform_rewards",
+    "gather_logprobs",
+    "gather_logprobs_entropy",
+    "token_entropy",
+    "aggregate_loss",
+    "kl_penalty",
+    "loss_weight",
+    "masked_mean",
+    "ppo_actor_loss",
+    "ppo_policy_loss",
+    "build_sft_batch",
+    "sft_loss_fn",
+    "sft_loss_weight",
+]

@@ -6,17 +6,44 @@ schema and in docs/config_reference.md) and a recommended default.
 
 from __future__ import annotations
 
+import re
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 
 class Section(BaseModel):
     """Base of every config section: unknown keys are errors, docstrings are descriptions."""
 
+    # coerce_numbers_to_str: YAML reads `trial: 2` or `api_key: 1234` as numbers;
+    # for a string field the user meant the digits, so accept them as text.
     model_config = ConfigDict(
-        extra="forbid", use_attribute_docstrings=True, validate_assignment=True
+        extra="forbid",
+        use_attribute_docstrings=True,
+        validate_assignment=True,
+        coerce_numbers_to_str=True,
     )
+
+
+# Experiment and trial names become directory names under `output_root`.
+_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+
+
+def _check_dir_name(value: str) -> str:
+    if not _NAME_RE.match(value):
+        raise ValueError(
+            "must be a non-empty directory name of letters, digits, '.', '_' or '-' "
+            "(no '/' or spaces), starting with a letter or digit"
+        )
+    return value
+
+
+def _check_server_addr(addr: str) -> str:
+    """`host:port` with a port in 1..65535 (IPv6 hosts in brackets: `[::1]:30000`)."""
+    host, sep, port = addr.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 1 <= int(port) <= 65535:
+        raise ValueError(f"{addr!r} is not `host:port` with a port in 1..65535 (e.g. 127.0.0.1:30000)")
+    return addr
 
 
 class ExperimentConfig(Section):
@@ -28,6 +55,11 @@ class ExperimentConfig(Section):
     """Root directory of all run outputs (logs, checkpoints, stats, plots)."""
     seed: int = 1
     """Global random seed (torch, python, numpy, data shuffling, server sampling)."""
+
+    @field_validator("name", "trial")
+    @classmethod
+    def _dir_name(cls, v: str) -> str:
+        return _check_dir_name(v)
 
 
 class LaunchConfig(Section):
@@ -44,6 +76,21 @@ class LaunchConfig(Section):
     """How long to wait for every server's `/health` before giving up."""
     trainer_env: dict[str, str] = Field(default_factory=dict)
     """Extra environment variables for the trainer processes."""
+
+    @field_validator("server_addrs")
+    @classmethod
+    def _addrs(cls, v: list[str]) -> list[str]:
+        for addr in v:
+            _check_server_addr(addr)
+        return v
+
+    @field_validator("trainer_env")
+    @classmethod
+    def _env_names(cls, v: dict[str, str]) -> dict[str, str]:
+        for name in v:
+            if not re.match(r"^[A-Za-z_][A-Za-z0-9_]*$", name):
+                raise ValueError(f"{name!r} is not a valid environment variable name")
+        return v
 
 
 class SGLangOptions(Section):
@@ -64,11 +111,11 @@ class ServerConfig(Section):
     """Model directory the servers load at start (None = `actor.model_path`)."""
     dtype: Literal["float32", "bfloat16", "float16", "auto"] = "auto"
     """Server weight dtype; `auto` = float32 on CPU, bfloat16 on CUDA."""
-    host: str = "127.0.0.1"
+    host: str = Field("127.0.0.1", min_length=1)
     """Interface the servers bind to. Keep 127.0.0.1 unless other hosts must reach them."""
     base_port: int = Field(0, ge=0, le=65535)
     """First port to try (0 = pick free ports)."""
-    api_key: str | None = None
+    api_key: str | None = Field(None, min_length=1)
     """If set, every request must carry `Authorization: Bearer <api_key>`; never logged."""
     random_seed: int | None = None
     """Server sampling seed (None = `experiment.seed`)."""
@@ -187,7 +234,7 @@ class AlgorithmConfig(Section):
     """PPO clip epsilon (lower side, and upper side unless `eps_clip_high` is set)."""
     eps_clip_high: float | None = Field(None, gt=0)
     """Upper clip epsilon (clip-higher, DAPO); None = `eps_clip`."""
-    c_clip: float | None = None
+    c_clip: float | None = Field(None, gt=1)
     """Dual-clip constant (> 1) bounding the loss of negative-advantage tokens; None = off."""
     use_decoupled_loss: bool = True
     """Decoupled PPO: proximal log-probs are recomputed before the update; behaviour
@@ -219,9 +266,9 @@ class DataConfig(Section):
     """Prompts the dataloader yields per fetch, per trainer rank."""
     shuffle: bool = True
     """Shuffle prompts every epoch (seeded by `experiment.seed` and the epoch)."""
-    prompt_key: str = "prompt"
+    prompt_key: str = Field("prompt", min_length=1)
     """Field holding the prompt text (or `messages`, a chat list)."""
-    answer_key: str = "answer"
+    answer_key: str = Field("answer", min_length=1)
     """Field holding the reference answer passed to the reward function."""
     apply_chat_template: bool = False
     """Wrap prompts with the tokenizer's chat template."""

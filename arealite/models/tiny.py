@@ -76,15 +76,33 @@ def _training_corpus(seed: int, n_lines: int = 3000) -> list[str]:
     return lines
 
 
+# Qwen2's pre-tokenizer split (digits one by one, letters with one leading
+# non-letter, runs of punctuation, newlines, spaces).
+QWEN2_SPLIT_REGEX = (
+    r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"""
+    r"""| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
+)
+
+
 def build_tokenizer(vocab_size: int, seed: int = 0):
-    """Train a byte-level BPE tokenizer (digits split one by one) on a local corpus."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    """Train a byte-level BPE tokenizer with Qwen2's normalizer and pre-tokenizer.
+
+    transformers loads every ``model_type: qwen2`` directory with its own
+    ``Qwen2Tokenizer``, which rebuilds the normalizer (NFC) and pre-tokenizer
+    from code and ignores those in ``tokenizer.json``. Training with exactly
+    that pipeline keeps ``AutoTokenizer`` and the raw ``tokenizer.json`` (what
+    any other engine reads) in agreement on every string.
+    """
+    from tokenizers import (
+        Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers,
+    )
 
     tok = Tokenizer(models.BPE(unk_token=None, byte_fallback=False))
+    tok.normalizer = normalizers.NFC()
     tok.pre_tokenizer = pre_tokenizers.Sequence(
         [
-            pre_tokenizers.Digits(individual_digits=True),
-            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
+            pre_tokenizers.Split(Regex(QWEN2_SPLIT_REGEX), behavior="isolated", invert=False),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
         ]
     )
     tok.decoder = decoders.ByteLevel()

@@ -1,0 +1,226 @@
+"""PPOActor: PPO/GRPO on any train engine that speaks the packed micro-batch contract.
+
+The training script calls, per step::
+
+    batch["prox_logp"] = actor.compute_logp(batch)   # decoupled PPO (or recompute)
+    actor.compute_advantages(batch)                   # adds batch["advantages"] [B, L]
+    stats = actor.ppo_update(batch)                   # n_minibatches optimizer steps
+
+The engine (``FSDPEngine`` or any object with ``forward(batch, post_hook)`` and
+``train_batch(batch, loss_fn, loss_weight_fn)``, see docs/internals.md) knows
+nothing of PPO; this class builds the hook, the loss and its weight.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import torch
+from tensordict import TensorDictBase
+
+from arealite.algo.advantage import (
+    broadcast_to_tokens,
+    group_advantages,
+    normalize_advantages,
+    stepwise_advantages,
+    transform_rewards,
+)
+from arealite.algo.logprob import gather_logprobs
+from arealite.algo.loss import loss_weight, masked_mean, ppo_actor_loss
+from arealite.config.schema import AlgorithmConfig
+
+__all__ = ["PPOActor", "split_minibatches", "logprob_hook"]
+
+#: Rows of logits turned into float32 at once when recomputing log-probs.
+_LOGP_CHUNK = 1024
+
+
+def logprob_hook(logits: torch.Tensor, mb: dict[str, Any], temperature: float) -> torch.Tensor:
+    """``engine.forward`` post-hook: the log-prob of each ``mb["labels"]`` token, ``[T]``."""
+    return gather_logprobs(logits, mb["labels"], temperature, chunk_size=_LOGP_CHUNK)
+
+
+def _weight_fn(mb: dict[str, Any], mode: str) -> float:
+    return loss_weight(mb["loss_mask"], mode, mb.get("cu_seqlens"))
+
+
+def split_minibatches(batch: TensorDictBase, n: int) -> list[TensorDictBase]:
+    """Split ``batch`` into ``n`` mini-batches, keeping each ``group_id`` group whole when possible.
+
+    Groups (or rows, when there is no ``group_id`` or fewer groups than ``n``)
+    are dealt out in order into ``n`` nearly equal chunks.
+    """
+    B = batch.batch_size[0]
+    if n < 1:
+        raise ValueError(f"n_minibatches must be >= 1, got {n}")
+    if n > B:
+        raise ValueError(f"algorithm.n_minibatches={n} is larger than the batch ({B} trajectories); lower it")
+    if n == 1:
+        return [batch]
+    if "group_id" in batch.keys():
+        _, inv = torch.unique(batch["group_id"], return_inverse=True)
+        n_groups = int(inv.max()) + 1
+        if n_groups >= n:
+            chunk_of_row = (inv * n) // n_groups
+            return [batch[(chunk_of_row == k).nonzero().squeeze(-1)] for k in range(n)]
+    chunk_of_row = (torch.arange(B) * n) // B
+    return [batch[(chunk_of_row == k).nonzero().squeeze(-1)] for k in range(n)]
+
+
+class PPOActor:
+    """Ties log-prob recomputation, advantages and the PPO loss to a train engine.
+
+    ``temperature`` must be the rollout sampling temperature (log-probs are
+    recomputed as ``log_softmax(logits / T)``, like the server's).
+    ``max_new_tokens`` is the default length normaliser of ``seq-mean-token-sum``.
+    """
+
+    def __init__(
+        self,
+        config: AlgorithmConfig,
+        engine: Any,
+        temperature: float,
+        ref_engine: Any | None = None,
+        max_new_tokens: int | None = None,
+    ):
+        if not (isinstance(temperature, (int, float)) and temperature > 0):
+            raise ValueError(
+                f"PPOActor temperature must be > 0 (the rollout sampling temperature), got {temperature!r}"
+            )
+        if config.c_clip is not None and config.c_clip <= 1:
+            raise ValueError(f"algorithm.c_clip must be > 1 (or null to disable dual clip), got {config.c_clip}")
+        self.agg_constant: float | None = config.loss_agg_constant or (
+            float(max_new_tokens) if max_new_tokens else None
+        )
+        if config.loss_agg_mode == "seq-mean-token-sum" and not self.agg_constant:
+            raise ValueError(
+                "algorithm.loss_agg_mode=seq-mean-token-sum needs a length normaliser: "
+                "set algorithm.loss_agg_constant or pass max_new_tokens to PPOActor"
+            )
+        self.config = config
+        self.engine = engine
+        self.ref_engine = ref_engine
+        self.temperature = float(temperature)
+        self.adv_stats: dict[str, float] = {}
+
+    # ------------------------------------------------------------------ log-probs
+    def compute_logp(self, batch: TensorDictBase, engine: Any | None = None) -> torch.Tensor:
+        """Log-probs ``[B, L]`` of the batch's tokens under the engine's current weights.
+
+        Same layout as the trajectory's ``logprobs`` (``out[b, j]`` scores
+        ``input_ids[b, j]``; position 0 is 0). ``engine`` defaults to the actor's.
+        """
+        hook = functools.partial(logprob_hook, temperature=self.temperature)
+        return (engine if engine is not None else self.engine).forward(batch, hook)
+
+    # ----------------------------------------------------------------- advantages
+    def compute_advantages(self, batch: TensorDictBase) -> TensorDictBase:
+        """Add ``batch["advantages"] [B, L]`` (0 outside ``loss_mask``); returns the batch.
+
+        rewards -> ``transform_rewards`` -> group advantages (step-wise when the
+        batch has ``traj_id`` and ``step_id``) -> tokens on ``loss_mask`` ->
+        optional batch whitening. Stats go to ``self.adv_stats``.
+        """
+        cfg = self.config
+        for key in ("rewards", "loss_mask"):
+            if key not in batch.keys():
+                raise KeyError(f"compute_advantages needs '{key}' in the batch (has {sorted(batch.keys())})")
+        B = batch.batch_size[0]
+        if "group_id" in batch.keys():
+            group_id = batch["group_id"]
+        elif cfg.adv_estimator == "none":
+            group_id = torch.arange(B)
+        else:
+            raise KeyError(
+                f"algorithm.adv_estimator={cfg.adv_estimator} needs 'group_id' [B] in the batch "
+                "(samples of one prompt share it)"
+            )
+        rewards = transform_rewards(batch["rewards"], cfg.reward_scale, cfg.reward_bias, cfg.reward_clip)
+        if "traj_id" in batch.keys():
+            if "step_id" not in batch.keys():
+                raise KeyError("a batch with 'traj_id' (multi-step runs) also needs 'step_id' [B]")
+            seq_adv = stepwise_advantages(
+                rewards, group_id, batch["traj_id"], batch["step_id"],
+                cfg.adv_estimator, cfg.stepwise_divide_by_steps,
+            )
+        else:
+            seq_adv = group_advantages(rewards, group_id, cfg.adv_estimator)
+        mask = batch["loss_mask"].bool()
+        adv = broadcast_to_tokens(seq_adv, mask)
+        if cfg.adv_norm == "batch":
+            adv = normalize_advantages(adv, mask)
+        batch["advantages"] = adv
+
+        vals = adv[mask]
+        empty = vals.numel() == 0
+        self.adv_stats = {
+            "reward_mean": float(batch["rewards"].float().mean()) if B else 0.0,
+            "adv_mean": 0.0 if empty else float(vals.mean()),
+            "adv_std": 0.0 if vals.numel() < 2 else float(vals.std()),
+            "adv_max": 0.0 if empty else float(vals.max()),
+            "adv_min": 0.0 if empty else float(vals.min()),
+            "adv_zero_seq_frac": float((seq_adv == 0).float().mean()) if B else 0.0,
+        }
+        return batch
+
+    # --------------------------------------------------------------------- update
+    def loss_fn(self):
+        """The ``(logits, mb) -> scalar`` loss for ``engine.train_batch``, bound to the config."""
+        cfg = self.config
+        return functools.partial(
+            ppo_actor_loss,
+            temperature=self.temperature,
+            eps_clip=cfg.eps_clip,
+            eps_clip_high=cfg.eps_clip_high,
+            c_clip=cfg.c_clip,
+            use_decoupled_loss=cfg.use_decoupled_loss,
+            behav_imp_weight_cap=cfg.behav_imp_weight_cap,
+            kl_coef=cfg.kl_coef,
+            kl_estimator=cfg.kl_estimator,
+            entropy_coef=cfg.entropy_coef,
+            loss_agg_mode=cfg.loss_agg_mode,
+            agg_constant=self.agg_constant,
+        )
+
+    def loss_weight_fn(self):
+        """The ``mb -> float`` weight matching the aggregation mode (tokens or sequences)."""
+        return functools.partial(_weight_fn, mode=self.config.loss_agg_mode)
+
+    def ppo_update(self, batch: TensorDictBase) -> list[dict[str, float]]:
+        """``algorithm.n_minibatches`` optimizer steps on ``batch``; one stats dict per step.
+
+        Needs ``logprobs`` (behaviour) and ``advantages``; uses ``prox_logp``
+        when present. With ``kl_coef > 0`` the reference log-probs are computed
+        with ``ref_engine`` unless the batch already has ``ref_logp``.
+        """
+        cfg = self.config
+        missing = [k for k in ("input_ids", "attention_mask", "loss_mask", "logprobs", "advantages")
+                   if k not in batch.keys()]
+        if missing:
+            hint = " (call compute_advantages first)" if "advantages" in missing else ""
+            raise KeyError(f"ppo_update: the batch lacks {missing}{hint}")
+        if cfg.kl_coef > 0 and "ref_logp" not in batch.keys():
+            if self.ref_engine is None:
+                raise ValueError(
+                    f"algorithm.kl_coef={cfg.kl_coef} needs reference log-probs: pass ref_engine to "
+                    "PPOActor, put 'ref_logp' in the batch, or set kl_coef=0"
+                )
+            batch["ref_logp"] = self.compute_logp(batch, engine=self.ref_engine)
+
+        loss_fn, weight_fn = self.loss_fn(), self.loss_weight_fn()
+        mask = batch["loss_mask"].bool()
+        if "prox_logp" in batch.keys():
+            # Whole-batch view of the train-inference mismatch, independent of micro-batching.
+            delta = (batch["prox_logp"].float() - batch["logprobs"].float()).abs()
+            mismatch = {"logp_mismatch_mean_batch": float(masked_mean(delta, mask)),
+                        "logp_mismatch_max_batch": float(delta[mask].max()) if mask.any() else 0.0}
+        else:
+            mismatch = {}
+        out: list[dict[str, float]] = []
+        for mb_batch in split_minibatches(batch, cfg.n_minibatches):
+            stats = dict(self.engine.train_batch(mb_batch, loss_fn, weight_fn))
+            stats.update(self.adv_stats)
+            stats.update(mismatch)
+            out.append(stats)
+        return out

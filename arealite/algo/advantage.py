@@ -1,0 +1,197 @@
+"""Rewards to advantages: pure functions of tensors.
+
+A *group* is the set of trajectories sampled from one prompt; it is given by a
+``group_id [B]`` tensor whose rows need not be contiguous. The estimators:
+
+- ``grpo``: ``(r - mean_g) / (std_g + eps)`` (std with Bessel's correction, as
+  in DeepSeekMath / TRL);
+- ``drgrpo``: ``r - mean_g`` (Dr.GRPO drops the std, which biases towards
+  easy/hard prompts);
+- ``rloo``: ``r - mean of the other samples of the group`` =
+  ``n / (n - 1) * (r - mean_g)``;
+- ``none``: the raw (transformed) reward.
+
+Defined cases: a group of one sample, and a group whose rewards are all equal,
+carry no learning signal and get advantage exactly 0 (never NaN) for every
+estimator but ``none``.
+
+Multi-step trajectories (an agent run split into one training row per step)
+use ``stepwise_advantages``: the advantage is computed per *run* from its final
+step's reward and broadcast to all the run's steps.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+
+__all__ = [
+    "AdvEstimator",
+    "transform_rewards",
+    "group_advantages",
+    "stepwise_advantages",
+    "normalize_advantages",
+    "broadcast_to_tokens",
+]
+
+AdvEstimator = Literal["grpo", "drgrpo", "rloo", "none"]
+_ESTIMATORS = ("grpo", "drgrpo", "rloo", "none")
+
+
+def _check_1d(name: str, t: torch.Tensor, n: int | None = None) -> None:
+    if not isinstance(t, torch.Tensor) or t.dim() != 1:
+        shape = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+        raise ValueError(f"'{name}' must be a 1-D tensor [B], got {shape}")
+    if n is not None and t.shape[0] != n:
+        raise ValueError(f"'{name}' has {t.shape[0]} rows but 'rewards' has {n}; one value per trajectory")
+
+
+def transform_rewards(
+    rewards: torch.Tensor, scale: float = 1.0, bias: float = 0.0, clip: float | None = None
+) -> torch.Tensor:
+    """``clip((r + bias) * scale, -clip, clip)``; ``clip=None`` leaves the range open."""
+    if not torch.isfinite(rewards).all():
+        raise ValueError("'rewards' holds NaN or inf; fix the reward function before training")
+    out = (rewards.float() + bias) * scale
+    if clip is not None:
+        if clip <= 0:
+            raise ValueError(f"reward clip must be > 0 (or None), got {clip}")
+        out = out.clamp(-clip, clip)
+    return out
+
+
+def _segments(ids: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """Dense segment index in [0, n) for arbitrary integer ids, and n."""
+    uniq, inv = torch.unique(ids, return_inverse=True)
+    return inv, uniq.numel()
+
+
+def group_advantages(
+    rewards: torch.Tensor,
+    group_id: torch.Tensor,
+    estimator: AdvEstimator = "grpo",
+    eps: float = 1e-6,
+) -> torch.Tensor:
+    """Per-trajectory advantages ``[B]`` from rewards ``[B]`` and their ``group_id [B]``."""
+    if estimator not in _ESTIMATORS:
+        raise ValueError(f"unknown advantage estimator {estimator!r}; choose one of {_ESTIMATORS}")
+    _check_1d("rewards", rewards)
+    _check_1d("group_id", group_id, rewards.shape[0])
+    if rewards.shape[0] == 0:
+        return rewards.float().clone()
+    if not torch.isfinite(rewards).all():
+        raise ValueError("'rewards' holds NaN or inf; fix the reward function before training")
+    if estimator == "none":
+        return rewards.float().clone()
+
+    # float64 so that the mean of equal rewards does not leave rounding crumbs.
+    r = rewards.double()
+    seg, n_groups = _segments(group_id)
+    zeros = torch.zeros(n_groups, dtype=torch.float64, device=r.device)
+    count = zeros.index_add(0, seg, torch.ones_like(r))
+    mean = zeros.index_add(0, seg, r) / count
+    centered = r - mean[seg]
+    gmax = zeros.scatter_reduce(0, seg, r, "amax", include_self=False)
+    gmin = zeros.scatter_reduce(0, seg, r, "amin", include_self=False)
+    no_signal = (gmax == gmin)[seg]  # also every group of size 1
+    n = count[seg]
+
+    if estimator == "grpo":
+        var = zeros.index_add(0, seg, centered * centered) / (count - 1).clamp(min=1)
+        adv = centered / (var.sqrt()[seg] + eps)
+    elif estimator == "drgrpo":
+        adv = centered
+    else:  # rloo
+        adv = centered * n / (n - 1).clamp(min=1)
+    adv = torch.where(no_signal, torch.zeros_like(adv), adv)
+    return adv.float()
+
+
+def stepwise_advantages(
+    rewards: torch.Tensor,
+    group_id: torch.Tensor,
+    traj_id: torch.Tensor,
+    step_id: torch.Tensor,
+    estimator: AdvEstimator = "grpo",
+    divide_by_steps: bool = False,
+    eps: float = 1e-6,
+) -> torch.Tensor:
+    """Advantages ``[B]`` for multi-step runs, one row per step.
+
+    Rows with the same ``traj_id`` are the steps of one run; its final step is
+    the row with the largest ``step_id`` and carries the run's reward. Runs with
+    the same ``group_id`` form a group; the group advantage of each run (from
+    its final reward) is given to all its steps, divided by the run's number
+    of steps if ``divide_by_steps``.
+    """
+    _check_1d("rewards", rewards)
+    B = rewards.shape[0]
+    for name, t in (("group_id", group_id), ("traj_id", traj_id), ("step_id", step_id)):
+        _check_1d(name, t, B)
+    if B == 0:
+        return rewards.float().clone()
+
+    tseg, n_runs = _segments(traj_id)
+    big = torch.iinfo(torch.int64)
+    last_step = torch.full((n_runs,), big.min, dtype=torch.int64, device=step_id.device)
+    last_step = last_step.scatter_reduce(0, tseg, step_id.long(), "amax")
+    is_final = step_id.long() == last_step[tseg]
+    n_final = torch.zeros(n_runs, dtype=torch.int64, device=tseg.device).index_add(0, tseg, is_final.long())
+    if (n_final != 1).any():
+        bad = int(torch.unique(traj_id)[(n_final != 1).nonzero()[0, 0]])
+        raise ValueError(
+            f"traj_id {bad} has {int(n_final.max())} rows with its largest step_id; "
+            "each run's step_id values must be distinct"
+        )
+    g_lo = torch.full((n_runs,), big.max, dtype=torch.int64, device=tseg.device)
+    g_hi = torch.full((n_runs,), big.min, dtype=torch.int64, device=tseg.device)
+    g_lo = g_lo.scatter_reduce(0, tseg, group_id.long(), "amin")
+    g_hi = g_hi.scatter_reduce(0, tseg, group_id.long(), "amax")
+    if (g_lo != g_hi).any():
+        bad = int(torch.unique(traj_id)[(g_lo != g_hi).nonzero()[0, 0]])
+        raise ValueError(f"the steps of traj_id {bad} carry different group_id values; a run belongs to one group")
+
+    final_rows = is_final.nonzero().squeeze(-1)
+    final_of_run = torch.empty(n_runs, dtype=torch.long, device=tseg.device)
+    final_of_run[tseg[final_rows]] = final_rows
+    run_adv = group_advantages(rewards[final_of_run], group_id[final_of_run], estimator, eps)
+    adv = run_adv[tseg]
+    if divide_by_steps:
+        n_steps = torch.zeros(n_runs, dtype=torch.float32, device=tseg.device).index_add(
+            0, tseg, torch.ones(B, device=tseg.device)
+        )
+        adv = adv / n_steps[tseg]
+    return adv
+
+
+def normalize_advantages(
+    adv: torch.Tensor, mask: torch.Tensor | None = None, eps: float = 1e-6
+) -> torch.Tensor:
+    """Whiten advantages over the whole batch: ``(a - mean) / (std + eps)`` on ``mask``.
+
+    Entries outside ``mask`` are 0 in the result. Fewer than two entries, or
+    all equal, give 0.
+    """
+    if mask is None:
+        mask = torch.ones_like(adv, dtype=torch.bool)
+    if mask.shape != adv.shape:
+        raise ValueError(f"mask of shape {tuple(mask.shape)} does not match advantages {tuple(adv.shape)}")
+    mask = mask.bool()
+    vals = adv.double()[mask]
+    out = torch.zeros_like(adv, dtype=torch.float32)
+    if vals.numel() < 2 or vals.max() == vals.min():
+        return out
+    mean = vals.mean()
+    std = vals.std()  # Bessel-corrected
+    out[mask] = ((vals - mean) / (std + eps)).float()
+    return out
+
+
+def broadcast_to_tokens(seq_adv: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:
+    """Per-trajectory advantages ``[B]`` -> per-token ``[B, L]``, 0 outside ``loss_mask``."""
+    if loss_mask.dim() != 2 or loss_mask.shape[0] != seq_adv.shape[0]:
+        raise ValueError(
+            f"loss_mask must be [B={seq_adv.shape[0]}, L], got {tuple(loss_mask.shape)}"
+        )
+    return torch.where(loss_mask.bool(), seq_adv.float()[:, None], torch.zeros((), dtype=torch.float32))

@@ -1,0 +1,332 @@
+"""PPO / GRPO losses: pure functions of per-token tensors, and the engine-facing loss function.
+
+Three policies appear in decoupled PPO (Hilton et al., 2021; AReaL):
+
+- the *behaviour* policy that sampled the tokens (log-probs from the server,
+  ``mb["logprobs"]``); with asynchronous rollouts it may be several versions old;
+- the *proximal* policy, the current weights just before this update
+  (``prox_logp``, recomputed by the trainer); the trust region is around it;
+- the policy being trained (``logp``, with gradients).
+
+The clipped surrogate uses ``ratio = exp(logp - prox_logp)``; each token is then
+weighted by the behaviour importance weight ``w = exp(prox_logp - behav_logp)``
+and tokens with ``w > behav_imp_weight_cap`` are dropped (their loss is 0; they
+still count in the denominator, so the cap does not inflate the other tokens'
+weight). Without the decoupled loss there is one old policy and no weight.
+
+All tensors of one call share a shape: ``[T]`` packed tokens (then sequences
+come from ``cu_seqlens``) or ``[B, L]`` rows. Values outside ``loss_mask`` are
+never used, so garbage there (e.g. the 0 behaviour log-prob of a prompt token)
+can neither overflow ``exp`` nor leak a NaN into the gradient.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+import torch
+
+from arealite.algo.logprob import gather_logprobs, gather_logprobs_entropy, token_entropy
+
+__all__ = [
+    "LossAggMode",
+    "KLEstimator",
+    "ppo_policy_loss",
+    "kl_penalty",
+    "aggregate_loss",
+    "loss_weight",
+    "masked_mean",
+    "ppo_actor_loss",
+]
+
+LossAggMode = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"]
+KLEstimator = Literal["k1", "k2", "k3"]
+_AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum")
+#: Rows of logits in float32 at once when no gradient flows through the entropy.
+_CHUNK = 1024
+
+
+def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Mean of ``x`` on ``mask`` (0 when the mask is empty, never NaN)."""
+    mask = mask.bool()
+    return torch.where(mask, x, torch.zeros((), dtype=x.dtype, device=x.device)).sum() / mask.sum().clamp(min=1)
+
+
+def _masked_max(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    mask = mask.bool()
+    if not mask.any():
+        return torch.zeros((), dtype=x.dtype, device=x.device)
+    return x[mask].max()
+
+
+def ppo_policy_loss(
+    logp: torch.Tensor,
+    prox_logp: torch.Tensor,
+    advantages: torch.Tensor,
+    loss_mask: torch.Tensor,
+    eps_clip: float = 0.2,
+    eps_clip_high: float | None = None,
+    c_clip: float | None = None,
+    behav_logp: torch.Tensor | None = None,
+    behav_imp_weight_cap: float | None = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Per-token clipped-surrogate loss (0 outside ``loss_mask``) and its stats.
+
+    ``loss = max(-A r, -A clip(r, 1 - eps_clip, 1 + eps_clip_high))`` with
+    ``r = exp(logp - prox_logp)``; with dual clip, tokens with ``A < 0`` are
+    bounded by ``-A c_clip``. If ``behav_logp`` is given (decoupled loss) each
+    token is multiplied by ``w = exp(prox_logp - behav_logp)`` and masked out
+    where ``w > behav_imp_weight_cap``.
+
+    Stats (0-dim tensors, means over loss tokens): ``clip_frac_low``,
+    ``clip_frac_high``, ``clip_frac_dual``, ``ratio_mean``, ``approx_kl_prox``
+    and, when decoupled, ``imp_weight_mean``, ``imp_weight_max``,
+    ``imp_weight_capped_frac``, ``approx_kl_behav``.
+    """
+    shapes = {k: tuple(v.shape) for k, v in
+              (("logp", logp), ("prox_logp", prox_logp), ("advantages", advantages), ("loss_mask", loss_mask))}
+    if behav_logp is not None:
+        shapes["behav_logp"] = tuple(behav_logp.shape)
+    if len(set(shapes.values())) != 1:
+        raise ValueError(f"ppo_policy_loss needs tensors of one shape, got {shapes}")
+    if eps_clip <= 0:
+        raise ValueError(f"eps_clip must be > 0, got {eps_clip}")
+    eps_high = eps_clip if eps_clip_high is None else eps_clip_high
+    if eps_high <= 0:
+        raise ValueError(f"eps_clip_high must be > 0 (or None), got {eps_clip_high}")
+    if c_clip is not None and c_clip <= 1:
+        raise ValueError(f"c_clip (dual clip) must be > 1 (or None to disable), got {c_clip}")
+    if behav_imp_weight_cap is not None and behav_imp_weight_cap <= 1:
+        raise ValueError(f"behav_imp_weight_cap must be > 1 (or None), got {behav_imp_weight_cap}")
+
+    mask = loss_mask.bool()
+    zero = torch.zeros((), dtype=torch.float32, device=logp.device)
+    adv = torch.where(mask, advantages.float(), zero)
+    prox = prox_logp.detach().float()
+    stats: dict[str, torch.Tensor] = {}
+
+    # Tokens kept in the loss: loss tokens whose behaviour weight is within the cap.
+    keep = mask
+    w_kept = None
+    if behav_logp is not None:
+        behav_log_w = torch.where(mask, prox - behav_logp.detach().float(), zero)
+        w = torch.exp(behav_log_w)
+        if behav_imp_weight_cap is not None:
+            keep = mask & (w <= behav_imp_weight_cap)
+        # Zero the weight before multiplying: inf * 0 in the backward would be NaN.
+        w_kept = torch.where(keep, w, zero)
+        stats["imp_weight_mean"] = masked_mean(w, mask)
+        stats["imp_weight_max"] = _masked_max(w, mask)
+        stats["imp_weight_capped_frac"] = masked_mean((mask & ~keep).float(), mask)
+        stats["approx_kl_behav"] = masked_mean(-behav_log_w, mask)  # k1 of KL(behav || prox)
+
+    log_ratio = torch.where(mask, logp.float() - prox, zero)
+    ratio = torch.exp(log_ratio)
+    clipped_ratio = ratio.clamp(1.0 - eps_clip, 1.0 + eps_high)
+    pg_unclipped = -adv * ratio
+    pg_clipped = -adv * clipped_ratio
+    pg = torch.maximum(pg_unclipped, pg_clipped)
+    # Clip fractions are over all loss tokens, counting the kept tokens whose clip is active.
+    clip_used = (pg_clipped > pg_unclipped) & keep
+    stats["clip_frac_low"] = masked_mean((clip_used & (ratio < 1)).float(), mask)
+    stats["clip_frac_high"] = masked_mean((clip_used & (ratio > 1)).float(), mask)
+    if c_clip is not None:
+        # Dual clip: a huge ratio on a negative-advantage token would give an
+        # unbounded loss; cap it at -A * c_clip (= c_clip * |A|).
+        pg_dual = -adv * c_clip
+        dual_used = (adv < 0) & (pg > pg_dual) & keep
+        pg = torch.where(dual_used, pg_dual, pg)
+        stats["clip_frac_dual"] = masked_mean(dual_used.float(), mask)
+    else:
+        stats["clip_frac_dual"] = zero.clone()
+    stats["ratio_mean"] = masked_mean(ratio.detach(), mask)
+    stats["approx_kl_prox"] = masked_mean(-log_ratio.detach(), mask)  # k1 of KL(prox || current)
+    if w_kept is not None:
+        pg = pg * w_kept
+    token_loss = torch.where(keep, pg, zero)
+    return token_loss, stats
+
+
+def kl_penalty(
+    logp: torch.Tensor, ref_logp: torch.Tensor, estimator: KLEstimator = "k3",
+    mask: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Per-token estimate of KL(policy || reference) from sampled tokens (Schulman's k1/k2/k3).
+
+    With ``d = logp - ref_logp``: ``k1 = d`` (unbiased, can be negative),
+    ``k2 = d^2 / 2``, ``k3 = exp(-d) - 1 + d`` (unbiased and >= 0). 0 outside ``mask``.
+    """
+    if logp.shape != ref_logp.shape:
+        raise ValueError(f"logp {tuple(logp.shape)} and ref_logp {tuple(ref_logp.shape)} differ in shape")
+    d = logp.float() - ref_logp.detach().float()
+    if mask is not None:
+        d = torch.where(mask.bool(), d, torch.zeros((), dtype=d.dtype, device=d.device))
+    if estimator == "k1":
+        return d
+    if estimator == "k2":
+        return 0.5 * d * d
+    if estimator == "k3":
+        return torch.expm1(-d) + d
+    raise ValueError(f"unknown kl_estimator {estimator!r}; choose k1, k2 or k3")
+
+
+def _seq_index(cu_seqlens: torch.Tensor, n_tokens: int, mask: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """Sequence index of every packed token, from ``cu_seqlens [n+1]``."""
+    cu = cu_seqlens.long().to(mask.device)
+    if cu.dim() != 1 or cu.numel() < 1 or cu[0] != 0 or (cu[1:] < cu[:-1]).any():
+        raise ValueError(f"cu_seqlens must be a non-decreasing 1-D tensor starting at 0, got {cu_seqlens.tolist()}")
+    end = int(cu[-1])
+    if end > n_tokens:
+        raise ValueError(f"cu_seqlens ends at {end} but there are only {n_tokens} tokens")
+    if end < n_tokens and mask[end:].any():
+        raise ValueError(f"loss_mask marks tokens after the last sequence (cu_seqlens[-1]={end}, T={n_tokens})")
+    n = cu.numel() - 1
+    idx = torch.repeat_interleave(torch.arange(n, device=mask.device), cu[1:] - cu[:-1])
+    if end < n_tokens:  # trailing padding: a dummy sequence n, ignored below
+        idx = torch.cat([idx, torch.full((n_tokens - end,), n, device=mask.device, dtype=idx.dtype)])
+    return idx, n
+
+
+def _per_sequence(values: torch.Tensor, mask: torch.Tensor, cu_seqlens: torch.Tensor | None):
+    """``(sum of values on mask, count of mask)`` per sequence."""
+    mask = mask.bool()
+    v = torch.where(mask, values, torch.zeros((), dtype=values.dtype, device=values.device))
+    if values.dim() == 2:
+        return v.sum(-1), mask.sum(-1)
+    if values.dim() != 1:
+        raise ValueError(f"expected [T] or [B, L] token values, got {tuple(values.shape)}")
+    if cu_seqlens is None:
+        raise ValueError("packed [T] values need cu_seqlens for a seq-mean aggregation")
+    idx, n = _seq_index(cu_seqlens, values.shape[0], mask)
+    sums = torch.zeros(n + 1, dtype=v.dtype, device=v.device).index_add(0, idx, v)
+    counts = torch.zeros(n + 1, dtype=torch.long, device=v.device).index_add(0, idx, mask.long())
+    return sums[:n], counts[:n]
+
+
+def _check_mode(mode: str, agg_constant: float | None) -> None:
+    if mode not in _AGG_MODES:
+        raise ValueError(f"unknown loss_agg_mode {mode!r}; choose one of {_AGG_MODES}")
+    if mode == "seq-mean-token-sum" and not (agg_constant and agg_constant > 0):
+        raise ValueError(
+            "loss_agg_mode='seq-mean-token-sum' needs a positive length normaliser: "
+            "set algorithm.loss_agg_constant or pass max_new_tokens"
+        )
+
+
+def aggregate_loss(
+    values: torch.Tensor,
+    mask: torch.Tensor,
+    mode: LossAggMode = "token-mean",
+    cu_seqlens: torch.Tensor | None = None,
+    agg_constant: float | None = None,
+) -> torch.Tensor:
+    """Token values -> one scalar, the mean in the units of ``loss_weight``.
+
+    - ``token-mean``: mean over all loss tokens;
+    - ``seq-mean-token-mean``: mean over sequences of each sequence's token mean;
+    - ``seq-mean-token-sum``: mean over sequences of (token sum / ``agg_constant``).
+
+    Sequences without a loss token are left out of the seq means; an empty
+    mask gives 0 (with a zero gradient), never NaN.
+    """
+    _check_mode(mode, agg_constant)
+    if mask.shape != values.shape:
+        raise ValueError(f"mask {tuple(mask.shape)} does not match values {tuple(values.shape)}")
+    if mode == "token-mean":
+        return masked_mean(values, mask)
+    sums, counts = _per_sequence(values, mask, cu_seqlens)
+    has_tokens = counts > 0
+    if mode == "seq-mean-token-mean":
+        per_seq = sums / counts.clamp(min=1)
+    else:
+        per_seq = sums / agg_constant
+    return torch.where(has_tokens, per_seq, torch.zeros_like(per_seq)).sum() / has_tokens.sum().clamp(min=1)
+
+
+def loss_weight(
+    mask: torch.Tensor, mode: LossAggMode = "token-mean", cu_seqlens: torch.Tensor | None = None
+) -> float:
+    """How many units ``aggregate_loss`` averaged over: loss tokens, or sequences with a loss token."""
+    if mode not in _AGG_MODES:
+        raise ValueError(f"unknown loss_agg_mode {mode!r}; choose one of {_AGG_MODES}")
+    if mode == "token-mean":
+        return float(mask.bool().sum())
+    _, counts = _per_sequence(torch.zeros(mask.shape, device=mask.device), mask, cu_seqlens)
+    return float((counts > 0).sum())
+
+
+def ppo_actor_loss(
+    logits: torch.Tensor,
+    mb: dict[str, Any],
+    *,
+    temperature: float,
+    eps_clip: float = 0.2,
+    eps_clip_high: float | None = None,
+    c_clip: float | None = None,
+    use_decoupled_loss: bool = True,
+    behav_imp_weight_cap: float | None = None,
+    kl_coef: float = 0.0,
+    kl_estimator: KLEstimator = "k3",
+    entropy_coef: float = 0.0,
+    loss_agg_mode: LossAggMode = "token-mean",
+    agg_constant: float | None = None,
+) -> torch.Tensor:
+    """The loss function given to ``engine.train_batch``: ``(logits [T, V], mb) -> scalar``.
+
+    Reads the packed micro-batch keys ``labels``, ``loss_mask``, ``logprobs``
+    (behaviour), ``advantages``, optional ``prox_logp`` and ``ref_logp`` (needed
+    when ``kl_coef > 0``) and ``cu_seqlens``. The old policy is ``prox_logp``
+    when present, else the behaviour log-probs; the behaviour importance weight
+    applies only with ``use_decoupled_loss`` and a ``prox_logp``. Puts float
+    stats into ``mb["_stats"]``.
+    """
+    for key in ("labels", "loss_mask", "logprobs", "advantages"):
+        if key not in mb:
+            raise KeyError(f"micro-batch lacks '{key}' (has {sorted(mb)}); "
+                           "run PPOActor.compute_advantages before ppo_update")
+    mask = mb["loss_mask"].bool()
+    behav = mb["logprobs"]
+    prox = mb.get("prox_logp")
+    if entropy_coef > 0:
+        logp, entropy = gather_logprobs_entropy(logits, mb["labels"], temperature)
+    else:
+        # Entropy only as a stat: the memory-lean paths, no [T, V] float32 activations kept.
+        logp = gather_logprobs(logits, mb["labels"], temperature, chunk_size=_CHUNK)
+        with torch.no_grad():
+            entropy = token_entropy(logits.detach(), temperature, chunk_size=_CHUNK)
+
+    decoupled = use_decoupled_loss and prox is not None
+    pg, stats = ppo_policy_loss(
+        logp, prox if prox is not None else behav, mb["advantages"], mask,
+        eps_clip=eps_clip, eps_clip_high=eps_clip_high, c_clip=c_clip,
+        behav_logp=behav if decoupled else None,
+        behav_imp_weight_cap=behav_imp_weight_cap,
+    )
+    token_loss = pg
+    if kl_coef > 0:
+        if "ref_logp" not in mb:
+            raise KeyError("algorithm.kl_coef > 0 needs 'ref_logp' in the batch: give PPOActor a ref_engine")
+        kl = kl_penalty(logp, mb["ref_logp"], kl_estimator, mask)
+        token_loss = token_loss + kl_coef * kl
+        stats["kl_ref"] = masked_mean(kl.detach(), mask)
+    if entropy_coef > 0:
+        token_loss = token_loss - entropy_coef * entropy
+
+    cu = mb.get("cu_seqlens")
+    loss = aggregate_loss(token_loss, mask, loss_agg_mode, cu, agg_constant)
+
+    with torch.no_grad():
+        stats["pg_loss"] = aggregate_loss(pg.detach(), mask, loss_agg_mode, cu, agg_constant)
+        stats["entropy"] = masked_mean(entropy.detach(), mask)
+        stats["logp_mean"] = masked_mean(logp.detach(), mask)
+        if prox is not None:
+            # Train-inference mismatch: recomputed proximal vs the server's behaviour log-probs.
+            delta = (prox.float() - behav.float()).abs()
+            stats["logp_mismatch_mean"] = masked_mean(delta, mask)
+            stats["logp_mismatch_max"] = _masked_max(delta, mask)
+        stats["n_loss_tokens"] = mask.sum().float()
+    prev = mb.get("_stats")
+    out = dict(prev) if isinstance(prev, dict) else {}
+    out.update({k: float(v) for k, v in stats.items()})
+    mb["_stats"] = out
+    return loss

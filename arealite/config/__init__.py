@@ -1,0 +1,69 @@
+"""arealite configuration: typed sections, YAML + dotted overrides, validation, CLI.
+
+    from arealite.config import load_config, parse_args
+    cfg = load_config("examples/configs/default.yaml", ["actor.optimizer.lr=1e-5"])
+
+`python -m arealite.config {show,check,schema,docs}` inspects configs from a shell.
+"""
+
+from arealite.config.loader import (
+    SERVER_ADDRS_ENV,
+    ConfigError,
+    ConfigProblem,
+    check_config,
+    check_launch,
+    config_problems,
+    dump_config,
+    load_config,
+    parse_args,
+    parse_override_value,
+)
+from arealite.config.schema import (
+    ActorConfig,
+    AlgorithmConfig,
+    ArealiteConfig,
+    DataConfig,
+    EvaluationConfig,
+    ExperimentConfig,
+    GenerationConfig,
+    LaunchConfig,
+    OptimizerConfig,
+    RecoverConfig,
+    RolloutConfig,
+    SaverConfig,
+    ServerConfig,
+    SGLangOptions,
+    StatsConfig,
+    WandbConfig,
+    WeightSyncConfig,
+)
+
+__all__ = [
+    "SERVER_ADDRS_ENV",
+    "ActorConfig",
+    "AlgorithmConfig",
+    "ArealiteConfig",
+    "ConfigError",
+    "ConfigProblem",
+    "DataConfig",
+    "EvaluationConfig",
+    "ExperimentConfig",
+    "GenerationConfig",
+    "LaunchConfig",
+    "OptimizerConfig",
+    "RecoverConfig",
+    "RolloutConfig",
+    "SGLangOptions",
+    "SaverConfig",
+    "ServerConfig",
+    "StatsConfig",
+    "WandbConfig",
+    "WeightSyncConfig",
+    "check_config",
+    "check_launch",
+    "config_problems",
+    "dump_config",
+    "load_config",
+    "parse_args",
+    "parse_override_value",
+]

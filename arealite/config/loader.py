@@ -1,0 +1,751 @@
+"""Load an arealite config: a YAML file, dotted command-line overrides, validation.
+
+    cfg = load_config("examples/configs/default.yaml", ["actor.optimizer.lr=1e-5"])
+
+Every problem is reported at once, before anything starts, as a `ConfigError`
+whose message has one line per problem: the dotted path of the field, the bad
+value, what is allowed, and where the value came from (file and line, or the
+override). YAML is read with the YAML 1.2 core rules (only `true`/`false` are
+booleans, `1e-5` is a float, `no`, `on` and `2024-01-01` stay strings), both in
+files and in override values, and duplicate keys are an error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import difflib
+import math
+import os
+import re
+import sys
+import types
+import typing
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import yaml
+from pydantic import BaseModel, ValidationError
+
+from arealite.config.schema import ArealiteConfig, _check_server_addr
+
+__all__ = [
+    "ConfigError",
+    "ConfigProblem",
+    "SERVER_ADDRS_ENV",
+    "check_config",
+    "check_launch",
+    "config_problems",
+    "dump_config",
+    "load_config",
+    "parse_args",
+    "parse_override_value",
+]
+
+#: Environment variable with comma-separated `host:port` of servers started elsewhere.
+SERVER_ADDRS_ENV = "AREALITE_SERVER_ADDRS"
+
+#: Fields whose values are secrets: masked in `dump_config` and in error messages.
+SECRET_FIELDS = frozenset({"server.api_key"})
+
+_NO_VALUE: Any = object()
+
+
+# --------------------------------------------------------------------------- errors
+
+
+class ConfigProblem(NamedTuple):
+    """One thing wrong with a config: where, what value, what is allowed, from where."""
+
+    path: str
+    """Dotted path of the field (`rollout.consumer_batch_size`), or `<file>`/`<override>`."""
+    message: str
+    """What is wrong and what is allowed."""
+    value: Any = _NO_VALUE
+    """The offending value (absent when there is none, e.g. a YAML syntax error)."""
+    source: str | None = None
+    """Where the value came from: `cfg.yaml:12` or `override 'a.b=1'`."""
+
+    def format(self) -> str:
+        """The problem as one line: `path = value: message  [source]`."""
+        head = self.path
+        if self.value is not _NO_VALUE:
+            shown = "***" if self.path in SECRET_FIELDS and self.value is not None else _short(self.value)
+            head = f"{head} = {shown}"
+        line = f"{head}: {self.message}"
+        if self.source:
+            line += f"  [{self.source}]"
+        return line.replace("\n", " ")
+
+
+class ConfigError(ValueError):
+    """A config that cannot be used; `problems` lists everything found, all at once."""
+
+    def __init__(self, problems: Sequence[ConfigProblem], origin: str | None = None):
+        self.problems = list(problems)
+        self.origin = origin
+        n = len(self.problems)
+        where = f" in {origin}" if origin else ""
+        lines = [f"{n} config problem{'s' if n != 1 else ''}{where}:"]
+        lines += [f"  {p.format()}" for p in self.problems]
+        super().__init__("\n".join(lines))
+
+
+def _short(value: Any, limit: int = 80) -> str:
+    """A value as the user would type it, cut to one short line."""
+    if value is None:
+        text = "null"
+    elif isinstance(value, bool):
+        text = "true" if value else "false"
+    elif isinstance(value, (Mapping, list, tuple)):
+        try:
+            text = yaml.dump(
+                _plain(value), Dumper=_Dumper, default_flow_style=True, width=10**6
+            ).strip()
+        except yaml.YAMLError:
+            text = repr(value)
+    else:
+        text = repr(value)
+    text = text.replace("\n", "\\n")
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, Mapping):
+        return {str(k): _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    return value
+
+
+# --------------------------------------------------------------------------- YAML 1.2
+
+
+def _yaml12_resolvers(cls: type) -> None:
+    """Give a PyYAML loader/dumper class the YAML 1.2 core rules for plain scalars.
+
+    PyYAML implements YAML 1.1, where `no`/`on` are booleans, `1e-5` is a
+    string, `010` is octal and `1:30` is 90: all surprises in a config file.
+    The dumper gets the same rules so that what it writes reads back the same.
+    """
+    keep = {"tag:yaml.org,2002:null", "tag:yaml.org,2002:merge"}
+    cls.yaml_implicit_resolvers = {
+        first: [(tag, rx) for tag, rx in rules if tag in keep]
+        for first, rules in yaml.SafeLoader.yaml_implicit_resolvers.items()
+    }
+    cls.add_implicit_resolver(
+        "tag:yaml.org,2002:bool",
+        re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$"),
+        list("tTfF"),
+    )
+    cls.add_implicit_resolver(
+        "tag:yaml.org,2002:int",
+        re.compile(r"^(?:[-+]?[0-9]+|0o[0-7]+|0x[0-9a-fA-F]+)$"),
+        list("-+0123456789"),
+    )
+    cls.add_implicit_resolver(
+        "tag:yaml.org,2002:float",
+        re.compile(
+            r"^(?:[-+]?(?:\.[0-9]+|[0-9]+\.[0-9]*)(?:[eE][-+]?[0-9]+)?"
+            r"|[-+]?[0-9]+[eE][-+]?[0-9]+"
+            r"|[-+]?\.(?:inf|Inf|INF)|\.(?:nan|NaN|NAN))$"
+        ),
+        list("-+.0123456789"),
+    )
+
+
+class _Loader(yaml.SafeLoader):
+    """SafeLoader with YAML 1.2 core scalars and an error on duplicate keys."""
+
+    def construct_mapping(self, node, deep=False):
+        if isinstance(node, yaml.MappingNode):
+            seen: dict[Any, int] = {}
+            for key_node, _ in node.value:
+                if key_node.tag == "tag:yaml.org,2002:merge":
+                    continue
+                key = self.construct_object(key_node, deep=True)
+                try:
+                    first = seen.get(key)
+                except TypeError:  # an unhashable key; the base class reports it
+                    continue
+                if first is not None:
+                    raise yaml.constructor.ConstructorError(
+                        "while constructing a mapping", node.start_mark,
+                        f"found duplicate key {key!r} (first given on line {first}); "
+                        "remove one of them",
+                        key_node.start_mark,
+                    )
+                seen[key] = key_node.start_mark.line + 1
+        return super().construct_mapping(node, deep=deep)
+
+    def construct_yaml_int(self, node):
+        text = self.construct_scalar(node)
+        sign = -1 if text.startswith("-") else 1
+        digits = text.lstrip("+-")
+        if digits.startswith("0x"):
+            return sign * int(digits[2:], 16)
+        if digits.startswith("0o"):
+            return sign * int(digits[2:], 8)
+        return sign * int(digits, 10)
+
+    def construct_yaml_float(self, node):
+        text = self.construct_scalar(node).lower()
+        if text.endswith(".inf"):
+            return -math.inf if text.startswith("-") else math.inf
+        if text.endswith(".nan"):
+            return math.nan
+        return float(text)
+
+
+_yaml12_resolvers(_Loader)
+_Loader.add_constructor("tag:yaml.org,2002:int", _Loader.construct_yaml_int)
+_Loader.add_constructor("tag:yaml.org,2002:float", _Loader.construct_yaml_float)
+
+
+class _Dumper(yaml.SafeDumper):
+    """SafeDumper that quotes exactly the strings `_Loader` would not read as strings."""
+
+
+_yaml12_resolvers(_Dumper)
+
+
+def _yaml_error_text(err: yaml.YAMLError) -> str:
+    context, mark = getattr(err, "context", None), getattr(err, "context_mark", None)
+    if context and mark is not None:
+        context += f" (line {mark.line + 1})"
+    parts = [context, getattr(err, "problem", None)]
+    text = "; ".join(p for p in parts if p)
+    return text or str(err).splitlines()[0]
+
+
+def _read_yaml_file(path: Path) -> tuple[Any, dict[str, int]]:
+    """Parse a YAML file; return the data and the line of every mapping key (dotted)."""
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise ConfigError([ConfigProblem("<file>", f"config file {str(path)!r} does not exist")], str(path)) from None
+    except IsADirectoryError:
+        raise ConfigError([ConfigProblem("<file>", f"config path {str(path)!r} is a directory, not a YAML file")], str(path)) from None
+    except UnicodeDecodeError as e:
+        raise ConfigError([ConfigProblem("<file>", f"{path} is not UTF-8 text ({e.reason} at byte {e.start})")], str(path)) from None
+    loader = _Loader(text)
+    try:
+        node = loader.get_single_node()
+        data = loader.construct_document(node) if node is not None else None
+    except yaml.MarkedYAMLError as e:
+        mark = e.problem_mark or e.context_mark
+        where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark else str(path)
+        raise ConfigError(
+            [ConfigProblem("<file>", f"invalid YAML: {_yaml_error_text(e)}", source=where)], str(path)
+        ) from None
+    except yaml.YAMLError as e:
+        raise ConfigError([ConfigProblem("<file>", f"invalid YAML: {e}", source=str(path))], str(path)) from None
+    finally:
+        loader.dispose()
+    lines: dict[str, int] = {}
+    _record_key_lines(node, "", lines)
+    return data, lines
+
+
+def _record_key_lines(node: Any, prefix: str, out: dict[str, int]) -> None:
+    if isinstance(node, yaml.MappingNode):
+        for key_node, value_node in node.value:
+            if isinstance(key_node, yaml.ScalarNode) and key_node.tag != "tag:yaml.org,2002:merge":
+                path = prefix + str(key_node.value)
+                out.setdefault(path, key_node.start_mark.line + 1)
+                _record_key_lines(value_node, path + ".", out)
+
+
+def parse_override_value(text: str) -> Any:
+    """Parse the value of `key=value` with YAML 1.2 flow rules.
+
+    `1e-5` -> float, `8` -> int, `true` -> bool, `null` or nothing -> None,
+    `[1, 2]` -> list, `{a: 1}` -> dict, anything else -> the string itself.
+    """
+    loader = _Loader(text)
+    try:
+        return loader.get_single_data()
+    finally:
+        loader.dispose()
+
+
+# --------------------------------------------------------------------------- schema walking
+
+
+def _section_model(annotation: Any) -> type[BaseModel] | None:
+    """The section class of a field annotation (`ActorConfig`, `X | None`), else None."""
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return annotation
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
+        for arg in typing.get_args(annotation):
+            if isinstance(arg, type) and issubclass(arg, BaseModel):
+                return arg
+    return None
+
+
+def _is_mapping_field(annotation: Any) -> bool:
+    return typing.get_origin(annotation) in (dict, Mapping)
+
+
+def _model_at(path: Sequence[str]) -> type[BaseModel] | None:
+    """The section class at a dotted path of section names (`[]` is the root)."""
+    model: type[BaseModel] | None = ArealiteConfig
+    for part in path:
+        if model is None or part not in model.model_fields:
+            return None
+        model = _section_model(model.model_fields[part].annotation)
+    return model
+
+
+def _unknown_key_message(model: type[BaseModel], section: str, key: str) -> str:
+    allowed = list(model.model_fields)
+    close = difflib.get_close_matches(str(key), allowed, n=1, cutoff=0.6)
+    hint = f"did you mean {close[0]!r}? " if close else ""
+    what = f"keys of {section}" if section else "sections"
+    return f"unknown key {key!r}; {hint}allowed {what}: {', '.join(allowed)}"
+
+
+def _check_override_path(parts: list[str]) -> tuple[str, str] | None:
+    """(dotted path, why) when `parts` names no settable field of the schema, else None."""
+    model: type[BaseModel] = ArealiteConfig
+    for i, part in enumerate(parts):
+        section = ".".join(parts[:i])
+        if part not in model.model_fields:
+            return ".".join(parts[: i + 1]), _unknown_key_message(model, section, part)
+        annotation = model.model_fields[part].annotation
+        rest = parts[i + 1 :]
+        if not rest:
+            return None
+        sub = _section_model(annotation)
+        if sub is not None:
+            model = sub
+            continue
+        here = ".".join(parts[: i + 1])
+        if _is_mapping_field(annotation) and len(rest) == 1:
+            return None  # one entry of a mapping field, e.g. launch.trainer_env.NAME
+        return ".".join(parts), f"{here} is a value, not a section: it has no key {'.'.join(rest)!r}"
+    return None
+
+
+# --------------------------------------------------------------------------- loading
+
+
+def _source_of(path: str, sources: Mapping[str, str]) -> str | None:
+    """The source of the longest recorded prefix of a dotted path."""
+    parts = path.replace("[", ".[").split(".")
+    for n in range(len(parts), 0, -1):
+        key = ".".join(parts[:n]).replace(".[", "[")
+        if key in sources:
+            return sources[key]
+    return None
+
+
+def _loc_to_path(loc: Sequence[Any]) -> str:
+    out = ""
+    for part in loc:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        else:
+            out += ("." if out else "") + str(part)
+    return out
+
+
+def _string_keys(obj: Any) -> Any:
+    """Mapping keys as the text the user wrote (`1: x` is key '1'), so errors name them."""
+    if isinstance(obj, dict):
+        return {(k if isinstance(k, str) else _short(k)): _string_keys(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_string_keys(v) for v in obj]
+    return obj
+
+
+def _drop_empty_sections(raw: dict, model: type[BaseModel]) -> None:
+    """Treat a section written with no keys (`actor:` -> None in YAML) as empty."""
+    for name in list(raw):
+        if name not in model.model_fields:
+            continue
+        sub = _section_model(model.model_fields[name].annotation)
+        if sub is None:
+            continue
+        if raw[name] is None:
+            del raw[name]
+        elif isinstance(raw[name], dict):
+            _drop_empty_sections(raw[name], sub)
+
+
+def _apply_override(raw: dict, override: str, sources: dict[str, str]) -> ConfigProblem | None:
+    """Set one `a.b.c=value` in the raw config dict; return a problem instead if it is bad."""
+    key, sep, text = override.partition("=")
+    key = key.strip()
+    src = f"override {override!r}" if key not in SECRET_FIELDS else f"override '{key}=***'"
+    if not sep or not key:
+        return ConfigProblem(
+            "<override>",
+            f"{override!r} is not `dotted.key=value` (e.g. actor.optimizer.lr=1e-5)",
+        )
+    parts = key.split(".")
+    if any(not p for p in parts):
+        return ConfigProblem(key, "empty name in dotted key (two dots, or a leading/trailing dot)", source=src)
+    bad = _check_override_path(parts)
+    if bad:
+        return ConfigProblem(bad[0], bad[1], source=src)
+    try:
+        value = parse_override_value(text)
+    except yaml.YAMLError as e:
+        shown = repr(text) if key not in SECRET_FIELDS else "***"
+        return ConfigProblem(
+            key, f"cannot parse the value {shown} as YAML: {_yaml_error_text(e)}; "
+            "quote strings with special characters", source=src,
+        )
+    node = raw
+    for i, part in enumerate(parts[:-1]):
+        child = node.get(part)
+        if child is None:
+            child = node[part] = {}
+        elif not isinstance(child, dict):
+            where = ".".join(parts[: i + 1])
+            return ConfigProblem(
+                key, f"cannot be set: {where} is {_short(child)} in the config, not a mapping",
+                source=src,
+            )
+        node = child
+    last = parts[-1]
+    if isinstance(node.get(last), dict) and isinstance(value, dict):
+        node[last] = _deep_merge(node[last], value)
+    else:
+        node[last] = value
+    # The override now owns this path and everything under it.
+    for k in [k for k in sources if k == key or k.startswith(key + ".")]:
+        del sources[k]
+    sources[key] = src
+    return None
+
+
+def _deep_merge(base: dict, update: dict) -> dict:
+    out = dict(base)
+    for k, v in update.items():
+        out[k] = _deep_merge(out[k], v) if isinstance(out.get(k), dict) and isinstance(v, dict) else v
+    return out
+
+
+def _validation_problems(err: ValidationError, sources: Mapping[str, str]) -> list[ConfigProblem]:
+    """pydantic errors -> problems with dotted paths, the bad input and the rule."""
+    problems = []
+    for e in err.errors(include_url=False):
+        loc = tuple(e["loc"])
+        path = _loc_to_path(loc)
+        value = e.get("input", _NO_VALUE)
+        kind = e["type"]
+        # pydantic says "Input should be ..."; name the rule as the field's own.
+        msg = e["msg"].removeprefix("Value error, ").replace("Input should be", "must be")
+        str_loc = [str(p) for p in loc]
+        if kind == "extra_forbidden":
+            parent = _model_at(str_loc[:-1])
+            if parent is not None:
+                msg = _unknown_key_message(parent, ".".join(str_loc[:-1]), str_loc[-1])
+        elif kind in ("model_type", "model_attributes_type", "dict_type"):
+            section = _model_at(str_loc)
+            if section is not None:
+                what = f"the section {path}" if path else "the top level of a config"
+                msg = (
+                    f"{what} must be a mapping of keys to values (got {type(value).__name__}); "
+                    f"allowed keys: {', '.join(section.model_fields)}"
+                )
+        problems.append(ConfigProblem(path or "<config>", msg, value, _source_of(path, sources)))
+    return problems
+
+
+def load_config(
+    path: str | os.PathLike | None,
+    overrides: Sequence[str] = (),
+    *,
+    check_paths: bool = True,
+) -> ArealiteConfig:
+    """Load a YAML config (defaults when `path` is None), apply overrides, validate.
+
+    `overrides` are `dotted.key=value` strings; values follow YAML flow rules.
+    With `check_paths`, model and data paths must exist (turn it off to inspect
+    a config before its model is built). Raises `ConfigError` listing every problem.
+    """
+    sources: dict[str, str] = {}
+    origin = str(path) if path is not None else None
+    raw: Any = {}
+    if path is not None:
+        file_path = Path(path)
+        data, lines = _read_yaml_file(file_path)
+        sources.update({k: f"{file_path}:{n}" for k, n in lines.items()})
+        if data is None:
+            data = {}  # an empty file (or only comments) means all defaults
+        if not isinstance(data, dict):
+            raise ConfigError(
+                [ConfigProblem(
+                    "<config>",
+                    "the top level of a config must be a mapping of sections "
+                    f"({', '.join(ArealiteConfig.model_fields)})",
+                    value=data, source=str(file_path),
+                )],
+                origin,
+            )
+        raw = data
+    if isinstance(overrides, str):
+        raise TypeError("overrides must be a sequence of 'key=value' strings, not one string")
+    problems = []
+    for override in overrides:
+        problem = _apply_override(raw, str(override), sources)
+        if problem is not None:
+            problems.append(problem)
+    raw = _string_keys(raw)
+    _drop_empty_sections(raw, ArealiteConfig)
+    try:
+        cfg = ArealiteConfig.model_validate(raw)
+    except ValidationError as e:
+        problems += _validation_problems(e, sources)
+        # Report missing model/data paths in the same round, when they can be read.
+        invalid = {p.path for p in problems}
+        values = _raw_path_values(raw, invalid) if check_paths else None
+        if values is not None:
+            problems += [p._replace(source=_source_of(p.path, sources)) for p in _path_problems(values)]
+        raise ConfigError(problems, origin) from None
+    problems += [
+        p._replace(source=p.source or _source_of(p.path, sources))
+        for p in config_problems(cfg, check_paths=check_paths)
+    ]
+    if problems:
+        raise ConfigError(problems, origin)
+    return cfg
+
+
+# --------------------------------------------------------------------------- cross-field checks
+
+
+def _check_batch_divisible(cfg: ArealiteConfig) -> list[ConfigProblem]:
+    """`rollout.consumer_batch_size` is divisible by `launch.n_trainer_procs` (every rank trains an equal share)."""
+    b, n = cfg.rollout.consumer_batch_size, cfg.launch.n_trainer_procs
+    if b % n:
+        return [ConfigProblem(
+            "rollout.consumer_batch_size", f"must be divisible by launch.n_trainer_procs = {n} "
+            f"(each rank trains an equal share); e.g. {max(n, b - b % n)} or {b + n - b % n}", b,
+        )]
+    return []
+
+
+def _check_rloo_group(cfg: ArealiteConfig) -> list[ConfigProblem]:
+    """`algorithm.adv_estimator: rloo` needs `generation.n_samples` >= 2 (leave-one-out needs another sample)."""
+    if cfg.algorithm.adv_estimator == "rloo" and cfg.generation.n_samples < 2:
+        return [ConfigProblem(
+            "generation.n_samples", "must be >= 2 with algorithm.adv_estimator = rloo "
+            "(the leave-one-out baseline of a group of 1 is undefined)", cfg.generation.n_samples,
+        )]
+    return []
+
+
+def _check_eval_needs_data(cfg: ArealiteConfig) -> list[ConfigProblem]:
+    """Any `evaluation.*` setting needs `data.eval_path`."""
+    if cfg.data.eval_path:
+        return []
+    out = []
+    for name in ("freq_steps", "max_prompts", "max_new_tokens"):
+        value = getattr(cfg.evaluation, name)
+        if value is not None:
+            out.append(ConfigProblem(
+                f"evaluation.{name}", "is set but data.eval_path is not: set data.eval_path "
+                f"to a JSONL file of held-out prompts, or remove evaluation.{name}", value,
+            ))
+    return out
+
+
+def _check_warmup(cfg: ArealiteConfig) -> list[ConfigProblem]:
+    """`actor.optimizer.warmup_steps` <= `actor.optimizer.total_steps` when the latter is set."""
+    opt = cfg.actor.optimizer
+    if opt.total_steps is not None and opt.warmup_steps > opt.total_steps:
+        return [ConfigProblem(
+            "actor.optimizer.warmup_steps",
+            f"must be <= actor.optimizer.total_steps = {opt.total_steps}", opt.warmup_steps,
+        )]
+    return []
+
+
+def _check_context_length(cfg: ArealiteConfig) -> list[ConfigProblem]:
+    """Prompt + completion fit the server's context length when one is set
+    (`server.context_length`, or `server.sglang.context_length` with SGLang)."""
+    if cfg.launch.server_backend == "sglang":
+        ctx, ctx_name = cfg.server.sglang.context_length, "server.sglang.context_length"
+    else:
+        ctx, ctx_name = cfg.server.context_length, "server.context_length"
+    if ctx is None:
+        return []
+    out = []
+    prompt = cfg.data.max_prompt_len or 1
+    budgets = [("generation.max_new_tokens", cfg.generation.max_new_tokens)]
+    if cfg.evaluation.max_new_tokens is not None:
+        budgets.append(("evaluation.max_new_tokens", cfg.evaluation.max_new_tokens))
+    for name, new_tokens in budgets:
+        if prompt + new_tokens > ctx:
+            what = f"data.max_prompt_len ({prompt}) + {name}" if cfg.data.max_prompt_len else name
+            out.append(ConfigProblem(
+                name, f"{what} must fit in {ctx_name} = {ctx}", new_tokens,
+            ))
+    return out
+
+
+#: Checks that relate several fields; each docstring is listed in docs/config_reference.md.
+CROSS_FIELD_CHECKS = (
+    _check_batch_divisible,
+    _check_rloo_group,
+    _check_eval_needs_data,
+    _check_warmup,
+    _check_context_length,
+)
+
+_TINY_HINT = "build a tiny one with `python -m arealite.models.tiny DIR --size small`"
+
+
+def _model_dir_problems(name: str, value: str | None) -> list[ConfigProblem]:
+    if not value:
+        return [ConfigProblem(name, f"is empty: set it to a Hugging Face model directory ({_TINY_HINT})", value)]
+    p = Path(value)
+    hint = _TINY_HINT.replace("DIR", value if " " not in value else repr(value))
+    if not p.is_dir():
+        return [ConfigProblem(name, f"is not an existing directory ({hint})", value)]
+    if not (p / "config.json").is_file():
+        return [ConfigProblem(
+            name, f"has no config.json, so it is not a Hugging Face model directory ({hint})", value,
+        )]
+    return []
+
+
+_PATH_FIELDS = ("actor.model_path", "server.model_path", "data.train_path", "data.eval_path")
+
+
+def _path_problems(values: Mapping[str, Any]) -> list[ConfigProblem]:
+    """Problems of the model and data paths in `values` (dotted path -> value)."""
+    out = _model_dir_problems("actor.model_path", values["actor.model_path"])
+    if values["server.model_path"] is not None:
+        out += _model_dir_problems("server.model_path", values["server.model_path"])
+    for name in ("data.train_path", "data.eval_path"):
+        value = values[name]
+        if value and not Path(value).is_file():
+            out.append(ConfigProblem(name, "is not an existing file (a JSONL file of prompts)", value))
+    return out
+
+
+def _raw_path_values(raw: Any, invalid: set[str]) -> dict[str, Any] | None:
+    """The path fields of a config that failed validation, when all of them are usable."""
+    defaults = ArealiteConfig()
+    values = {}
+    for dotted in _PATH_FIELDS:
+        section, field = dotted.split(".")
+        if dotted in invalid or section in invalid:
+            return None
+        node = raw.get(section) if isinstance(raw, dict) else None
+        if isinstance(node, dict) and field in node:
+            value = node[field]
+        else:
+            value = getattr(getattr(defaults, section), field)
+        if value is not None and not isinstance(value, str):
+            return None
+        values[dotted] = value
+    return values
+
+
+def config_problems(cfg: ArealiteConfig, *, check_paths: bool = True) -> list[ConfigProblem]:
+    """Every cross-field problem of a validated config (and path problems with `check_paths`)."""
+    out: list[ConfigProblem] = []
+    for check in CROSS_FIELD_CHECKS:
+        out += check(cfg)
+    if check_paths:
+        out += _path_problems({d: getattr(getattr(cfg, d.split(".")[0]), d.split(".")[1]) for d in _PATH_FIELDS})
+    return out
+
+
+def check_config(cfg: ArealiteConfig, *, check_paths: bool = True) -> ArealiteConfig:
+    """Raise `ConfigError` if the config breaks a cross-field rule (or a path check); else return it."""
+    problems = config_problems(cfg, check_paths=check_paths)
+    if problems:
+        raise ConfigError(problems)
+    return cfg
+
+
+def check_launch(cfg: ArealiteConfig, environ: Mapping[str, str] | None = None) -> list[str]:
+    """Checks of the local launcher; returns the external server addresses to use.
+
+    With `launch.n_servers: 0` the servers run elsewhere: their addresses come
+    from `launch.server_addrs` or the environment variable AREALITE_SERVER_ADDRS.
+    """
+    env = os.environ if environ is None else environ
+    problems = []
+    addrs = list(cfg.launch.server_addrs)
+    if cfg.launch.n_servers == 0:
+        if not addrs:
+            text = env.get(SERVER_ADDRS_ENV, "")
+            addrs = [a.strip() for a in text.split(",") if a.strip()]
+            for a in addrs:
+                try:
+                    _check_server_addr(a)
+                except ValueError as e:
+                    problems.append(ConfigProblem(SERVER_ADDRS_ENV, str(e), text, "environment"))
+            if not addrs:
+                problems.append(ConfigProblem(
+                    "launch.server_addrs", "is empty while launch.n_servers = 0: give the "
+                    f"addresses of running servers here or in {SERVER_ADDRS_ENV}=host:port,..., "
+                    "or set launch.n_servers >= 1 to start servers", [],
+                ))
+    elif addrs:
+        problems.append(ConfigProblem(
+            "launch.server_addrs", f"is set but launch.n_servers = {cfg.launch.n_servers} "
+            "starts new servers: set launch.n_servers=0 to use these, or remove them", addrs,
+        ))
+    if cfg.server.base_port and cfg.server.base_port + max(cfg.launch.n_servers, 1) - 1 > 65535:
+        problems.append(ConfigProblem(
+            "server.base_port", f"+ launch.n_servers ({cfg.launch.n_servers}) runs past port 65535",
+            cfg.server.base_port,
+        ))
+    if problems:
+        raise ConfigError(problems)
+    return addrs
+
+
+# --------------------------------------------------------------------------- dumping, scripts
+
+
+def dump_config(cfg: ArealiteConfig, *, mask_secrets: bool = True) -> str:
+    """The config as YAML that `load_config` reads back (secrets shown as `***`)."""
+    data = cfg.model_dump(mode="json")
+    if mask_secrets:
+        for dotted in SECRET_FIELDS:
+            *parents, leaf = dotted.split(".")
+            node = data
+            for p in parents:
+                node = node[p]
+            if node.get(leaf) is not None:
+                node[leaf] = "***"
+    return yaml.dump(data, Dumper=_Dumper, sort_keys=False, default_flow_style=False, allow_unicode=True)
+
+
+def parse_args(
+    argv: Sequence[str] | None = None,
+    *,
+    check_paths: bool = True,
+    exit_on_error: bool = True,
+    prog: str | None = None,
+) -> ArealiteConfig:
+    """Config of a training script from its command line: `--config CFG key=value ...`.
+
+    On a bad config, prints every problem and exits with status 2 (like
+    argparse); with `exit_on_error=False` raises `ConfigError` instead.
+    """
+    parser = argparse.ArgumentParser(
+        prog=prog,
+        description="Options are config overrides `dotted.key=value` (e.g. actor.optimizer.lr=1e-5); "
+        "see docs/config_reference.md or `python -m arealite.config docs`.",
+    )
+    parser.add_argument("--config", "-c", default=None, help="YAML config file (default: all defaults)")
+    parser.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides")
+    args = parser.parse_args(list(sys.argv[1:] if argv is None else argv))
+    try:
+        return load_config(args.config, args.overrides, check_paths=check_paths)
+    except ConfigError as e:
+        if not exit_on_error:
+            raise
+        print(f"{parser.prog}: error: {e}", file=sys.stderr)
+        raise SystemExit(2) from None

@@ -1,0 +1,520 @@
+"""Run a training script on one machine: servers first, then the trainer under torchrun.
+
+    python -m arealite.launcher.local SCRIPT --config CFG [key=value ...]
+
+1. Loads and validates the config (nothing starts if it is wrong).
+2. Picks free ports and starts `launch.n_servers` inference servers (embedded or
+   SGLang), each in its own session, each on its own GPU(s) when GPUs are present.
+3. Waits for every server's `/health` (`launch.server_startup_timeout_s`); a
+   server that exits or never answers fails the launch with its log tail.
+4. Runs `python -m torch.distributed.run --standalone --nproc_per_node
+   launch.n_trainer_procs SCRIPT --config CFG overrides...` with the server
+   addresses in AREALITE_SERVER_ADDRS (and the api key, if any, in
+   AREALITE_SERVER_API_KEY: never on a command line, never in a log).
+5. Echoes the trainer's output and writes every process's log under
+   `<output_root>/<name>/<trial>/logs/` (`server0.log`, ..., `trainer.log`).
+6. Tears everything down on success, failure, Ctrl-C or SIGTERM: SIGTERM to each
+   child's process group (and to the processes torchrun started in their own
+   sessions), then SIGKILL after a grace period.
+
+Exit codes (see `ExitCode`): 0 ok, 1 trainer failed, 2 a server failed to
+start, 3 a server died while the trainer ran, 4 bad arguments or config,
+130 interrupted (SIGINT / Ctrl-C), 143 terminated (SIGTERM).
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import enum
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, Sequence
+
+from arealite.launcher.server_cmd import gpus_per_server, masked, server_command
+from arealite.utils.net import free_ports, ports_from
+
+ENV_SERVER_ADDRS = "AREALITE_SERVER_ADDRS"
+ENV_SERVER_API_KEY = "AREALITE_SERVER_API_KEY"
+
+#: Seconds between SIGTERM and SIGKILL when tearing a child down.
+TERM_GRACE_S = float(os.environ.get("AREALITE_LAUNCHER_GRACE_S", "10"))
+#: Lines of a server's log shown when it fails.
+LOG_TAIL_LINES = 40
+
+
+class ExitCode(enum.IntEnum):
+    """What the launcher's exit status means."""
+
+    OK = 0
+    TRAINER_FAILED = 1
+    SERVER_START_FAILED = 2
+    SERVER_DIED = 3
+    BAD_CONFIG = 4
+    INTERRUPTED = 130  # 128 + SIGINT
+    TERMINATED = 143  # 128 + SIGTERM
+
+
+class LaunchError(RuntimeError):
+    """A launch step failed; `code` is the launcher's exit status for it."""
+
+    def __init__(self, message: str, code: ExitCode):
+        super().__init__(message)
+        self.code = code
+
+
+class Interrupted(Exception):
+    """A SIGINT or SIGTERM reached the launcher."""
+
+    def __init__(self, signum: int):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+def log(msg: str) -> None:
+    """Launcher messages go to stderr, prefixed so they stand out from the trainer's."""
+    print(f"[launcher] {msg}", file=sys.stderr, flush=True)
+
+
+def _set_parent_death_signal() -> None:
+    """Ask Linux to SIGTERM this child if the launcher dies without cleaning up (e.g. SIGKILL)."""
+    try:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        PR_SET_PDEATHSIG = 1
+        libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    except OSError:  # not Linux: the process-group teardown still applies
+        pass
+
+
+def _child_pids(pid: int) -> list[int]:
+    """All live descendants of `pid` (Linux /proc; empty elsewhere)."""
+    children: dict[int, list[int]] = {}
+    try:
+        entries = os.listdir("/proc")
+    except OSError:
+        return []
+    for entry in entries:
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat", "rb") as f:
+                stat = f.read().decode(errors="replace")
+        except OSError:
+            continue
+        # The command name (field 2) may contain spaces; fields after its ")" are fixed.
+        ppid = int(stat.rsplit(")", 1)[1].split()[1])
+        children.setdefault(ppid, []).append(int(entry))
+    out, todo = [], [pid]
+    while todo:
+        for c in children.get(todo.pop(), []):
+            out.append(c)
+            todo.append(c)
+    return out
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    # A zombie still answers kill(0); it is dead for our purposes.
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[1].split()[0] != b"Z"
+    except OSError:
+        return True
+
+
+@dataclass
+class Child:
+    """A process the launcher started, in its own session (pgid == pid)."""
+
+    name: str
+    proc: subprocess.Popen
+    log_path: Path
+    log_file: IO | None = None
+    addr: str | None = None
+    pump: threading.Thread | None = None
+    descendants: set[int] = field(default_factory=set)
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def remember_descendants(self) -> None:
+        """Record the processes below this child; torchrun puts its workers in new sessions.
+
+        Dead pids are dropped so that a recycled pid is never signalled later.
+        """
+        self.descendants = {p for p in self.descendants if _alive(p)}
+        self.descendants.update(_child_pids(self.pid))
+
+    def signal_all(self, sig: int) -> None:
+        """Send `sig` to this child's process group and to every descendant seen so far."""
+        targets = {self.pid} | self.descendants
+        for pid in targets:
+            for send in (os.killpg, os.kill):
+                try:
+                    send(pid, sig)
+                except (ProcessLookupError, PermissionError):
+                    pass
+
+    def any_alive(self) -> bool:
+        if self.proc.poll() is None:
+            return True
+        return any(_alive(p) for p in self.descendants)
+
+
+def tail(path: Path, n: int = LOG_TAIL_LINES) -> str:
+    """The last `n` lines of a log file (empty if it does not exist)."""
+    try:
+        lines = path.read_text(errors="replace").splitlines()
+    except OSError:
+        return ""
+    return "\n".join(lines[-n:])
+
+
+def _cuda_device_count() -> int:
+    if os.environ.get("CUDA_VISIBLE_DEVICES", None) == "":
+        return 0
+    try:
+        import torch
+
+        return torch.cuda.device_count()
+    except ImportError:  # pragma: no cover - torch is a dependency
+        return 0
+
+
+class LocalLauncher:
+    """Starts servers and the trainer, watches them, and always tears them down."""
+
+    def __init__(self, cfg, script: str, config_path: str | None, overrides: Sequence[str],
+                 run_dir: Path, echo: IO | None = None):
+        self.cfg = cfg
+        self.script = script
+        self.config_path = config_path
+        self.overrides = list(overrides)
+        self.run_dir = run_dir
+        self.log_dir = run_dir / "logs"
+        self.echo = echo if echo is not None else sys.stdout
+        self.servers: list[Child] = []
+        self.trainer: Child | None = None
+        self._signal: int | None = None
+        self._wake = threading.Event()
+
+    # -- signals ---------------------------------------------------------------------------
+
+    def _on_signal(self, signum, _frame) -> None:
+        if self._signal is None:
+            self._signal = signum
+        self._wake.set()
+
+    def _check_signal(self) -> None:
+        if self._signal is not None:
+            raise Interrupted(self._signal)
+
+    def _sleep(self, seconds: float) -> None:
+        """Sleep, but wake at once on a signal."""
+        self._wake.wait(seconds)
+        self._check_signal()
+
+    # -- servers ---------------------------------------------------------------------------
+
+    def _gpu_plan(self) -> tuple[list[str | None], str | None]:
+        """CUDA_VISIBLE_DEVICES per server and for the trainer (None = leave as is)."""
+        n_servers = self.cfg.launch.n_servers
+        n_gpus = _cuda_device_count()
+        if n_gpus == 0:
+            return [None] * n_servers, None
+        per = gpus_per_server(self.cfg)
+        need_servers = n_servers * per
+        trainer_n = self.cfg.launch.n_trainer_procs
+        if n_gpus >= need_servers + trainer_n:
+            plan = [",".join(str(i * per + j) for j in range(per)) for i in range(n_servers)]
+            trainer = ",".join(str(need_servers + j) for j in range(trainer_n))
+            return plan, trainer
+        log(f"only {n_gpus} GPUs for {need_servers} server GPUs + {trainer_n} trainer GPUs: "
+            "servers and trainer share GPUs")
+        plan = [",".join(str((i * per + j) % n_gpus) for j in range(per)) for i in range(n_servers)]
+        return plan, None
+
+    def start_servers(self) -> list[str]:
+        """Start the servers; return their `host:port` addresses."""
+        cfg = self.cfg
+        n = cfg.launch.n_servers
+        host = cfg.server.host
+        ports = (ports_from(cfg.server.base_port, n, host) if cfg.server.base_port
+                 else free_ports(n, host))
+        gpu_plan, _ = self._gpu_plan()
+        for i, port in enumerate(ports):
+            cmd = server_command(cfg, port, i)
+            env = dict(os.environ)
+            if gpu_plan[i] is not None:
+                env["CUDA_VISIBLE_DEVICES"] = gpu_plan[i]
+            log_path = self.log_dir / f"server{i}.log"
+            log_file = open(log_path, "ab", buffering=0)
+            log_file.write(f"[launcher] {masked(cmd)}\n".encode())
+            proc = subprocess.Popen(
+                cmd, stdin=subprocess.DEVNULL, stdout=log_file, stderr=subprocess.STDOUT,
+                env=env, start_new_session=True, preexec_fn=_set_parent_death_signal,
+            )
+            child = Child(f"server{i}", proc, log_path, log_file, addr=f"{host}:{port}")
+            self.servers.append(child)
+            log(f"started server{i} (pid {proc.pid}) on {child.addr}; log: {log_path}")
+        return [s.addr for s in self.servers]
+
+    def _healthy(self, addr: str) -> bool:
+        req = urllib.request.Request(f"http://{addr}/health")
+        if self.cfg.server.api_key:
+            req.add_header("Authorization", f"Bearer {self.cfg.server.api_key}")
+        try:
+            with urllib.request.urlopen(req, timeout=2.0) as resp:
+                return resp.status == 200
+        except (urllib.error.URLError, OSError, ValueError):
+            return False
+
+    def wait_servers(self) -> None:
+        """Wait until every server answers /health, or fail with the log tail of the culprit."""
+        timeout = self.cfg.launch.server_startup_timeout_s
+        deadline = time.monotonic() + timeout
+        pending = list(self.servers)
+        while pending:
+            for s in list(pending):
+                code = s.proc.poll()
+                if code is not None:
+                    raise LaunchError(
+                        f"{s.name} ({s.addr}) exited with code {code} before it was ready. "
+                        f"Last lines of {s.log_path}:\n{tail(s.log_path)}",
+                        ExitCode.SERVER_START_FAILED)
+                if self._healthy(s.addr):
+                    log(f"{s.name} at {s.addr} is healthy")
+                    pending.remove(s)
+            if not pending:
+                break
+            if time.monotonic() > deadline:
+                s = pending[0]
+                names = ", ".join(f"{p.name} ({p.addr})" for p in pending)
+                raise LaunchError(
+                    f"{names} did not answer /health within launch.server_startup_timeout_s="
+                    f"{timeout:g}s (raise it for big models). Last lines of {s.log_path}:\n"
+                    f"{tail(s.log_path)}", ExitCode.SERVER_START_FAILED)
+            self._sleep(0.25)
+
+    # -- trainer ---------------------------------------------------------------------------
+
+    def trainer_command(self) -> list[str]:
+        """`python -m torch.distributed.run --standalone ... SCRIPT --config CFG overrides`."""
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+               "--nproc_per_node", str(self.cfg.launch.n_trainer_procs), self.script]
+        if self.config_path:
+            cmd += ["--config", self.config_path]
+        return cmd + self.overrides
+
+    def start_trainer(self, addrs: list[str]) -> Child:
+        env = dict(os.environ)
+        env.update(self.cfg.launch.trainer_env)
+        env[ENV_SERVER_ADDRS] = ",".join(addrs)
+        if self.cfg.server.api_key:
+            env[ENV_SERVER_API_KEY] = self.cfg.server.api_key
+        env["PYTHONUNBUFFERED"] = "1"
+        _, trainer_gpus = self._gpu_plan()
+        if trainer_gpus is not None:
+            env["CUDA_VISIBLE_DEVICES"] = trainer_gpus
+        cmd = self.trainer_command()
+        log_path = self.log_dir / "trainer.log"
+        log_file = open(log_path, "ab", buffering=0)
+        log_file.write(f"[launcher] {masked(cmd)}\n".encode())
+        proc = subprocess.Popen(
+            cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+            env=env, start_new_session=True, preexec_fn=_set_parent_death_signal,
+        )
+        child = Child("trainer", proc, log_path, log_file)
+        child.pump = threading.Thread(target=self._pump, args=(child,), daemon=True,
+                                      name="trainer-log")
+        child.pump.start()
+        self.trainer = child
+        log(f"started trainer (pid {proc.pid}); log: {log_path}")
+        return child
+
+    def _pump(self, child: Child) -> None:
+        """Copy the trainer's output to its log file and to the console, line by line."""
+        assert child.proc.stdout is not None
+        for line in iter(child.proc.stdout.readline, b""):
+            child.log_file.write(line)
+            try:
+                self.echo.write(line.decode(errors="replace"))
+                self.echo.flush()
+            except (OSError, ValueError):  # console closed: keep logging to the file
+                pass
+
+    def watch(self) -> ExitCode:
+        """Wait for the trainer; stop early if a server dies or a signal arrives."""
+        assert self.trainer is not None
+        ticks = 0
+        while True:
+            code = self.trainer.proc.poll()
+            if code is not None:
+                if self.trainer.pump is not None:
+                    self.trainer.pump.join(timeout=5)
+                if code == 0:
+                    log("trainer finished")
+                    return ExitCode.OK
+                log(f"trainer failed with exit code {code}; see {self.trainer.log_path}")
+                return ExitCode.TRAINER_FAILED
+            for s in self.servers:
+                code = s.proc.poll()
+                if code is not None:
+                    log(f"{s.name} ({s.addr}) died with exit code {code} while training; "
+                        f"stopping the trainer. Last lines of {s.log_path}:\n{tail(s.log_path)}")
+                    return ExitCode.SERVER_DIED
+            # torchrun spawns its workers in their own sessions: keep a record of them so
+            # that teardown reaches them even after torchrun itself is gone.
+            if ticks % 5 == 0:
+                self.trainer.remember_descendants()
+            ticks += 1
+            self._sleep(0.2)
+
+    # -- teardown --------------------------------------------------------------------------
+
+    def teardown(self) -> None:
+        """SIGTERM every child (trainer first), SIGKILL what is left after the grace period."""
+        children = ([self.trainer] if self.trainer else []) + self.servers
+        for c in children:
+            c.remember_descendants()
+            if c.any_alive():
+                c.signal_all(signal.SIGTERM)
+        deadline = time.monotonic() + TERM_GRACE_S
+        while time.monotonic() < deadline and any(c.any_alive() for c in children):
+            time.sleep(0.1)
+        for c in children:
+            if c.any_alive():
+                log(f"{c.name} did not stop within {TERM_GRACE_S:g}s of SIGTERM: SIGKILL")
+                c.remember_descendants()
+                c.signal_all(signal.SIGKILL)
+        for c in children:
+            try:
+                c.proc.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                log(f"{c.name} (pid {c.pid}) could not be reaped")
+            if c.pump is not None:
+                c.pump.join(timeout=2)
+            if c.log_file is not None:
+                c.log_file.close()
+
+    # -- all together ----------------------------------------------------------------------
+
+    def run(self) -> int:
+        """Launch, watch and tear down; return the exit code (see `ExitCode`)."""
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        handled = (signal.SIGINT, signal.SIGTERM)
+        previous = {s: signal.signal(s, self._on_signal) for s in handled}
+        try:
+            if self.cfg.launch.n_servers > 0:
+                addrs = self.start_servers()
+                self.wait_servers()
+            else:
+                addrs = external_server_addrs(self.cfg)
+                log(f"using servers started elsewhere: {','.join(addrs)}")
+            self._check_signal()
+            self.start_trainer(addrs)
+            return int(self.watch())
+        except LaunchError as e:
+            log(str(e))
+            return int(e.code)
+        except Interrupted as e:
+            log(f"{e} received: shutting down")
+            return int(ExitCode.INTERRUPTED if e.signum == signal.SIGINT else ExitCode.TERMINATED)
+        finally:
+            # A second Ctrl-C during teardown must not leave orphans behind: ignore it.
+            for s in handled:
+                signal.signal(s, signal.SIG_IGN)
+            try:
+                self.teardown()
+            finally:
+                for s, h in previous.items():
+                    signal.signal(s, h)
+
+
+def external_server_addrs(cfg) -> list[str]:
+    """Servers started elsewhere (`launch.n_servers=0`): `launch.server_addrs`, else
+    AREALITE_SERVER_ADDRS (the order `config.loader.check_launch` uses)."""
+    env = os.environ.get(ENV_SERVER_ADDRS, "")
+    addrs = list(cfg.launch.server_addrs) or [a.strip() for a in env.split(",") if a.strip()]
+    if not addrs:
+        raise LaunchError(
+            f"launch.n_servers=0 but no server addresses: set launch.server_addrs or "
+            f"{ENV_SERVER_ADDRS}=host:port,...", ExitCode.BAD_CONFIG)
+    return addrs
+
+
+def server_addrs_from_env(cfg=None) -> list[str]:
+    """For training scripts: the server addresses the launcher (or the user) provided."""
+    env = os.environ.get(ENV_SERVER_ADDRS, "")
+    addrs = [a.strip() for a in env.split(",") if a.strip()]
+    if not addrs and cfg is not None:
+        addrs = list(cfg.launch.server_addrs)
+    if not addrs:
+        raise RuntimeError(
+            f"no inference servers: run under `python -m arealite.launcher.local`, or set "
+            f"{ENV_SERVER_ADDRS}=host:port,... or launch.server_addrs")
+    return addrs
+
+
+def server_api_key_from_env(cfg=None) -> str | None:
+    """For training scripts: AREALITE_SERVER_API_KEY, else `server.api_key`."""
+    key = os.environ.get(ENV_SERVER_API_KEY)
+    if key:
+        return key
+    return cfg.server.api_key if cfg is not None else None
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # exit with our documented code for bad arguments
+        self.print_usage(sys.stderr)
+        self.exit(int(ExitCode.BAD_CONFIG), f"{self.prog}: error: {message}\n")
+
+
+def parse_launcher_args(argv: Sequence[str]) -> argparse.Namespace:
+    p = _Parser(prog="python -m arealite.launcher.local",
+                description="Start inference servers, then run SCRIPT under torchrun.",
+                epilog="Exit codes: 0 ok, 1 trainer failed, 2 server failed to start, "
+                       "3 server died, 4 bad arguments/config, 130 SIGINT, 143 SIGTERM.")
+    p.add_argument("script", help="training script, run as `torchrun SCRIPT --config CFG overrides`")
+    p.add_argument("--config", default=None, help="YAML config file")
+    p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. actor.optimizer.lr=1e-5")
+    args = p.parse_intermixed_args(list(argv))
+    if not Path(args.script).is_file():
+        p.error(f"script {args.script!r} does not exist")
+    return args
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of `python -m arealite.launcher.local`; returns the exit code."""
+    args = parse_launcher_args(sys.argv[1:] if argv is None else argv)
+    from arealite.config.loader import check_launch, load_config
+    from arealite.launcher.server_cmd import server_model_path
+
+    try:
+        cfg = load_config(args.config, args.overrides)
+        check_launch(cfg)
+        if cfg.launch.n_servers > 0:
+            server_model_path(cfg)  # fail now, not inside a server, if no model is set
+    except ValueError as e:  # ConfigError is a ValueError
+        log(f"bad config: {e}")
+        return int(ExitCode.BAD_CONFIG)
+    run_dir = Path(cfg.experiment.output_root) / cfg.experiment.name / cfg.experiment.trial
+    return LocalLauncher(cfg, args.script, args.config, args.overrides, run_dir).run()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,110 @@
+"""Command lines of the inference servers the launcher starts.
+
+Two backends speak the same HTTP protocol: arealite's embedded server (CPU or
+GPU, PyTorch) and SGLang (GPU). Both command lines are built from the config
+here, in one place, so that they can be unit-tested without starting anything.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Sequence
+
+from arealite.config.schema import ArealiteConfig
+
+#: Flags whose value is a secret: shown as *** wherever a command is printed.
+SECRET_FLAGS = ("--api-key",)
+
+
+def server_model_path(cfg: ArealiteConfig) -> str:
+    """The model directory the servers load: `server.model_path`, else `actor.model_path`."""
+    path = cfg.server.model_path or cfg.actor.model_path
+    if not path:
+        raise ValueError(
+            "server.model_path and actor.model_path are both empty: set one of them to a "
+            "Hugging Face model directory (e.g. `python -m arealite.models.tiny DIR` builds one)"
+        )
+    return path
+
+
+def server_seed(cfg: ArealiteConfig, index: int) -> int:
+    """Sampling seed of server `index`: distinct per server, reproducible per run."""
+    base = cfg.server.random_seed if cfg.server.random_seed is not None else cfg.experiment.seed
+    return base + index
+
+
+def embedded_server_command(cfg: ArealiteConfig, port: int, index: int = 0) -> list[str]:
+    """`python -m arealite.server ...` for server number `index` on `port`."""
+    s = cfg.server
+    cmd = [
+        sys.executable, "-m", "arealite.server",
+        "--model-path", server_model_path(cfg),
+        "--host", s.host,
+        "--port", str(port),
+        "--random-seed", str(server_seed(cfg, index)),
+        "--max-batch-size", str(s.max_batch_size),
+    ]
+    # `auto` is the server's own default (float32 on CPU, bfloat16 on CUDA).
+    if s.dtype != "auto":
+        cmd += ["--dtype", s.dtype]
+    if s.context_length is not None:
+        cmd += ["--context-length", str(s.context_length)]
+    if s.api_key:
+        cmd += ["--api-key", s.api_key]
+    return cmd
+
+
+def sglang_server_command(cfg: ArealiteConfig, port: int, index: int = 0) -> list[str]:
+    """`python -m sglang.launch_server ...` for server number `index` on `port`."""
+    s = cfg.server
+    o = s.sglang
+    cmd = [
+        sys.executable, "-m", "sglang.launch_server",
+        "--model-path", server_model_path(cfg),
+        "--host", s.host,
+        "--port", str(port),
+        "--tp-size", str(o.tp_size),
+        "--mem-fraction-static", str(o.mem_fraction_static),
+        # SGLang's `auto` takes the checkpoint's dtype; arealite's `auto` means bf16 on GPUs.
+        "--dtype", "bfloat16" if s.dtype == "auto" else s.dtype,
+        "--random-seed", str(server_seed(cfg, index)),
+    ]
+    if o.skip_tokenizer_init:
+        cmd.append("--skip-tokenizer-init")
+    context_length = o.context_length if o.context_length is not None else s.context_length
+    if context_length is not None:
+        cmd += ["--context-length", str(context_length)]
+    if s.api_key:
+        cmd += ["--api-key", s.api_key]
+    cmd += list(o.extra_args)
+    return cmd
+
+
+def server_command(cfg: ArealiteConfig, port: int, index: int = 0) -> list[str]:
+    """The command line of server `index` for `launch.server_backend`."""
+    if cfg.launch.server_backend == "sglang":
+        return sglang_server_command(cfg, port, index)
+    return embedded_server_command(cfg, port, index)
+
+
+def gpus_per_server(cfg: ArealiteConfig) -> int:
+    """GPUs one server uses (its tensor-parallel size on SGLang, 1 for embedded)."""
+    return cfg.server.sglang.tp_size if cfg.launch.server_backend == "sglang" else 1
+
+
+def masked(cmd: Sequence[str]) -> str:
+    """The command as one printable string with secret values replaced by ***."""
+    out: list[str] = []
+    hide_next = False
+    for arg in cmd:
+        if hide_next:
+            out.append("***")
+            hide_next = False
+        elif arg in SECRET_FLAGS:
+            out.append(arg)
+            hide_next = True
+        elif any(arg.startswith(f + "=") for f in SECRET_FLAGS):
+            out.append(arg.split("=", 1)[0] + "=***")
+        else:
+            out.append(arg)
+    return " ".join(out)

@@ -1,0 +1,94 @@
+"""The staleness bound of asynchronous RL, as a small pure object.
+
+With consumer batch ``B`` (groups per training step on this rank), trainer
+version ``v`` and ``max_head_offpolicyness`` ``eta``, at most
+``(eta + v + 1) * B`` groups may ever have been accepted or be running. Any
+accepted trajectory is therefore at most ``eta`` versions older than the policy
+that trains on it. ``eta = 0`` is synchronous RL: the next batch is only
+generated once the current one has been trained on and the version bumped.
+
+The manager only counts; the controller calls it on every event. It holds no
+locks: the controller touches it from its event-loop thread alone.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class StalenessManager:
+    """Counts running/accepted groups and says how many more may start."""
+
+    max_concurrent: int
+    consumer_batch_size: int
+    max_head_offpolicyness: int
+    version: int = 0
+    running: int = 0
+    accepted: int = 0
+
+    def __post_init__(self) -> None:
+        if self.max_concurrent < 1:
+            raise ValueError(f"max_concurrent must be >= 1, got {self.max_concurrent}")
+        if self.consumer_batch_size < 1:
+            raise ValueError(
+                f"consumer_batch_size must be >= 1 group per rank, got {self.consumer_batch_size}; "
+                "check rollout.consumer_batch_size against the number of trainer ranks"
+            )
+        if self.max_head_offpolicyness < 0:
+            raise ValueError(f"max_head_offpolicyness must be >= 0, got {self.max_head_offpolicyness}")
+
+    @property
+    def limit(self) -> int:
+        """Most groups that may have been accepted or be running at this version."""
+        return (self.max_head_offpolicyness + self.version + 1) * self.consumer_batch_size
+
+    def capacity(self) -> int:
+        """How many more groups may be admitted now (never negative)."""
+        by_concurrency = self.max_concurrent - self.running
+        by_staleness = self.limit - (self.accepted + self.running)
+        return max(0, min(by_concurrency, by_staleness))
+
+    def on_submit(self) -> None:
+        """A group was admitted and starts running."""
+        if self.capacity() <= 0:
+            raise RuntimeError(
+                f"staleness bound violated: admitting with running={self.running}, "
+                f"accepted={self.accepted}, limit={self.limit}"
+            )
+        self.running += 1
+
+    def on_accept(self) -> None:
+        """A running group finished and was kept."""
+        self._finish()
+        self.accepted += 1
+
+    def on_reject(self) -> None:
+        """A running group finished and was rejected (or failed): its slot is free again."""
+        self._finish()
+
+    def on_unaccept(self, n: int = 1) -> None:
+        """``n`` accepted groups were rejected later (a filter at consumption time)."""
+        if n > self.accepted:
+            raise RuntimeError(f"cannot un-accept {n} groups, only {self.accepted} accepted")
+        self.accepted -= n
+
+    def set_version(self, version: int) -> None:
+        """The trainer's policy version moved (usually +1 after a weight update)."""
+        if version < 0:
+            raise ValueError(f"version must be >= 0, got {version}")
+        self.version = version
+
+    def _finish(self) -> None:
+        if self.running <= 0:
+            raise RuntimeError("a group finished but none was running")
+        self.running -= 1
+
+    def state_dict(self) -> dict[str, int]:
+        """Version and accepted count; running groups are resubmitted on resume."""
+        return {"version": self.version, "accepted": self.accepted}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.version = int(state["version"])
+        self.accepted = int(state["accepted"])
+        self.running = 0

@@ -1,0 +1,36 @@
+"""``python -m arealite.server --model-path P --host 127.0.0.1 --port N [...]``"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import sys
+
+from .args import parse_args
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Run the embedded server until SIGINT/SIGTERM."""
+    args = parse_args(argv)
+    logging.basicConfig(
+        level=args.log_level.upper(), stream=sys.stderr,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    import uvloop
+
+    from .app import serve
+
+    async def run() -> None:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop.set)
+        await serve(args, stop)
+        logging.getLogger("arealite.server").info("server stopped")
+
+    uvloop.run(run())
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,370 @@
+"""Continuous batching of a Hugging Face causal LM on a dedicated thread.
+
+One background thread owns the model. Its loop, between two decode steps:
+runs queued commands (weight loads, pause, abort...), admits waiting requests
+(one prefill forward for all of them, merged into the running batch), then
+advances every running sequence by one token with a single forward over a
+shared KV cache. The event loop only queues work and awaits futures, so HTTP
+stays responsive while the model computes.
+
+Batch layout: the KV cache (HF ``DynamicCache``) is left-padded to a common
+length ``T``; ``mask [B, T]`` marks each row's real cached tokens, and each row
+keeps its own position (its count of real tokens), so rotary embeddings see
+exactly the positions of an unpadded forward. Sequences join by padding the
+shorter cache on the left and leave by dropping their row; columns that became
+padding in every row are trimmed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+import torch.nn.functional as F
+
+from .sampling import BatchSamplingState, GenerateInput, sample_next
+
+logger = logging.getLogger("arealite.server")
+
+
+@dataclass
+class Sequence:
+    """A request in the engine: its prompt, what it produced, where to deliver it."""
+
+    inp: GenerateInput
+    future: asyncio.Future
+    loop: asyncio.AbstractEventLoop
+    stop_ids: frozenset[int]
+    generator: torch.Generator | None = None
+    output_ids: list[int] = field(default_factory=list)
+    output_logprobs: list[float] = field(default_factory=list)
+    finish_reason: dict[str, Any] | None = None
+    weight_version: str = ""
+    start_time: float = field(default_factory=time.perf_counter)
+    end_time: float = 0.0
+
+
+def _deliver(fut: asyncio.Future, value: Any = None, error: BaseException | None = None) -> None:
+    # Runs on the event loop: the request may have been cancelled meanwhile.
+    if fut.done():
+        return
+    if error is not None:
+        fut.set_exception(error)
+    else:
+        fut.set_result(value)
+
+
+class ModelRunner:
+    """Owns the model and serves generation requests with continuous batching."""
+
+    def __init__(self, model: torch.nn.Module, *, device: torch.device, eos_ids: set[int], pad_id: int,
+                 vocab_size: int, max_batch_size: int, random_seed: int, weight_version: str):
+        self.model = model
+        self.device = device
+        self.eos_ids = frozenset(eos_ids)
+        self.pad_id = pad_id
+        self.vocab_size = vocab_size
+        self.max_batch_size = max_batch_size
+        self.weight_version = weight_version
+        self.shared_gen = torch.Generator(device=device)
+        self.shared_gen.manual_seed(random_seed)
+
+        self._cv = threading.Condition()
+        self._waiting: deque[Sequence] = deque()
+        self._commands: deque[tuple[Callable[[], Any], asyncio.Future, asyncio.AbstractEventLoop]] = deque()
+        self._stop = False
+        # Admission stops while paused (pause_generation) or inside a
+        # begin/end_weight_update bracket; "in_place" pausing also freezes
+        # the running sequences.
+        self.paused = False
+        self.pause_mode = "abort"
+        self.in_update_bracket = False
+
+        self._running: list[Sequence] = []
+        self._cache = None
+        self._mask: torch.Tensor | None = None  # [B, T] int64
+        self._positions: torch.Tensor | None = None  # [B] position of the pending token
+        self._next: torch.Tensor | None = None  # [B] sampled, not yet in the cache
+        self._sampling: BatchSamplingState | None = None
+        self.stats = {"steps": 0, "prefills": 0, "generated_tokens": 0, "max_running": 0}
+
+        self._thread = threading.Thread(target=self._main, name="arealite-model", daemon=True)
+        self._thread.start()
+
+    # ------------------------------------------------------------------
+    # Event-loop side
+    # ------------------------------------------------------------------
+
+    async def generate(self, inp: GenerateInput) -> Sequence:
+        """Queue one sequence and wait for it to finish (or be aborted)."""
+        loop = asyncio.get_running_loop()
+        gen = None
+        if inp.sampling.sampling_seed is not None:
+            gen = torch.Generator(device=self.device)
+            gen.manual_seed(inp.sampling.sampling_seed)
+        stop = set(inp.sampling.stop_token_ids)
+        if not inp.sampling.ignore_eos:
+            stop |= self.eos_ids
+        seq = Sequence(inp=inp, future=loop.create_future(), loop=loop, stop_ids=frozenset(stop), generator=gen)
+        with self._cv:
+            if self._stop:
+                raise RuntimeError("the model runner is shut down")
+            self._waiting.append(seq)
+            self._cv.notify()
+        return await seq.future
+
+    async def call(self, fn: Callable[[], Any]) -> Any:
+        """Run ``fn()`` on the model thread between two steps and return its result."""
+        loop = asyncio.get_running_loop()
+        fut = loop.create_future()
+        with self._cv:
+            if self._stop:
+                raise RuntimeError("the model runner is shut down")
+            self._commands.append((fn, fut, loop))
+            self._cv.notify()
+        return await fut
+
+    def shutdown(self) -> None:
+        """Stop the thread; unfinished requests are aborted."""
+        with self._cv:
+            self._stop = True
+            self._cv.notify()
+        self._thread.join(timeout=30)
+
+    # Commands (run on the model thread through ``call``).
+
+    def set_paused(self, paused: bool, mode: str = "abort") -> int:
+        """Pause admission (and abort or freeze running sequences); returns how many were affected."""
+        n = len(self._running)
+        self.paused = paused
+        if paused:
+            self.pause_mode = mode
+            if mode == "abort":
+                self._abort(lambda s: True, "generation paused (pause_generation, mode abort)", waiting=False)
+        return n
+
+    def abort(self, rid_prefix: str | None, message: str) -> int:
+        """Abort running and waiting requests whose rid starts with the prefix (all when None)."""
+        return self._abort(lambda s: rid_prefix is None or s.inp.rid.startswith(rid_prefix), message, waiting=True)
+
+    # ------------------------------------------------------------------
+    # Model thread
+    # ------------------------------------------------------------------
+
+    def _frozen(self) -> bool:
+        return self.paused and self.pause_mode != "abort"
+
+    def _can_admit(self) -> bool:
+        return (bool(self._waiting) and not self.paused and not self.in_update_bracket
+                and len(self._running) < self.max_batch_size)
+
+    def _main(self) -> None:
+        torch.set_grad_enabled(False)  # per thread
+        while True:
+            with self._cv:
+                while not (self._stop or self._commands or self._can_admit()
+                           or (self._running and not self._frozen())):
+                    self._cv.wait()
+                if self._stop:
+                    break
+                commands = list(self._commands)
+                self._commands.clear()
+            for fn, fut, loop in commands:
+                try:
+                    result, error = fn(), None
+                except Exception as e:  # reported to the caller, never kills the loop
+                    result, error = None, e
+                loop.call_soon_threadsafe(_deliver, fut, result, error)
+            admit: list[Sequence] = []
+            try:
+                with self._cv:
+                    if not self._running and self._can_admit():
+                        self._coalesce_arrivals()
+                    while self._can_admit() and len(self._running) + len(admit) < self.max_batch_size:
+                        admit.append(self._waiting.popleft())
+                if admit:
+                    self._prefill(admit)
+                if self._running and not self._frozen():
+                    self._decode_step()
+            except Exception as e:  # a failed forward fails the batch, not the server
+                logger.exception("generation step failed; failing %d running requests", len(self._running))
+                failed = self._running + [s for s in admit if s not in self._running]
+                self._reset_batch()
+                for s in failed:
+                    s.loop.call_soon_threadsafe(_deliver, s.future, None, RuntimeError(f"generation failed: {e}"))
+        # Shut down: abort whatever is left so no client waits forever.
+        self._abort(lambda s: True, "server shutting down", waiting=True)
+        with self._cv:
+            for fn, fut, loop in self._commands:
+                loop.call_soon_threadsafe(_deliver, fut, None, RuntimeError("server shutting down"))
+            self._commands.clear()
+
+    def _coalesce_arrivals(self, quiet_s: float = 0.002, max_wait_s: float = 0.02) -> None:
+        """When idle, let a burst of concurrent requests arrive so they share one prefill.
+
+        Called with the lock held; waits until no request arrived for
+        ``quiet_s`` (at most ``max_wait_s``), which only costs an idle server
+        a couple of milliseconds of latency.
+        """
+        deadline = time.perf_counter() + max_wait_s
+        n = len(self._waiting)
+        while n < self.max_batch_size and not self._commands and time.perf_counter() < deadline:
+            self._cv.wait(quiet_s)
+            if len(self._waiting) == n:
+                break
+            n = len(self._waiting)
+
+    def _reset_batch(self) -> None:
+        self._running = []
+        self._cache = self._mask = self._positions = self._next = self._sampling = None
+
+    def _finish(self, seq: Sequence, reason: dict[str, Any]) -> None:
+        seq.finish_reason = reason
+        seq.weight_version = self.weight_version
+        seq.end_time = time.perf_counter()
+        seq.loop.call_soon_threadsafe(_deliver, seq.future, seq)
+
+    def _forward(self, input_ids, mask, positions, cache):
+        out = self.model(input_ids=input_ids, attention_mask=mask, position_ids=positions,
+                         past_key_values=cache, use_cache=True, logits_to_keep=1)
+        return out.logits[:, -1, :]
+
+    def _prefill(self, seqs: list[Sequence]) -> None:
+        """Run the prompts of newly admitted sequences and merge them into the batch."""
+        from transformers import DynamicCache
+
+        ready = []
+        for s in seqs:
+            if s.inp.sampling.max_new_tokens == 0:
+                self._finish(s, {"type": "length", "length": 0})
+            else:
+                ready.append(s)
+        if not ready:
+            return
+        lens = [len(s.inp.input_ids) for s in ready]
+        T = max(lens)
+        ids = torch.full((len(ready), T), self.pad_id, dtype=torch.long)
+        mask = torch.zeros((len(ready), T), dtype=torch.long)
+        for i, s in enumerate(ready):
+            ids[i, T - lens[i]:] = torch.tensor(s.inp.input_ids, dtype=torch.long)
+            mask[i, T - lens[i]:] = 1
+        ids, mask = ids.to(self.device), mask.to(self.device)
+        positions = (mask.cumsum(dim=1) - 1).clamp(min=0)
+        cache = DynamicCache()
+        logits = self._forward(ids, mask, positions, cache)
+        self.stats["prefills"] += 1
+
+        b_old = len(self._running)
+        self._merge(ready, cache, mask, torch.tensor(lens, device=self.device))
+        state = BatchSamplingState.build([s.inp.sampling for s in ready], [s.generator for s in ready],
+                                         self.vocab_size, self.device)
+        tokens, logprobs = sample_next(logits, state, self.shared_gen)
+        self._next[b_old:] = tokens
+        self._record(range(b_old, b_old + len(ready)), tokens.tolist(), logprobs.tolist())
+
+    def _merge(self, seqs: list[Sequence], cache, mask: torch.Tensor, positions: torch.Tensor) -> None:
+        if not self._running:
+            self._running = list(seqs)
+            self._cache, self._mask, self._positions = cache, mask, positions
+            self._next = torch.zeros(len(seqs), dtype=torch.long, device=self.device)
+        else:
+            t_old, t_new = self._mask.shape[1], mask.shape[1]
+            T = max(t_old, t_new)
+            for old_layer, new_layer in zip(self._cache.layers, cache.layers):
+                # KV tensors are [B, heads, T, head_dim]: pad the time axis on the left.
+                old_layer.keys = torch.cat([F.pad(old_layer.keys, (0, 0, T - t_old, 0)),
+                                            F.pad(new_layer.keys, (0, 0, T - t_new, 0))])
+                old_layer.values = torch.cat([F.pad(old_layer.values, (0, 0, T - t_old, 0)),
+                                              F.pad(new_layer.values, (0, 0, T - t_new, 0))])
+            self._mask = torch.cat([F.pad(self._mask, (T - t_old, 0)), F.pad(mask, (T - t_new, 0))])
+            self._positions = torch.cat([self._positions, positions])
+            self._next = torch.cat([self._next, torch.zeros(len(seqs), dtype=torch.long, device=self.device)])
+            self._running.extend(seqs)
+        self.stats["max_running"] = max(self.stats["max_running"], len(self._running))
+        self._rebuild_sampling()
+
+    def _rebuild_sampling(self) -> None:
+        self._sampling = BatchSamplingState.build(
+            [s.inp.sampling for s in self._running], [s.generator for s in self._running],
+            self.vocab_size, self.device,
+        ) if self._running else None
+
+    def _decode_step(self) -> None:
+        B = len(self._running)
+        self._mask = torch.cat([self._mask, torch.ones((B, 1), dtype=self._mask.dtype, device=self.device)], dim=1)
+        logits = self._forward(self._next[:, None], self._mask, self._positions[:, None], self._cache)
+        self._positions = self._positions + 1
+        tokens, logprobs = sample_next(logits, self._sampling, self.shared_gen)
+        self._next = tokens
+        self.stats["steps"] += 1
+        self._record(range(B), tokens.tolist(), logprobs.tolist())
+
+    def _record(self, rows: range, tokens: list[int], logprobs: list[float]) -> None:
+        """Append each row's new token; finish rows that hit a stop token or their length."""
+        done = []
+        for j, i in enumerate(rows):
+            s = self._running[i]
+            t = tokens[j]
+            s.output_ids.append(t)
+            s.output_logprobs.append(logprobs[j])
+            if t in s.stop_ids:
+                done.append(i)
+                self._finish(s, {"type": "stop", "matched": t})
+            elif len(s.output_ids) >= s.inp.sampling.max_new_tokens:
+                done.append(i)
+                self._finish(s, {"type": "length", "length": s.inp.sampling.max_new_tokens})
+        self.stats["generated_tokens"] += len(tokens)
+        if done:
+            self._drop_rows(set(done))
+
+    def _drop_rows(self, drop: set[int]) -> None:
+        keep = [i for i in range(len(self._running)) if i not in drop]
+        if not keep:
+            self._reset_batch()
+            return
+        idx = torch.tensor(keep, dtype=torch.long, device=self.device)
+        mask = self._mask.index_select(0, idx)
+        # Columns that are padding in every remaining row carry nothing: trim them.
+        lead = int((mask.cumsum(dim=1) == 0).sum(dim=1).min())
+        for layer in self._cache.layers:
+            layer.keys = layer.keys.index_select(0, idx)[:, :, lead:]
+            layer.values = layer.values.index_select(0, idx)[:, :, lead:]
+        self._mask = mask[:, lead:]
+        self._positions = self._positions.index_select(0, idx)
+        self._next = self._next.index_select(0, idx)
+        self._running = [self._running[i] for i in keep]
+        self._rebuild_sampling()
+
+    def _abort(self, pred: Callable[[Sequence], bool], message: str, waiting: bool) -> int:
+        n = 0
+        reason = {"type": "abort", "message": message}
+        if waiting:
+            with self._cv:
+                keep = deque()
+                for s in self._waiting:
+                    if pred(s):
+                        self._finish(s, dict(reason))
+                        n += 1
+                    else:
+                        keep.append(s)
+                self._waiting = keep
+        rows = {i for i, s in enumerate(self._running) if pred(s)}
+        for i in rows:
+            self._finish(self._running[i], dict(reason))
+        if rows:
+            self._drop_rows(rows)
+        return n + len(rows)
+
+    @property
+    def n_running(self) -> int:
+        return len(self._running)
+
+    @property
+    def n_waiting(self) -> int:
+        return len(self._waiting)

@@ -1,0 +1,388 @@
+"""Parsing ``/generate`` requests and sampling the next token of a batch.
+
+Validation follows SGLang: an unknown key is a 400; a key SGLang knows but this
+server does not implement is accepted only at its neutral value (e.g.
+``repetition_penalty: 1.0``) and is otherwise a 400 saying it is not supported,
+so that nothing a client asks for is silently ignored.
+"""
+
+from __future__ import annotations
+
+import math
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+
+GREEDY_EPS = 1e-6  # SGLang: a temperature below this is greedy decoding
+
+
+class RequestError(ValueError):
+    """A bad request: answered with HTTP 400 and this message."""
+
+
+@dataclass
+class SamplingConfig:
+    """The sampling parameters of one request, validated."""
+
+    max_new_tokens: int = 128
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    sampling_seed: int | None = None
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    no_stop_trim: bool = False
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < GREEDY_EPS
+
+
+@dataclass
+class GenerateInput:
+    """One sequence to generate (a batch request is split into several)."""
+
+    rid: str
+    input_ids: list[int]
+    sampling: SamplingConfig
+    return_logprob: bool = False
+
+
+# --------------------------------------------------------------------------
+# Validation helpers: each names the field it checks.
+# --------------------------------------------------------------------------
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_number(v: Any) -> bool:
+    return (isinstance(v, (int, float)) and not isinstance(v, bool)) and math.isfinite(v)
+
+
+def _want_int(name: str, v: Any, lo: int | None = None) -> int:
+    if not _is_int(v):
+        raise RequestError(f"{name} must be an integer, got {v!r}")
+    if lo is not None and v < lo:
+        raise RequestError(f"{name} must be >= {lo}, got {v}")
+    return v
+
+
+def _want_number(name: str, v: Any) -> float:
+    if not _is_number(v):
+        raise RequestError(f"{name} must be a finite number, got {v!r}")
+    return float(v)
+
+
+def _want_bool(name: str, v: Any) -> bool:
+    if not isinstance(v, bool):
+        raise RequestError(f"{name} must be true or false, got {v!r}")
+    return v
+
+
+# Keys SGLang 0.5.23 knows in sampling_params that this server does not
+# implement, with the test for "neutral value" (equal to not setting it).
+_UNSUPPORTED_SAMPLING: dict[str, Callable[[Any], bool]] = {
+    "stop": lambda v: v is None or v == "" or v == [],
+    "stop_regex": lambda v: v is None or v == "" or v == [],
+    "frequency_penalty": lambda v: v is None or (_is_number(v) and v == 0),
+    "presence_penalty": lambda v: v is None or (_is_number(v) and v == 0),
+    "repetition_penalty": lambda v: v is None or (_is_number(v) and v == 1),
+    "min_new_tokens": lambda v: v is None or (_is_int(v) and v == 0),
+    "json_schema": lambda v: v is None,
+    "regex": lambda v: v is None,
+    "ebnf": lambda v: v is None,
+    "structural_tag": lambda v: v is None,
+    "logit_bias": lambda v: v is None or v == {},
+    "custom_params": lambda v: v is None or v == {},
+    # Streaming is not supported, so the interval is meaningless but harmless.
+    "stream_interval": lambda v: v is None or (_is_int(v) and v >= 1),
+}
+
+_SUPPORTED_SAMPLING = {
+    "max_new_tokens", "temperature", "top_p", "top_k", "min_p", "stop_token_ids", "ignore_eos",
+    "sampling_seed", "n", "skip_special_tokens", "spaces_between_special_tokens", "no_stop_trim",
+}
+
+# Top-level /generate keys SGLang knows that this server does not implement
+# (accepted only at their neutral value).
+_UNSUPPORTED_TOP: dict[str, Callable[[Any], bool]] = {
+    "stream": lambda v: v is None or v is False,
+    "logprob_start_len": lambda v: v is None or v == -1,
+    "top_logprobs_num": lambda v: v is None or v == 0,
+    "token_ids_logprob": lambda v: v is None,
+    "return_text_in_logprobs": lambda v: v is None or v is False,
+    "return_hidden_states": lambda v: v is None or v is False,
+    "image_data": lambda v: v is None,
+    "video_data": lambda v: v is None,
+    "audio_data": lambda v: v is None,
+    "input_embeds": lambda v: v is None,
+    "lora_path": lambda v: v is None,
+    "session_params": lambda v: v is None,
+    "custom_logit_processor": lambda v: v is None,
+    "modalities": lambda v: v is None,
+    "bootstrap_host": lambda v: v is None,
+    "bootstrap_port": lambda v: v is None,
+    "bootstrap_room": lambda v: v is None,
+    "data_parallel_rank": lambda v: v is None,
+    "priority": lambda v: v is None,
+    "log_metrics": lambda v: v is None or isinstance(v, bool),
+}
+_SUPPORTED_TOP = {"text", "input_ids", "sampling_params", "rid", "return_logprob"}
+
+
+def parse_sampling_params(sp: Any, vocab_size: int, where: str = "sampling_params") -> SamplingConfig:
+    """Validate one ``sampling_params`` object."""
+    if sp is None:
+        return SamplingConfig()
+    if not isinstance(sp, dict):
+        raise RequestError(f"{where} must be a JSON object, got {type(sp).__name__}")
+    out = SamplingConfig()
+    for key, v in sp.items():
+        name = f"{where}.{key}"
+        if key in _UNSUPPORTED_SAMPLING:
+            if not _UNSUPPORTED_SAMPLING[key](v):
+                raise RequestError(f"{name}={v!r} is not supported by the arealite embedded server (leave it unset)")
+            continue
+        if key not in _SUPPORTED_SAMPLING:
+            known = sorted(_SUPPORTED_SAMPLING | set(_UNSUPPORTED_SAMPLING))
+            raise RequestError(f"{name}: unknown sampling parameter; known: {known}")
+        if v is None:
+            continue  # SGLang: null means the default
+        if key == "max_new_tokens":
+            out.max_new_tokens = _want_int(name, v, lo=0)
+        elif key == "temperature":
+            out.temperature = _want_number(name, v)
+            if out.temperature < 0:
+                raise RequestError(f"{name} must be >= 0, got {v}")
+        elif key == "top_p":
+            out.top_p = _want_number(name, v)
+            if not 0 < out.top_p <= 1:
+                raise RequestError(f"{name} must be in (0, 1], got {v}")
+        elif key == "top_k":
+            out.top_k = _want_int(name, v)
+            if out.top_k < 1 and out.top_k != -1:
+                raise RequestError(f"{name} must be -1 (all tokens) or at least 1, got {v}")
+        elif key == "min_p":
+            out.min_p = _want_number(name, v)
+            if not 0 <= out.min_p <= 1:
+                raise RequestError(f"{name} must be in [0, 1], got {v}")
+        elif key == "stop_token_ids":
+            if not isinstance(v, list):
+                raise RequestError(f"{name} must be a list of token ids, got {v!r}")
+            for t in v:
+                if not _is_int(t) or not 0 <= t < vocab_size:
+                    raise RequestError(f"{name}: {t!r} is not a token id in [0, {vocab_size})")
+            out.stop_token_ids = tuple(v)
+        elif key == "ignore_eos":
+            out.ignore_eos = _want_bool(name, v)
+        elif key == "sampling_seed":
+            out.sampling_seed = _want_int(name, v)
+        elif key == "n":
+            if _want_int(name, v) != 1:
+                raise RequestError(f"{name}={v}: only n=1 is supported; send n separate requests (or a batch)")
+        elif key == "skip_special_tokens":
+            out.skip_special_tokens = _want_bool(name, v)
+        elif key == "spaces_between_special_tokens":
+            out.spaces_between_special_tokens = _want_bool(name, v)
+        elif key == "no_stop_trim":
+            out.no_stop_trim = _want_bool(name, v)
+    return out
+
+
+def _check_ids(name: str, ids: Any, vocab_size: int) -> list[int]:
+    if not isinstance(ids, list) or not ids:
+        raise RequestError(f"{name} must be a non-empty list of token ids")
+    for t in ids:
+        if not _is_int(t):
+            raise RequestError(f"{name}: {t!r} is not an integer token id")
+        if not 0 <= t < vocab_size:
+            raise RequestError(f"{name}: token id {t} is out of the vocabulary [0, {vocab_size})")
+    return ids
+
+
+def parse_generate(
+    body: Any,
+    *,
+    vocab_size: int,
+    context_length: int,
+    encode: Callable[[str], list[int]] | None,
+) -> tuple[list[GenerateInput], bool]:
+    """Validate a ``/generate`` body; return its sequences and whether it was a batch.
+
+    ``encode`` turns text into token ids (None when no tokenizer is loaded).
+    """
+    if not isinstance(body, dict):
+        raise RequestError("the body must be a JSON object")
+    for key, v in body.items():
+        if key in _UNSUPPORTED_TOP:
+            if not _UNSUPPORTED_TOP[key](v):
+                raise RequestError(f"{key}={v!r} is not supported by the arealite embedded server (leave it unset)")
+        elif key not in _SUPPORTED_TOP:
+            raise RequestError(f"{key}: unknown field; known: {sorted(_SUPPORTED_TOP | set(_UNSUPPORTED_TOP))}")
+
+    text, input_ids = body.get("text"), body.get("input_ids")
+    if (text is None) == (input_ids is None):
+        raise RequestError("give exactly one of input_ids or text")
+    if text is not None:
+        if encode is None:
+            raise RequestError("text: no tokenizer is loaded (server started with --skip-tokenizer-init); send input_ids")
+        batch = isinstance(text, list)
+        texts = text if batch else [text]
+        if batch and not texts:
+            raise RequestError("text: an empty batch")
+        prompts = []
+        for i, t in enumerate(texts):
+            name = f"text[{i}]" if batch else "text"
+            if not isinstance(t, str):
+                raise RequestError(f"{name} must be a string, got {type(t).__name__}")
+            prompts.append(_check_ids(name + " (tokenized)", encode(t), vocab_size))
+    else:
+        if not isinstance(input_ids, list) or not input_ids:
+            raise RequestError("input_ids must be a non-empty list of token ids (or a list of such lists)")
+        batch = isinstance(input_ids[0], list)
+        if batch:
+            prompts = [_check_ids(f"input_ids[{i}]", ids, vocab_size) for i, ids in enumerate(input_ids)]
+        else:
+            prompts = [_check_ids("input_ids", input_ids, vocab_size)]
+    n = len(prompts)
+
+    def per_item(key: str, value: Any, is_item: Callable[[Any], bool]) -> list[Any]:
+        if batch and isinstance(value, list) and not is_item(value):
+            if len(value) != n:
+                raise RequestError(f"{key}: a batch of {n} needs {n} values, got {len(value)}")
+            return value
+        return [value] * n
+
+    sps = per_item("sampling_params", body.get("sampling_params"), lambda v: isinstance(v, dict))
+    lps = per_item("return_logprob", body.get("return_logprob", False), lambda v: isinstance(v, bool))
+    rid = body.get("rid")
+    if batch:
+        if rid is None:
+            rids = [uuid.uuid4().hex for _ in range(n)]
+        elif isinstance(rid, list) and len(rid) == n and all(isinstance(r, str) for r in rid):
+            rids = rid
+        else:
+            raise RequestError(f"rid: a batch of {n} needs a list of {n} strings")
+    else:
+        if rid is not None and not isinstance(rid, str):
+            raise RequestError(f"rid must be a string, got {rid!r}")
+        rids = [rid or uuid.uuid4().hex]
+
+    out = []
+    for i in range(n):
+        where = f"sampling_params[{i}]" if batch and isinstance(body.get("sampling_params"), list) else "sampling_params"
+        sc = parse_sampling_params(sps[i], vocab_size, where)
+        lp = lps[i] if lps[i] is not None else False
+        if not isinstance(lp, bool):
+            raise RequestError(f"return_logprob must be true or false, got {lp!r}")
+        explicit = isinstance(sps[i], dict) and sps[i].get("max_new_tokens") is not None
+        if not explicit:  # the default never overflows: it shrinks to what the context leaves
+            sc.max_new_tokens = max(0, min(sc.max_new_tokens, context_length - len(prompts[i])))
+        total = len(prompts[i]) + sc.max_new_tokens
+        if total > context_length:
+            name = f"input_ids[{i}]" if batch else "input_ids"
+            raise RequestError(
+                f"{where}.max_new_tokens: the prompt ({len(prompts[i])} tokens, {name}) plus max_new_tokens "
+                f"({sc.max_new_tokens}) = {total} exceeds the context length {context_length}; "
+                "lower max_new_tokens or shorten the prompt"
+            )
+        out.append(GenerateInput(rid=rids[i], input_ids=list(prompts[i]), sampling=sc, return_logprob=lp))
+    return out, batch
+
+
+# --------------------------------------------------------------------------
+# The batched sampler.
+# --------------------------------------------------------------------------
+
+
+@dataclass
+class BatchSamplingState:
+    """Per-row sampling parameters of the running batch, as tensors.
+
+    Rebuilt only when the batch changes, so a decode step stays a few tensor ops.
+    """
+
+    temperature: torch.Tensor  # [B] (1.0 for greedy rows: the log-prob is then at T=1)
+    greedy: torch.Tensor  # [B] bool
+    top_p: torch.Tensor
+    top_k: torch.Tensor  # [B] int64, vocab size for "all"
+    min_p: torch.Tensor
+    all_greedy: bool
+    any_filter: bool
+    generators: list[torch.Generator | None] = field(default_factory=list)
+
+    @classmethod
+    def build(cls, configs: list[SamplingConfig], generators: list[torch.Generator | None], vocab: int,
+              device: torch.device) -> "BatchSamplingState":
+        greedy = [c.greedy for c in configs]
+        temps = [1.0 if g else c.temperature for c, g in zip(configs, greedy)]
+        top_k = [vocab if c.top_k <= 0 else min(c.top_k, vocab) for c in configs]
+        any_filter = any(
+            (not g) and (c.top_p < 1.0 or c.top_k > 0 or c.min_p > 0) for c, g in zip(configs, greedy)
+        )
+        return cls(
+            temperature=torch.tensor(temps, dtype=torch.float32, device=device),
+            greedy=torch.tensor(greedy, dtype=torch.bool, device=device),
+            top_p=torch.tensor([c.top_p for c in configs], dtype=torch.float32, device=device),
+            top_k=torch.tensor(top_k, dtype=torch.int64, device=device),
+            min_p=torch.tensor([c.min_p for c in configs], dtype=torch.float32, device=device),
+            all_greedy=all(greedy),
+            any_filter=any_filter,
+            generators=list(generators),
+        )
+
+
+def filter_probs(probs: torch.Tensor, top_p: torch.Tensor, top_k: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """Zero the tokens outside top-k, the top-p nucleus and the min-p floor (SGLang's order).
+
+    The result is not renormalised: the exponential race below does not need it.
+    """
+    sorted_p, idx = probs.sort(dim=-1, descending=True)
+    cum = sorted_p.cumsum(dim=-1)
+    ranks = torch.arange(probs.shape[-1], device=probs.device)
+    # A token is dropped when the mass before it already reaches top_p (so the
+    # most likely token always survives).
+    drop = (cum - sorted_p) > top_p[:, None]
+    drop |= ranks[None, :] >= top_k[:, None]
+    drop |= sorted_p < (sorted_p[:, :1] * min_p[:, None])
+    sorted_p = sorted_p.masked_fill(drop, 0.0)
+    return torch.zeros_like(probs).scatter_(-1, idx, sorted_p)
+
+
+def sample_next(
+    logits: torch.Tensor, state: BatchSamplingState, shared_gen: torch.Generator
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Pick the next token of every row; return (tokens [B], log-probs [B]).
+
+    The log-prob is SGLang's: ``log_softmax(logits / T)`` over the full
+    vocabulary in fp32, before any top-p/top-k truncation (T = 1 for greedy).
+    """
+    logits = logits.float()
+    logp = torch.log_softmax(logits / state.temperature[:, None], dim=-1)
+    if state.all_greedy:
+        tokens = logits.argmax(dim=-1)
+    else:
+        probs = logp.exp()
+        if state.any_filter:
+            probs = filter_probs(probs, state.top_p, state.top_k, state.min_p)
+        # Exponential race: argmax(p_i / E_i) with E_i ~ Exp(1) is a draw from p.
+        # Rows with their own seed draw from their own generator, so their
+        # samples do not depend on what else is in the batch.
+        noise = torch.empty_like(probs)
+        gens = state.generators
+        shared_rows = [i for i, g in enumerate(gens) if g is None]
+        if len(shared_rows) == len(gens):
+            noise.exponential_(generator=shared_gen)
+        else:
+            for i, g in enumerate(gens):
+                noise[i].exponential_(generator=g if g is not None else shared_gen)
+        tokens = (probs / noise).argmax(dim=-1)
+        tokens = torch.where(state.greedy, logits.argmax(dim=-1), tokens)
+    return tokens, logp.gather(-1, tokens[:, None])[:, 0]

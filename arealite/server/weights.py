@@ -1,0 +1,200 @@
+"""Weight updates of the embedded server: from an HF directory or over a process group.
+
+Every update is all-or-nothing: the new tensors are checked (names, shapes,
+dtypes) and fully received before any of them is copied into the model, so a
+bad update leaves the old weights serving.
+
+Process-group protocol (as SGLang's, see docs/internals.md): trainer rank 0
+hosts a ``TCPStore``; every server joins a group built over
+``PrefixStore(group_name, store)`` with ``rank = rank_offset``. The group object
+is built directly (``ProcessGroupGloo`` / ``ProcessGroupNCCL``), so it never
+touches a default process group. Per update, rank 0 broadcasts the tensors of
+``names`` in order, either one broadcast per tensor or, with
+``flattened_bucket: true``, a single 1-D broadcast of all of them concatenated
+(one dtype). A server that finds the metadata inconsistent with its model still
+receives every broadcast into scratch buffers (so the sender is never left
+hanging), discards them, and answers ``success: false`` naming the tensor.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import logging
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger("arealite.server")
+
+
+class WeightUpdateError(ValueError):
+    """An update that cannot be applied; the old weights stay."""
+
+
+def parse_dtype(name: object, where: str = "dtype") -> torch.dtype:
+    """``"bfloat16"`` / ``"torch.bfloat16"`` -> ``torch.bfloat16``."""
+    if not isinstance(name, str):
+        raise WeightUpdateError(f"{where}: expected a dtype name such as 'bfloat16', got {name!r}")
+    short = name.removeprefix("torch.")
+    dt = getattr(torch, short, None)
+    if not isinstance(dt, torch.dtype):
+        raise WeightUpdateError(f"{where}: {name!r} is not a torch dtype (e.g. 'float32', 'bfloat16')")
+    return dt
+
+
+def parse_shape(shape: object, where: str = "shape") -> tuple[int, ...]:
+    if not isinstance(shape, (list, tuple)) or not all(
+        isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape
+    ):
+        raise WeightUpdateError(f"{where}: expected a list of non-negative ints, got {shape!r}")
+    return tuple(shape)
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def model_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The model's tensors by HF name (tied weights appear under both names)."""
+    return dict(model.state_dict(keep_vars=False))
+
+
+def _required_names(state: dict[str, torch.Tensor]) -> list[str]:
+    """One name per distinct storage: what a full checkpoint must contain.
+
+    Tied weights (``lm_head.weight`` sharing ``model.embed_tokens.weight``)
+    count once; a checkpoint may give either name.
+    """
+    seen: dict[int, str] = {}
+    for name, t in state.items():
+        seen.setdefault(t.data_ptr(), name)
+    return list(seen.values())
+
+
+def check_metadata(
+    state: dict[str, torch.Tensor], names: list[str], dtypes: list[torch.dtype], shapes: list[tuple[int, ...]]
+) -> str | None:
+    """Why (names, dtypes, shapes) cannot update this model, or None if they can."""
+    seen = set()
+    for name, dt, shape in zip(names, dtypes, shapes):
+        if name in seen:
+            return f"tensor {name!r} is given twice"
+        seen.add(name)
+        if name not in state:
+            return f"tensor {name!r} is not a weight of this model"
+        t = state[name]
+        if tuple(t.shape) != shape:
+            return f"tensor {name!r}: shape {list(shape)} does not match the model's {list(t.shape)}"
+        if t.dtype != dt:
+            return f"tensor {name!r}: dtype {dt} does not match the model's {t.dtype}"
+    return None
+
+
+def read_hf_dir(model_path: str) -> dict[str, torch.Tensor]:
+    """All tensors of an HF safetensors directory (single file or sharded)."""
+    from safetensors.torch import load_file
+
+    root = Path(model_path)
+    if not root.is_dir():
+        raise WeightUpdateError(f"model_path {model_path!r} is not a directory")
+    index = root / "model.safetensors.index.json"
+    if index.exists():
+        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    else:
+        files = sorted(p.name for p in root.glob("*.safetensors"))
+    if not files:
+        raise WeightUpdateError(f"model_path {model_path!r} holds no *.safetensors file")
+    tensors: dict[str, torch.Tensor] = {}
+    for f in files:
+        tensors.update(load_file(str(root / f)))
+    return tensors
+
+
+def check_full_checkpoint(state: dict[str, torch.Tensor], tensors: dict[str, torch.Tensor]) -> str | None:
+    """Why ``tensors`` is not a complete, matching checkpoint of the model, or None."""
+    for name, t in tensors.items():
+        if name not in state:
+            return f"tensor {name!r} of the checkpoint is not a weight of this model"
+        if tuple(t.shape) != tuple(state[name].shape):
+            return f"tensor {name!r}: shape {list(t.shape)} does not match the model's {list(state[name].shape)}"
+    by_ptr: dict[int, list[str]] = {}
+    for name, t in state.items():
+        by_ptr.setdefault(t.data_ptr(), []).append(name)
+    for aliases in by_ptr.values():
+        if not any(a in tensors for a in aliases):
+            return f"the checkpoint lacks tensor {aliases[0]!r} (a partial update would mix old and new weights)"
+    return None
+
+
+@torch.no_grad()
+def copy_into_model(state: dict[str, torch.Tensor], tensors: dict[str, torch.Tensor]) -> None:
+    """Copy checked tensors into the model's own storage (casting to its dtype)."""
+    for name, t in tensors.items():
+        state[name].copy_(t.to(device=state[name].device, dtype=state[name].dtype))
+
+
+class WeightUpdateGroup:
+    """This server's membership in a trainer's weight-broadcast process group."""
+
+    def __init__(self, *, master_address: str, master_port: int, rank: int, world_size: int, group_name: str,
+                 backend: str, timeout_s: float, device: torch.device):
+        self.group_name = group_name
+        self.rank = rank
+        self.world_size = world_size
+        self.backend = backend
+        self.device = device if backend == "nccl" else torch.device("cpu")
+        timeout = datetime.timedelta(seconds=timeout_s)
+        # Blocks until rank 0 has created the store; the caller runs this in a thread.
+        store = torch.distributed.TCPStore(
+            master_address, master_port, world_size, is_master=False, timeout=timeout
+        )
+        self._store = store  # the prefix store does not keep its parent alive in all releases
+        prefix = torch.distributed.PrefixStore(group_name, store)
+        if backend == "gloo":
+            self.pg = torch.distributed.ProcessGroupGloo(prefix, rank, world_size, timeout)
+        elif backend == "nccl":
+            opts = torch.distributed.ProcessGroupNCCL.Options()
+            opts._timeout = timeout
+            self.pg = torch.distributed.ProcessGroupNCCL(prefix, rank, world_size, opts)
+        else:  # checked by the route; kept for direct callers
+            raise WeightUpdateError(f"backend {backend!r} is not supported (gloo or nccl)")
+
+    def _broadcast(self, t: torch.Tensor) -> None:
+        opts = torch.distributed.BroadcastOptions()
+        opts.rootRank = 0
+        opts.rootTensor = 0
+        self.pg.broadcast([t], opts).wait()
+
+    def receive(self, dtypes: list[torch.dtype], shapes: list[tuple[int, ...]], flattened: bool) -> list[torch.Tensor]:
+        """Receive the tensors rank 0 broadcasts, in order (per tensor, or one flat bucket)."""
+        if flattened:
+            flat = torch.empty(sum(_numel(s) for s in shapes), dtype=dtypes[0], device=self.device)
+            self._broadcast(flat)
+            out, offset = [], 0
+            for s in shapes:
+                n = _numel(s)
+                out.append(flat[offset:offset + n].view(s))
+                offset += n
+            return out
+        out = []
+        for dt, s in zip(dtypes, shapes):
+            t = torch.empty(s, dtype=dt, device=self.device)
+            self._broadcast(t)
+            out.append(t)
+        return out
+
+    def destroy(self) -> None:
+        # Dropping the last reference closes the connections; gloo has no
+        # explicit shutdown in every release, so be tolerant here.
+        shutdown = getattr(self.pg, "shutdown", None)
+        if callable(shutdown):
+            try:
+                shutdown()
+            except RuntimeError as e:  # already torn down by the peer
+                logger.debug("process group shutdown: %s", e)
+        self.pg = None
+        self._store = None

@@ -1,0 +1,61 @@
+"""Process-group helpers shared by the trainer processes."""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+logger = logging.getLogger(__name__)
+
+
+def default_backend() -> str:
+    """``nccl`` when CUDA is available, else ``gloo``."""
+    return "nccl" if torch.cuda.is_available() else "gloo"
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port that was free a moment ago on ``host``."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def init_default_group(backend: str | None = None, timeout_s: float = 1800.0) -> bool:
+    """Join the default process group; return True if this call created it.
+
+    Under ``torchrun`` (``RANK``/``WORLD_SIZE``/``MASTER_ADDR`` set) the group
+    spans the launched processes. Without that environment a world of one is
+    created on a free local port, so the same training code runs in a plain
+    ``python`` process. An existing default group is reused (returns False).
+    """
+    if dist.is_initialized():
+        return False
+    backend = backend or default_backend()
+    timeout = timedelta(seconds=timeout_s)
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        if backend == "nccl":
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        dist.init_process_group(backend=backend, timeout=timeout)
+    else:
+        port = free_port()
+        logger.info("no torchrun environment: creating a world-size-1 %s group on port %d", backend, port)
+        dist.init_process_group(
+            backend=backend,
+            init_method=f"tcp://127.0.0.1:{port}",
+            rank=0,
+            world_size=1,
+            timeout=timeout,
+        )
+    return True
+
+
+def all_reduce_scalar(value: float, op: str = "sum", device: torch.device | str = "cpu") -> float:
+    """All-reduce one Python number over the default group (``sum`` or ``max``)."""
+    t = torch.tensor([float(value)], dtype=torch.float64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.SUM if op == "sum" else dist.ReduceOp.MAX)
+    return float(t.item())

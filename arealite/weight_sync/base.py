@@ -1,0 +1,255 @@
+"""Pieces shared by the weight-sync methods: errors, ranks, the read-back check.
+
+A weight sync moves the trainer's weights to every inference server. Whatever
+the transport, the same rules hold:
+
+- only trainer rank 0 talks to the servers; every rank still iterates
+  ``engine.named_weight_buckets`` (unsharding is a collective) and then meets
+  the others at a barrier;
+- every update carries its ``weight_version``;
+- afterwards a sample of tensors is read back with ``get_weights_by_name`` and
+  compared with the trainer's copy; any failure raises ``WeightSyncError``
+  and the servers are left paused, so that none of them keeps serving old
+  weights as if nothing had happened.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import time
+from collections.abc import Callable, Coroutine, Iterable, Iterator
+from typing import Any, Protocol
+
+import torch
+import torch.distributed as dist
+
+logger = logging.getLogger("arealite.weight_sync")
+
+#: Values compared per read-back tensor.
+VERIFY_TRUNCATE = 100
+
+Runner = Callable[[Coroutine[Any, Any, Any]], Any]
+"""Runs a coroutine on the inference client's event loop and returns its result
+(``RolloutController.run``); called from the trainer thread."""
+
+
+class WeightSyncError(RuntimeError):
+    """A weight update failed; the run must stop (servers are left paused).
+
+    ``server``, ``tensor`` and ``cause`` say where and why (either of the first two may
+    be None when it does not apply).
+    """
+
+    def __init__(self, cause: str, *, server: str | None = None, tensor: str | None = None,
+                 version: int | None = None):
+        self.server, self.tensor, self.cause, self.version = server, tensor, cause, version
+        where = []
+        if version is not None:
+            where.append(f"version {version}")
+        if server is not None:
+            where.append(f"server {server}")
+        if tensor is not None:
+            where.append(f"tensor {tensor!r}")
+        prefix = f"weight sync ({', '.join(where)})" if where else "weight sync"
+        super().__init__(
+            f"{prefix} failed: {cause}. The servers stay paused so that none serves stale "
+            "weights; stop the run and check the server logs.")
+
+
+class WeightSource(Protocol):
+    """What a weight sync reads from: a train engine (``FSDPEngine``) or `StateDictSource`."""
+
+    def named_weight_buckets(self, bucket_bytes: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
+        ...
+
+
+class StateDictSource:
+    """A `WeightSource` over a plain (unsharded) model or state dict, in HF names.
+
+    Tied weights (tensors sharing storage) are given once, under their first
+    name, as in an HF safetensors file. Used by tests, benchmarks and single-process
+    scripts that train without FSDP.
+    """
+
+    def __init__(self, model_or_state: torch.nn.Module | dict[str, torch.Tensor]):
+        if isinstance(model_or_state, torch.nn.Module):
+            state = model_or_state.state_dict()
+        else:
+            state = dict(model_or_state)
+        seen: set[int] = set()
+        self.tensors: list[tuple[str, torch.Tensor]] = []
+        for name, t in state.items():
+            key = t.untyped_storage().data_ptr() if t.numel() else id(t)
+            if key in seen:
+                continue
+            seen.add(key)
+            self.tensors.append((name, t.detach()))
+
+    def named_weight_buckets(self, bucket_bytes: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
+        """Buckets of at most `bucket_bytes` (a larger tensor is a bucket of its own)."""
+        if bucket_bytes <= 0:
+            raise ValueError(f"bucket_bytes={bucket_bytes} must be > 0 (weight_sync.bucket_size_mb)")
+        yield from buckets_of(self.tensors, bucket_bytes)
+
+
+def buckets_of(named: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int
+               ) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    """Group `(name, tensor)` pairs into buckets of at most `bucket_bytes`."""
+    bucket: list[tuple[str, torch.Tensor]] = []
+    size = 0
+    for name, t in named:
+        nbytes = t.numel() * t.element_size()
+        if bucket and size + nbytes > bucket_bytes:
+            yield bucket
+            bucket, size = [], 0
+        bucket.append((name, t))
+        size += nbytes
+    if bucket:
+        yield bucket
+
+
+def bucket_bytes_of(config) -> int:
+    """`weight_sync.bucket_size_mb` in bytes."""
+    return max(1, int(config.bucket_size_mb * (1 << 20)))
+
+
+def trainer_rank() -> tuple[int, int]:
+    """(rank, world size) of this trainer process in the default group ((0, 1) without one)."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def barrier() -> None:
+    """Wait for every trainer rank (no-op without a default process group)."""
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        dist.barrier()
+
+
+def drain(source: WeightSource, bucket_bytes: int) -> None:
+    """Iterate every bucket without using it: what ranks other than 0 do (it is collective)."""
+    for _ in source.named_weight_buckets(bucket_bytes):
+        pass
+
+
+class ReadbackSample:
+    """Reservoir sample of `k` tensors seen during a push, kept for the read-back check.
+
+    The sample is drawn anew each version (seeded by it), so successive updates
+    check different tensors. What is kept is what `get_weights_by_name`
+    returns: the first `VERIFY_TRUNCATE` rows (SGLang) of which the embedded server
+    returns the first `VERIFY_TRUNCATE` values; both are prefixes of
+    ``t[:VERIFY_TRUNCATE].flatten()``.
+    """
+
+    def __init__(self, k: int, version: int):
+        self.k = k
+        self._rng = random.Random(version)
+        self._seen = 0
+        self.expected: dict[str, torch.Tensor] = {}
+
+    def offer(self, name: str, t: torch.Tensor) -> None:
+        if self.k <= 0:
+            return
+        self._seen += 1
+        if len(self.expected) < self.k:
+            self.expected[name] = _head(t)
+            return
+        j = self._rng.randrange(self._seen)
+        if j < self.k:
+            victim = list(self.expected)[j]
+            del self.expected[victim]
+            self.expected[name] = _head(t)
+
+
+def _head(t: torch.Tensor) -> torch.Tensor:
+    head = t[:VERIFY_TRUNCATE] if t.dim() > 0 else t.reshape(1)
+    return head.detach().reshape(-1).to(device="cpu", dtype=torch.float32).clone()
+
+
+def _flatten_values(values: Any) -> list[float]:
+    out: list[float] = []
+    stack = [values]
+    # Iterative flatten: a nested list of any depth (SGLang returns rows of a 2-D weight).
+    while stack:
+        v = stack.pop()
+        if isinstance(v, (list, tuple)):
+            stack.extend(reversed(v))
+        else:
+            out.append(float(v))
+    return out
+
+
+def tolerance_for(dtype: torch.dtype | None) -> tuple[float, float]:
+    """(rtol, atol) of the read-back comparison for the servers' weight dtype."""
+    if dtype in (torch.bfloat16, torch.float16):
+        return 1e-2, 1e-3
+    return 1e-5, 1e-6
+
+
+def compare_readback(expected: dict[str, torch.Tensor], answers: dict[str, dict[str, Any]],
+                     version: int, dtype: torch.dtype | None = None) -> None:
+    """Check `get_weights_by_name` answers (`{tensor: {server: values}}`) against `expected`.
+
+    Raises `WeightSyncError` naming the first server and tensor that disagree.
+    """
+    rtol, atol = tolerance_for(dtype)
+    for name, want in expected.items():
+        per_server = answers.get(name)
+        if not per_server:
+            raise WeightSyncError("no server answered get_weights_by_name", tensor=name,
+                                  version=version)
+        for server, values in per_server.items():
+            if isinstance(values, dict):  # tolerate {"values": [...]}-style answers
+                values = values.get("values", values.get("weights"))
+            try:
+                got = torch.tensor(_flatten_values(values), dtype=torch.float32)
+            except (TypeError, ValueError):
+                raise WeightSyncError(f"get_weights_by_name returned {str(values)[:80]!r}, "
+                                      "not a list of numbers", server=server, tensor=name,
+                                      version=version) from None
+            n = got.numel()
+            if n == 0 or n > want.numel():
+                raise WeightSyncError(
+                    f"get_weights_by_name returned {n} values where 1..{want.numel()} were "
+                    "expected (the tensor's shape differs from the trainer's)",
+                    server=server, tensor=name, version=version)
+            ref = want[:n]
+            if not torch.allclose(got, ref, rtol=rtol, atol=atol):
+                diff = (got - ref).abs()
+                i = int(diff.argmax())
+                raise WeightSyncError(
+                    f"read-back mismatch: server has {got[i].item():.6g} at flat index {i}, "
+                    f"trainer has {ref[i].item():.6g} (max abs diff {diff.max().item():.3g})",
+                    server=server, tensor=name, version=version)
+
+
+def admin_error(e: Exception, version: int, tensor: str | None = None) -> WeightSyncError:
+    """Turn a client admin failure (``ServerAdminError``) into a `WeightSyncError`."""
+    failures = getattr(e, "failures", None)
+    route = getattr(e, "route", "")
+    if isinstance(failures, dict) and failures:
+        server, cause = next(iter(failures.items()))
+        more = f" (and {len(failures) - 1} other server(s))" if len(failures) > 1 else ""
+        return WeightSyncError(f"{route}: {cause}{more}", server=server, tensor=tensor,
+                               version=version)
+    return WeightSyncError(f"{type(e).__name__}: {e}", tensor=tensor, version=version)
+
+
+class Timer:
+    """Accumulates named phase durations for the timings a push returns."""
+
+    def __init__(self):
+        self.t0 = time.perf_counter()
+        self.timings: dict[str, float] = {}
+        self._last = self.t0
+
+    def lap(self, name: str) -> None:
+        now = time.perf_counter()
+        self.timings[name] = self.timings.get(name, 0.0) + now - self._last
+        self._last = now
+
+    def total(self) -> dict[str, float]:
+        self.timings["total_s"] = time.perf_counter() - self.t0
+        return self.timings

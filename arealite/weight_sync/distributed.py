@@ -1,0 +1,256 @@
+"""Weight sync over a process group: trainer rank 0 broadcasts, every server receives.
+
+Handshake (SGLang's protocol, see DESIGN.md): rank 0 hosts a TCP store, posts
+``/init_weights_update_group`` to every server (the call blocks until the
+rendezvous, so it runs in the background) and joins the group itself as rank 0.
+
+Per update (``push``), on rank 0:
+
+    pause_generation (in-flight requests come back as ``abort``; the client resumes them later)
+    begin_weight_update                      (SGLang >= 0.5.21; skipped on older servers)
+    for each bucket of ``weight_sync.bucket_size_mb``:
+        post /update_weights_from_distributed {names, dtypes, shapes, weight_version}
+        broadcast the bucket's tensors in ``names`` order  (concurrently with the HTTP call)
+        await the HTTP answer
+    end_weight_update
+    read back ``verify_n_tensors`` tensors with get_weights_by_name and compare
+    continue_generation
+
+A bucket whose tensors share one dtype is sent as a single flattened broadcast
+(``load_format: flattened_bucket``); bytes on the wire are the same as SGLang's
+uint8-flattened bucket. Other ranks iterate the buckets (unsharding is a
+collective) and wait at a barrier.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import threading
+import uuid
+from typing import Any, Callable, Literal
+
+import torch
+
+from arealite.utils.net import free_port, host_ip, split_addr
+from arealite.weight_sync.base import (
+    VERIFY_TRUNCATE,
+    ReadbackSample,
+    Runner,
+    Timer,
+    WeightSource,
+    WeightSyncError,
+    admin_error,
+    barrier,
+    bucket_bytes_of,
+    compare_readback,
+    drain,
+    logger,
+    trainer_rank,
+)
+from arealite.weight_sync.group import Layout, UpdateGroup
+
+_LOCAL_HOSTS = {"127.0.0.1", "localhost", "::1"}
+
+
+def in_thread(fn: Callable[[], Any], name: str) -> cf.Future:
+    """Run `fn` in a daemon thread; a collective stuck on a dead peer must not block exit."""
+    fut: cf.Future = cf.Future()
+
+    def body():
+        if not fut.set_running_or_notify_cancel():
+            return
+        try:
+            fut.set_result(fn())
+        except BaseException as e:  # handed to the waiting thread, which raises it
+            fut.set_exception(e)
+
+    threading.Thread(target=body, name=name, daemon=True).start()
+    return fut
+
+
+def resolve_backend(backend: str) -> str:
+    """`weight_sync.backend`: `auto` is nccl on CUDA, else gloo."""
+    if backend == "auto":
+        return "nccl" if torch.cuda.is_available() else "gloo"
+    return backend
+
+
+class DistributedWeightSync:
+    """Push weights from trainer rank 0 to every server over a gloo/NCCL group.
+
+    `client` is a ``RemoteSGLangEngine`` (initialized); `run(coro)` runs one of its
+    coroutines on its event loop and returns the result (``RolloutController.run``).
+    `wire_dtype` casts the weights before sending (the servers' dtype, e.g.
+    bfloat16 on GPUs; None keeps the trainer's). `layout` picks the store key
+    layout (``auto`` asks the servers which engine they run).
+    """
+
+    def __init__(self, config, client, run: Runner, *, wire_dtype: torch.dtype | None = None,
+                 layout: Literal["auto"] | Layout = "auto", flattened: bool = False):
+        self.config = config
+        self.client = client
+        self.run = run
+        self.wire_dtype = wire_dtype
+        self.layout = layout
+        self.flattened = flattened
+        self.backend = resolve_backend(config.backend)
+        self.group_name = f"arealite_weights_{uuid.uuid4().hex[:8]}"
+        self.group: UpdateGroup | None = None
+        self._broken: str | None = None
+        self._initialized = False
+
+    # -- set-up --------------------------------------------------------------------------
+
+    def _detect_layout(self) -> Layout:
+        if self.layout != "auto":
+            return self.layout
+        kinds = set()
+        for addr in self.client.servers:
+            info = getattr(self.client._server(addr), "info", None) or {}
+            kinds.add("embedded" if info.get("engine") == "arealite-embedded" else "sglang")
+        if len(kinds) > 1:
+            raise WeightSyncError("the servers mix arealite-embedded and SGLang engines; one "
+                                  "weight-update group cannot serve both (use weight_sync.method=disk)")
+        return kinds.pop() if kinds else "sglang"
+
+    def _master_addr(self) -> str:
+        hosts = {split_addr(a)[0] for a in self.client.servers}
+        return "127.0.0.1" if hosts <= _LOCAL_HOSTS else host_ip()
+
+    def init(self, master_addr: str | None = None) -> None:
+        """Build the weight-update group (rank 0 and every server); other ranks do nothing."""
+        if self._initialized:
+            return
+        rank, _ = trainer_rank()
+        self._initialized = True
+        if rank != 0:
+            return
+        timeout = self.config.timeout_s
+        layout = self._detect_layout()
+        master_addr = master_addr or self._master_addr()
+        port = free_port("0.0.0.0" if master_addr not in _LOCAL_HOSTS else master_addr)
+        store = UpdateGroup.host_store(master_addr, port, timeout)
+        world_size = self.client.weights_update_world_size()
+        http = in_thread(lambda: self.run(self.client.init_weights_update_group(
+            master_addr, port, world_size, self.group_name, self.backend, timeout=timeout)),
+            "weight-sync-init-http")
+        join = in_thread(lambda: UpdateGroup.join(
+            store, group_name=self.group_name, world_size=world_size, backend=self.backend,
+            layout=layout, timeout_s=timeout), "weight-sync-init-join")
+        self._wait_both(http, join, timeout, version=None, what="init_weights_update_group",
+                        names=[])
+        self.group = join.result()
+        logger.info("weight-update group %s: %d server rank(s) joined over %s (%s:%d)",
+                    self.group_name, world_size - 1, self.backend, master_addr, port)
+
+    # -- one update ----------------------------------------------------------------------
+
+    def _admin(self, coro, version: int, what: str) -> Any:
+        try:
+            return self.run(coro)
+        except WeightSyncError:
+            raise
+        except Exception as e:  # the client raises ServerAdminError / GenerationError
+            raise admin_error(e, version) from e
+
+    def _wait_both(self, http: cf.Future, bcast: cf.Future, timeout: float, version: int | None,
+                   what: str, names: list[str]) -> None:
+        """Wait for an HTTP call and its collective; fail fast if either fails."""
+        done, _ = cf.wait([http, bcast], timeout=timeout, return_when=cf.FIRST_EXCEPTION)
+        for fut, kind in ((http, "http"), (bcast, "collective")):
+            if fut in done and fut.exception() is not None:
+                e = fut.exception()
+                self._broken = f"{what} failed: {e}"
+                tensor = next((n for n in names if repr(n) in str(e) or n in str(e)), None)
+                if kind == "http":
+                    if isinstance(e, WeightSyncError):
+                        raise e
+                    raise admin_error(e, version, tensor) from e
+                raise WeightSyncError(f"{what}: the broadcast failed: {e}", tensor=tensor,
+                                      version=version) from e
+        if len(done) < 2:
+            self._broken = f"{what} timed out"
+            raise WeightSyncError(
+                f"{what}: no answer within weight_sync.timeout_s={timeout:g}s "
+                f"({'HTTP call' if http not in done else 'broadcast'} still pending)",
+                version=version)
+
+    def _prepare(self, t: torch.Tensor) -> torch.Tensor:
+        t = t.detach()
+        if self.wire_dtype is not None and t.dtype != self.wire_dtype:
+            t = t.to(self.wire_dtype)
+        device = self.group.device if self.group is not None else t.device
+        return t.to(device).contiguous()
+
+    def push(self, engine: WeightSource, version: int) -> dict[str, float]:
+        """Send `engine`'s weights as `version` to every server; returns timings (rank 0).
+
+        Every trainer rank must call it. Raises `WeightSyncError` on any failure.
+        """
+        if not self._initialized:
+            raise RuntimeError("DistributedWeightSync.push before init(): call init() once first")
+        rank, _ = trainer_rank()
+        bucket_bytes = bucket_bytes_of(self.config)
+        if rank != 0:
+            drain(engine, bucket_bytes)
+            barrier()
+            return {}
+        if self._broken:
+            raise WeightSyncError(f"the weight-update group is broken ({self._broken}); "
+                                  "restart the run", version=version)
+        timeout = self.config.timeout_s
+        timer = Timer()
+        sample = ReadbackSample(self.config.verify_n_tensors, version)
+        self._admin(self.client.pause_generation(), version, "pause_generation")
+        self._admin(self.client.begin_weight_update(), version, "begin_weight_update")
+        timer.lap("pause_s")
+        n_bytes = n_tensors = n_buckets = 0
+        for bucket in engine.named_weight_buckets(bucket_bytes):
+            names = [n for n, _ in bucket]
+            tensors = [self._prepare(t) for _, t in bucket]
+            for n, t in zip(names, tensors):
+                sample.offer(n, t)
+            flat = self.flattened and len(tensors) > 1 and len({t.dtype for t in tensors}) == 1
+            coro = self.client.update_weights_from_distributed(
+                names, [t.dtype for t in tensors], [list(t.shape) for t in tensors],
+                self.group_name, version, flattened_bucket=flat, timeout=timeout)
+            http = in_thread(lambda c=coro: self.run(c), "weight-sync-http")
+            send = [torch.cat([t.reshape(-1) for t in tensors])] if flat else tensors
+            works = self.group.broadcast(send)
+            bcast = in_thread(lambda w=works: [x.wait() for x in w], "weight-sync-broadcast")
+            self._wait_both(http, bcast, timeout, version, "update_weights_from_distributed", names)
+            n_buckets += 1
+            n_tensors += len(tensors)
+            n_bytes += sum(t.numel() * t.element_size() for t in tensors)
+        timer.lap("transfer_s")
+        self._admin(self.client.end_weight_update(), version, "end_weight_update")
+        self.verify(sample.expected, version)
+        timer.lap("verify_s")
+        self._admin(self.client.continue_generation(), version, "continue_generation")
+        timer.lap("continue_s")
+        barrier()
+        out = timer.total()
+        out.update(bytes=float(n_bytes), n_buckets=float(n_buckets), n_tensors=float(n_tensors))
+        logger.info("pushed version %d: %d tensors, %.1f MB in %d bucket(s), %.3fs",
+                    version, n_tensors, n_bytes / 2**20, n_buckets, out["total_s"])
+        return out
+
+    def verify(self, expected: dict[str, torch.Tensor], version: int) -> None:
+        """Read `expected`'s tensors back from every server and compare (raises on mismatch)."""
+        answers = {}
+        for name in expected:
+            answers[name] = self._admin(self.client.get_weights_by_name(name, VERIFY_TRUNCATE),
+                                        version, "get_weights_by_name")
+        compare_readback(expected, answers, version, self.wire_dtype)
+
+    def close(self) -> None:
+        """Tear the group down on the servers and here (rank 0); safe to call twice."""
+        if self.group is None:
+            return
+        if not self._broken:
+            try:
+                self.run(self.client.destroy_weights_update_group(self.group_name))
+            except Exception as e:  # closing must not mask the error that led here
+                logger.warning("destroy_weights_update_group failed: %s", e)
+        self.group.close()
+        self.group = None

@@ -1,0 +1,208 @@
+"""Multi-turn episodes: the model answers, the environment replies, the model tries again.
+
+Token-in/token-out: the conversation lives as one list of token ids. Each
+model turn appends exactly the tokens the server generated; each environment
+reply appends the token piece of a user turn, cut from the tokenizer's chat
+template. Nothing already in the conversation is ever re-tokenized, so the
+log-probs the server returned stay aligned with the tokens trained on, and
+``loss_mask`` covers exactly the assistant's tokens.
+
+Two output forms:
+
+- ``per_step=False`` (default): one row per conversation, reward
+  ``r_last * turn_discount ** last_turn`` (a correct answer after two retries
+  is worth less than a first-try one).
+- ``per_step=True``: for environments with a reward per step, one row per
+  model turn (its context with ``loss_mask`` False, its own tokens True),
+  sharing ``traj_id``, with ``step_id`` and ``n_steps``, so the algorithm can
+  broadcast step-wise advantages.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+from typing import Any, Awaitable, Callable
+
+import torch
+from tensordict import TensorDict
+
+from arealite.api.types import Completion, GenerationRequest
+from arealite.config.schema import GenerationConfig, RolloutConfig
+from arealite.workflow.base import (
+    InferenceEngine,
+    RewardError,
+    RewardRunner,
+    RolloutWorkflow,
+    new_group_id,
+    pad_and_stack,
+    trajectory_row,
+)
+from arealite.workflow.rlvr import RewardFn, encode_prompt, item_fields, sampling_from_config
+
+_SENTINEL = "\u2063AREALITE_SENTINEL\u2063"
+
+
+@dataclass
+class StepResult:
+    """What the environment says about one model turn."""
+
+    reward: float
+    done: bool
+    feedback: str | None = None  # the next user turn when not done
+
+
+#: ``env(item, completion_text, completion_ids, turn) -> StepResult`` (a coroutine function).
+Environment = Callable[[dict[str, Any], str, list[int], int], Awaitable[StepResult]]
+
+
+class MultiTurnWorkflow(RolloutWorkflow):
+    """Up to ``max_turns`` model turns per conversation; ``gconfig.n_samples`` conversations per group.
+
+    Without an ``env``, the default environment scores each answer with
+    ``reward_fn``; an answer scoring ``>= success_reward`` ends the
+    conversation, any other gets ``feedback`` as the next user turn.
+    """
+
+    def __init__(
+        self,
+        reward_fn: RewardFn | None,
+        gconfig: GenerationConfig,
+        tokenizer: Any,
+        rollout_config: RolloutConfig | None = None,
+        *,
+        max_turns: int = 3,
+        turn_discount: float = 0.9,
+        feedback: str = "Your answer is wrong. Please think again and give the final answer.",
+        success_reward: float = 1.0,
+        env: Environment | None = None,
+        per_step: bool = False,
+        prompt_key: str = "prompt",
+    ):
+        if max_turns < 1:
+            raise ValueError(f"max_turns must be >= 1, got {max_turns}")
+        if not 0 < turn_discount <= 1:
+            raise ValueError(f"turn_discount must be in (0, 1], got {turn_discount}")
+        if env is None and reward_fn is None:
+            raise ValueError("give either reward_fn (default environment) or env")
+        if getattr(tokenizer, "chat_template", None) is None:
+            raise ValueError("MultiTurnWorkflow needs a tokenizer with a chat template (tokenizer.chat_template is None)")
+        rc = rollout_config or RolloutConfig()
+        self.reward_fn = reward_fn
+        self.gconfig = gconfig
+        self.tokenizer = tokenizer
+        self.sampling = sampling_from_config(gconfig, tokenizer)
+        self.max_turns = max_turns
+        self.turn_discount = turn_discount
+        self.feedback = feedback
+        self.success_reward = success_reward
+        self.env = env
+        self.per_step = per_step
+        self.prompt_key = prompt_key
+        self.on_reward_error = rc.on_reward_error
+        self.rewards = RewardRunner(rc.reward_timeout_s, rc.reward_workers)
+        self.counters = {"reward_errors": 0, "reward_rejected_groups": 0, "turns": 0}
+
+    def stats(self) -> dict[str, int]:
+        return {**self.counters, "reward_abandoned_threads": self.rewards.abandoned_threads}
+
+    # -- token pieces of the chat template ---------------------------------
+    def user_turn_piece(self, text: str) -> list[int]:
+        """Tokens that close the assistant turn, add a user turn ``text`` and open the next assistant turn.
+
+        Cut from a rendered conversation after a sentinel assistant message, so
+        templates that add a default system prompt still give the right piece.
+        """
+        msgs = [
+            {"role": "user", "content": "x"},
+            {"role": "assistant", "content": _SENTINEL},
+            {"role": "user", "content": text},
+        ]
+        rendered = self.tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
+        if _SENTINEL not in rendered:
+            raise ValueError("the chat template drops assistant content; cannot cut turn pieces from it")
+        return list(self.tokenizer.encode(rendered.split(_SENTINEL, 1)[1], add_special_tokens=False))
+
+    async def _default_env(
+        self, item: dict[str, Any], completion: str, completion_ids: list[int], turn: int, prompt_ids: list[int]
+    ) -> StepResult:
+        prompt = item.get(self.prompt_key, "")
+        prompt = prompt if isinstance(prompt, str) else str(prompt)
+        try:
+            r = await self.rewards(self.reward_fn, prompt, completion, prompt_ids, completion_ids, **item_fields(item))
+        except RewardError:
+            self.counters["reward_errors"] += 1
+            if self.on_reward_error == "reject":
+                raise
+            r = 0.0
+        done = r >= self.success_reward
+        return StepResult(r, done, None if done else self.feedback)
+
+    # -- one conversation ---------------------------------------------------
+    async def _conversation(self, engine: InferenceEngine, item: dict[str, Any], prompt_ids: list[int], affinity: str):
+        ids = list(prompt_ids)
+        pieces: list[tuple[list[int], list[float] | None, list[int] | None]] = []
+        steps: list[tuple[int, float]] = []  # (index into pieces of the model turn, reward)
+        for turn in range(self.max_turns):
+            comp: Completion = await engine.agenerate(
+                GenerationRequest(input_ids=list(ids), sampling=self.sampling, affinity_key=affinity)
+            )
+            out = list(comp.output_ids)
+            pieces.append((out, list(comp.output_logprobs), list(comp.output_versions)))
+            ids.extend(out)
+            self.counters["turns"] += 1
+            text = self.tokenizer.decode(out, skip_special_tokens=True)
+            if self.env is None:
+                res = await self._default_env(item, text, out, turn, prompt_ids)
+            else:
+                res = await self.env(item, text, out, turn)
+            steps.append((len(pieces) - 1, float(res.reward)))
+            if res.done or turn == self.max_turns - 1:
+                break
+            if res.feedback is None:
+                raise ValueError(f"environment returned done=False without feedback at turn {turn}")
+            piece = self.user_turn_piece(res.feedback)
+            # The model may already have closed its turn with the template's end token.
+            if out and piece and out[-1] == piece[0]:
+                piece = piece[1:]
+            pieces.append((piece, None, None))
+            ids.extend(piece)
+        return pieces, steps
+
+    async def arun_episode(self, engine: InferenceEngine, item: dict[str, Any]) -> TensorDict | None:
+        _, prompt_ids = encode_prompt(self.tokenizer, item, self.prompt_key, apply_chat_template=True)
+        gid = new_group_id()
+        try:
+            convs = await asyncio.gather(
+                *(self._conversation(engine, item, prompt_ids, f"group-{gid}") for _ in range(self.gconfig.n_samples))
+            )
+        except RewardError:
+            self.counters["reward_rejected_groups"] += 1
+            return None
+        rows, per_row = [], {"rewards": [], "traj_id": [], "step_id": [], "n_steps": []}
+        for pieces, steps in convs:
+            traj = new_group_id()
+            if self.per_step:
+                for s, (idx, r) in enumerate(steps):
+                    context = [(p[0], None, None) for p in pieces[:idx]]
+                    rows.append(trajectory_row(prompt_ids, context + [pieces[idx]]))
+                    per_row["rewards"].append(r)
+                    per_row["traj_id"].append(traj)
+                    per_row["step_id"].append(s)
+                    per_row["n_steps"].append(len(steps))
+            else:
+                rows.append(trajectory_row(prompt_ids, pieces))
+                last_turn, r = len(steps) - 1, steps[-1][1]
+                per_row["rewards"].append(r * self.turn_discount**last_turn)
+                per_row["traj_id"].append(traj)
+                per_row["step_id"].append(last_turn)
+                per_row["n_steps"].append(len(steps))
+        n = len(rows)
+        tensors = {
+            "rewards": torch.tensor(per_row["rewards"], dtype=torch.float32),
+            "group_id": torch.full((n,), gid, dtype=torch.int64),
+            "prompt_id": torch.full((n,), int(item.get("prompt_id", -1)), dtype=torch.int64),
+        }
+        for k in ("traj_id", "step_id", "n_steps"):
+            tensors[k] = torch.tensor(per_row[k], dtype=torch.int64)
+        return pad_and_stack(rows, tensors)

@@ -1,0 +1,185 @@
+"""Single-turn RL with verifiable rewards: one prompt -> a group of n samples.
+
+The n samples are generated concurrently and share an ``affinity_key``, so
+they land on the same server and reuse its prefix cache. Each sample is scored
+by ``reward_fn`` in a thread with a timeout; a reward function that fails is
+counted and handled by ``on_reward_error`` (zero reward, or reject the group).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import threading
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+from tensordict import TensorDict
+
+from arealite.api.types import Completion, GenerationRequest, SamplingParams
+from arealite.config.schema import GenerationConfig, RolloutConfig
+from arealite.workflow.base import (
+    InferenceEngine,
+    RewardError,
+    RewardRunner,
+    RolloutWorkflow,
+    new_group_id,
+    pad_and_stack,
+    trajectory_row,
+)
+
+logger = logging.getLogger("arealite.workflow")
+
+#: ``reward_fn(prompt, completion, prompt_ids, completion_ids, **item_fields) -> float``
+RewardFn = Callable[..., float]
+
+# Names reward functions receive positionally; item fields with these names are not forwarded.
+_RESERVED = ("prompt", "completion", "prompt_ids", "completion_ids")
+
+
+def sampling_from_config(gconfig: GenerationConfig, tokenizer: Any = None) -> SamplingParams:
+    """The per-request ``SamplingParams`` of a ``GenerationConfig`` (EOS always stops)."""
+    stop = list(gconfig.stop_token_ids)
+    eos = getattr(tokenizer, "eos_token_id", None)
+    if eos is not None and eos not in stop:
+        stop.append(int(eos))
+    return SamplingParams(
+        max_new_tokens=gconfig.max_new_tokens,
+        temperature=gconfig.temperature,
+        top_p=gconfig.top_p,
+        top_k=gconfig.top_k,
+        min_p=gconfig.min_p,
+        stop_token_ids=stop,
+        greedy=gconfig.greedy,
+    )
+
+
+def encode_prompt(tokenizer: Any, item: dict[str, Any], prompt_key: str, apply_chat_template: bool) -> tuple[str, list[int]]:
+    """Prompt text and token ids of an item.
+
+    A ``messages`` list (``[{role, content}, ...]``) always goes through the chat
+    template; a string only when ``apply_chat_template`` is set. An item that
+    already carries ``input_ids`` is used as is (token-in).
+    """
+    if "input_ids" in item:
+        ids = [int(t) for t in item["input_ids"]]
+        return tokenizer.decode(ids), ids
+    if prompt_key not in item:
+        raise KeyError(f"item has no prompt field '{prompt_key}' (fields: {sorted(item)}); set the prompt key")
+    prompt = item[prompt_key]
+    if isinstance(prompt, list) or apply_chat_template:
+        messages = prompt if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    elif isinstance(prompt, str):
+        text = prompt
+    else:
+        raise TypeError(f"item field '{prompt_key}' must be a string or a list of messages, got {type(prompt).__name__}")
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    if not ids:
+        raise ValueError(f"item field '{prompt_key}' encodes to no tokens: {prompt!r:.80}")
+    return text, list(ids)
+
+
+def item_fields(item: dict[str, Any]) -> dict[str, Any]:
+    """The item's fields forwarded to reward functions as keyword arguments."""
+    return {k: v for k, v in item.items() if k not in _RESERVED and k != "input_ids"}
+
+
+class TextDumper:
+    """Appends generated texts as JSONL, one file per policy version, for inspection."""
+
+    def __init__(self, dump_dir: str | Path):
+        self.dir = Path(dump_dir)
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self._lock = threading.Lock()
+
+    def write(self, version: int, records: list[dict[str, Any]]) -> None:
+        lines = "".join(json.dumps(r, ensure_ascii=False, default=str) + "\n" for r in records)
+        with self._lock, open(self.dir / f"version_{version}.jsonl", "a", encoding="utf-8") as f:
+            f.write(lines)
+
+
+class RLVRWorkflow(RolloutWorkflow):
+    """Prompt -> ``gconfig.n_samples`` completions -> rewards -> one group of n rows.
+
+    Rows carry the trajectory keys plus ``prompt_id`` (the item's, -1 if none).
+    """
+
+    def __init__(
+        self,
+        reward_fn: RewardFn,
+        gconfig: GenerationConfig,
+        tokenizer: Any,
+        rollout_config: RolloutConfig | None = None,
+        *,
+        prompt_key: str = "prompt",
+        apply_chat_template: bool = False,
+    ):
+        if not callable(reward_fn):
+            raise TypeError(f"reward_fn must be callable, got {type(reward_fn).__name__}")
+        rc = rollout_config or RolloutConfig()
+        self.reward_fn = reward_fn
+        self.gconfig = gconfig
+        self.tokenizer = tokenizer
+        self.sampling = sampling_from_config(gconfig, tokenizer)
+        self.prompt_key = prompt_key
+        self.apply_chat_template = apply_chat_template
+        self.on_reward_error = rc.on_reward_error
+        self.rewards = RewardRunner(rc.reward_timeout_s, rc.reward_workers)
+        self.dumper = TextDumper(rc.dump_dir) if rc.dump_dir else None
+        self.counters = {"reward_errors": 0, "reward_rejected_groups": 0}
+
+    def stats(self) -> dict[str, int]:
+        return {**self.counters, "reward_abandoned_threads": self.rewards.abandoned_threads}
+
+    async def score(self, prompt: str, completion: str, prompt_ids: list[int], completion_ids: list[int], item: dict[str, Any]) -> float | None:
+        """Reward of one sample, or ``None`` if it failed and the policy is to reject."""
+        try:
+            return await self.rewards(self.reward_fn, prompt, completion, prompt_ids, completion_ids, **item_fields(item))
+        except RewardError as e:
+            self.counters["reward_errors"] += 1
+            logger.warning("reward error on item %s: %s", item.get("prompt_id", "?"), e)
+            return None if self.on_reward_error == "reject" else 0.0
+
+    async def arun_episode(self, engine: InferenceEngine, item: dict[str, Any]) -> TensorDict | None:
+        prompt, prompt_ids = encode_prompt(self.tokenizer, item, self.prompt_key, self.apply_chat_template)
+        gid = new_group_id()
+        group = f"group-{gid}"
+        reqs = [
+            GenerationRequest(input_ids=list(prompt_ids), sampling=self.sampling, affinity_key=group)
+            for _ in range(self.gconfig.n_samples)
+        ]
+        comps: list[Completion] = await asyncio.gather(*(engine.agenerate(r) for r in reqs))
+        texts = [self.tokenizer.decode(c.output_ids, skip_special_tokens=True) for c in comps]
+        rewards = await asyncio.gather(
+            *(self.score(prompt, t, prompt_ids, list(c.output_ids), item) for c, t in zip(comps, texts))
+        )
+        if any(r is None for r in rewards):
+            self.counters["reward_rejected_groups"] += 1
+            return None
+        if self.dumper is not None:
+            self._dump(item, prompt, comps, texts, rewards)
+        rows = [trajectory_row(prompt_ids, [(c.output_ids, c.output_logprobs, c.output_versions)]) for c in comps]
+        n = len(rows)
+        return pad_and_stack(
+            rows,
+            {
+                "rewards": torch.tensor(rewards, dtype=torch.float32),
+                "group_id": torch.full((n,), gid, dtype=torch.int64),
+                "prompt_id": torch.full((n,), int(item.get("prompt_id", -1)), dtype=torch.int64),
+            },
+        )
+
+    def _dump(self, item: dict[str, Any], prompt: str, comps: list[Completion], texts: list[str], rewards: list[float | None]) -> None:
+        by_version: dict[int, list[dict[str, Any]]] = {}
+        for c, t, r in zip(comps, texts, rewards):
+            # A sample is filed under the newest version among its tokens.
+            v = max(c.output_versions) if c.output_versions else -1
+            by_version.setdefault(v, []).append(
+                {"prompt_id": item.get("prompt_id"), "prompt": prompt, "completion": t, "reward": r,
+                 "finish_reason": c.finish_reason, "n_tokens": len(c.output_ids)}
+            )
+        for v, recs in by_version.items():
+            self.dumper.write(v, recs)

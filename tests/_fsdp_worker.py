@@ -1,0 +1,115 @@
+"""A training scenario run both under ``torchrun --nproc_per_node 2`` and in one process.
+
+``run(model_dir, out_dir)`` trains a few steps on a fixed global batch (each
+rank takes its own slice of rows; ranks get deliberately unequal work so that
+dummy micro-batches are exercised), saves a sharded checkpoint, takes one more
+step, reloads and retakes it, computes log-probs and exports a HF directory.
+Rank r writes ``result_rank{r}.pt``; tests/test_fsdp_dist.py compares worlds.
+
+    torchrun --nproc_per_node 2 tests/_fsdp_worker.py MODEL_DIR OUT_DIR
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from arealite.config.schema import ActorConfig  # noqa: E402
+from arealite.engine.fsdp import FSDPEngine  # noqa: E402
+
+GLOBAL_B = 8
+# Rows [0, SPLIT) go to rank 0 of a 2-rank world (long sequences), the rest to rank 1 (short).
+SPLIT = 5
+
+
+def global_batch(vocab: int, seed: int = 0) -> dict[str, torch.Tensor]:
+    """A right-padded batch: 5 long sequences then 3 short ones, prompts of 3 tokens."""
+    g = torch.Generator().manual_seed(seed)
+    lengths = [30, 26, 28, 22, 25, 6, 4, 7]
+    L = max(lengths)
+    ids = torch.randint(5, vocab, (GLOBAL_B, L), generator=g)
+    am = torch.arange(L)[None, :] < torch.tensor(lengths)[:, None]
+    ids = ids * am
+    loss_mask = am & (torch.arange(L)[None, :] >= 3)
+    return {"input_ids": ids, "attention_mask": am, "loss_mask": loss_mask}
+
+
+def token_mean_ce(logits: torch.Tensor, mb: dict) -> torch.Tensor:
+    """Token-mean cross-entropy of ``labels`` over ``loss_mask``."""
+    logp = torch.log_softmax(logits, dim=-1).gather(-1, mb["labels"][:, None])[:, 0]
+    mask = mb["loss_mask"].float()
+    mb["_stats"] = {"mean_logp": (logp * mask).sum() / mask.sum().clamp(min=1)}
+    return -(logp * mask).sum() / mask.sum().clamp(min=1)
+
+
+def n_loss_tokens(mb: dict) -> torch.Tensor:
+    return mb["loss_mask"].sum()
+
+
+def label_logprobs(logits: torch.Tensor, mb: dict) -> torch.Tensor:
+    return torch.log_softmax(logits, dim=-1).gather(-1, mb["labels"][:, None])[:, 0]
+
+
+def full_weights(engine: FSDPEngine) -> dict[str, torch.Tensor]:
+    """Every rank must iterate the buckets; all get the full tensors."""
+    return {n: t.clone() for b in engine.named_weight_buckets(1 << 16) for n, t in b}
+
+
+def run(model_dir: str, out_dir: str) -> None:
+    out = Path(out_dir)
+    cfg = ActorConfig(model_path=model_dir, mb_max_tokens=32)
+    cfg.optimizer.lr = 2e-3
+    cfg.optimizer.warmup_steps = 1
+    cfg.optimizer.lr_scheduler = "cosine"
+    cfg.optimizer.total_steps = 6
+    cfg.optimizer.gradient_clipping = 0.5
+    engine = FSDPEngine(cfg).initialize()
+    rank, world = engine.rank, engine.world_size
+    batch = global_batch(engine.hf_config.vocab_size)
+    if world == 2:
+        rows = slice(0, SPLIT) if rank == 0 else slice(SPLIT, GLOBAL_B)
+        batch = {k: v[rows] for k, v in batch.items()}
+    elif world != 1:
+        raise SystemExit("this scenario runs with 1 or 2 processes")
+
+    stats = [engine.train_batch(batch, token_mean_ce, n_loss_tokens) for _ in range(3)]
+    ckpt = out / "ckpt"
+    engine.save(ckpt)
+    stats.append(engine.train_batch(batch, token_mean_ce, n_loss_tokens))
+    after_4 = full_weights(engine)
+    lr_after_4 = engine.optimizer.param_groups[0]["lr"]
+
+    engine.load(ckpt)
+    restored_3 = full_weights(engine)
+    redo = engine.train_batch(batch, token_mean_ce, n_loss_tokens)
+    redone_4 = full_weights(engine)
+    logp = engine.forward(batch, label_logprobs)
+    engine.export_hf(out / "hf")
+    engine.set_version(7)
+    torch.save(
+        {
+            "world": world,
+            "stats": stats,
+            "redo": redo,
+            "after_4": after_4,
+            "restored_3": restored_3,
+            "redone_4": redone_4,
+            "lr_after_4": lr_after_4,
+            "lr_redone": engine.optimizer.param_groups[0]["lr"],
+            "logp": logp,
+            "rows": (0, SPLIT) if world == 2 and rank == 0 else (SPLIT, GLOBAL_B) if world == 2 else (0, GLOBAL_B),
+        },
+        out / f"result_rank{rank}.pt",
+    )
+    if dist.is_initialized():
+        dist.barrier()
+    engine.destroy()
+
+
+if __name__ == "__main__":
+    run(sys.argv[1], sys.argv[2])

@@ -1,0 +1,409 @@
+"""RolloutController: admission, staleness, queues, pause, errors, recovery.
+
+The controller only sees the engine through workflows, so these tests use a
+small in-process fake engine; the end-to-end tests in test_workflows.py run
+the real client and server.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import threading
+import time
+
+import pytest
+import torch
+
+from arealite.api.types import Completion
+from arealite.config.schema import RolloutConfig
+from arealite.data.dataset import StatefulDataLoader
+from arealite.rollout.controller import InputQueueFull, RolloutController, WorkflowError
+from arealite.workflow.base import RolloutWorkflow, new_group_id, pad_and_stack, reject_equal_rewards, trajectory_row
+
+
+class FakeEngine:
+    """Answers every request with ``len(prompt) % 3 + 1`` tokens at its current version."""
+
+    def __init__(self):
+        self.version = 0
+        self.closed = False
+        self.initialized = False
+
+    async def initialize(self, timeout: float = 1.0):
+        self.initialized = True
+
+    async def aclose(self):
+        self.closed = True
+
+    async def agenerate(self, req):
+        await asyncio.sleep(0)
+        n = len(req.input_ids) % 3 + 1
+        return Completion(req.rid, req.input_ids, [7] * n, [-0.1] * n, [self.version] * n, "stop")
+
+
+class ItemWorkflow(RolloutWorkflow):
+    """One-row group per item; behaviour steered by the item's fields.
+
+    ``gate``: a threading.Event the episode waits for; ``reject``: return None;
+    ``fail``: raise; ``reward``: the reward; ``len``: prompt length.
+    """
+
+    def __init__(self):
+        self.started: list[int] = []
+
+    async def arun_episode(self, engine, item):
+        self.started.append(item["prompt_id"])
+        gate = item.get("gate")
+        while gate is not None and not gate.is_set():
+            await asyncio.sleep(0.002)
+        if item.get("fail"):
+            raise ZeroDivisionError(f"boom on {item['prompt_id']}")
+        if item.get("reject"):
+            return None
+        from arealite.api.types import GenerationRequest
+
+        c = await engine.agenerate(GenerationRequest(input_ids=list(range(1, item.get("len", 3) + 1))))
+        row = trajectory_row(c.input_ids, [(c.output_ids, c.output_logprobs, c.output_versions)])
+        return pad_and_stack([row], {
+            "rewards": torch.tensor([float(item.get("reward", 1.0))]),
+            "group_id": torch.tensor([new_group_id()]),
+            "prompt_id": torch.tensor([item["prompt_id"]]),
+        })
+
+
+def make(engine=None, **cfg):
+    base = dict(consumer_batch_size=2, max_head_offpolicyness=0, max_concurrent_rollouts=16, queue_size=64)
+    base.update(cfg)
+    return RolloutController(engine or FakeEngine(), RolloutConfig(**base)).start()
+
+
+def ids(batch):
+    return sorted(batch["prompt_id"].tolist())
+
+
+def test_batch_is_right_padded_with_the_schema_pad_values():
+    ctl = make(consumer_batch_size=4)
+    try:
+        wf = ItemWorkflow()
+        batch = ctl.rollout_batch([{"prompt_id": i, "len": 2 + i} for i in range(4)], wf)
+        assert batch.batch_size[0] == 4 and ids(batch) == [0, 1, 2, 3]
+        lengths = batch["attention_mask"].sum(1)
+        assert batch["input_ids"].shape[1] == int(lengths.max())
+        for r in range(4):
+            n = int(lengths[r])
+            assert not batch["attention_mask"][r, n:].any() and not batch["loss_mask"][r, n:].any()
+            assert (batch["versions"][r, n:] == -1).all() and (batch["logprobs"][r, n:] == 0).all()
+            assert (batch["input_ids"][r, n:] == 0).all()
+            # generated tokens: loss_mask exactly where versions >= 0
+            assert torch.equal(batch["loss_mask"][r], batch["versions"][r] >= 0)
+        assert ctl.engine.initialized
+    finally:
+        ctl.stop()
+    assert ctl.engine.closed
+
+
+def test_staleness_bound_limits_admission_and_rejection_frees_capacity():
+    ctl = make(consumer_batch_size=2, max_head_offpolicyness=0)
+    try:
+        wf = ItemWorkflow()
+        gate = threading.Event()
+        for i in range(6):
+            ctl.submit({"prompt_id": i, "gate": gate, "reject": i in (0, 1)}, wf)
+        time.sleep(0.1)
+        st = ctl.stats()
+        assert st["running"] == 2 and st["input_queue"] == 4, st  # (0 + 0 + 1) * 2 groups
+        gate.set()
+        batch = ctl.wait(2, timeout=5)
+        # items 0 and 1 were rejected; their slots went to items 2 and 3
+        assert ids(batch) == [2, 3]
+        st = ctl.stats()
+        assert st["rejected"] == 2 and st["accepted"] == 2 and st["running"] == 0 and st["input_queue"] == 2
+        assert sorted(wf.started) == [0, 1, 2, 3]
+        ctl.set_version(1)  # one more batch allowed
+        assert ids(ctl.wait(2, timeout=5)) == [4, 5]
+    finally:
+        ctl.stop()
+
+
+def test_wait_timeout_raises_and_loses_nothing():
+    ctl = make(consumer_batch_size=4, max_head_offpolicyness=1)
+    try:
+        wf = ItemWorkflow()
+        gate = threading.Event()
+        ctl.submit({"prompt_id": 0}, wf)
+        ctl.submit({"prompt_id": 1}, wf)
+        ctl.submit({"prompt_id": 2, "gate": gate}, wf)
+        t0 = time.monotonic()
+        with pytest.raises(TimeoutError, match="2 groups ready"):
+            ctl.wait(3, timeout=0.3)
+        assert 0.25 < time.monotonic() - t0 < 3
+        gate.set()
+        assert ids(ctl.wait(3, timeout=5)) == [0, 1, 2]
+        assert ctl.stats()["consumed"] == 3
+    finally:
+        ctl.stop()
+
+
+def test_pause_stops_admission_and_resume_restarts_it():
+    ctl = make(consumer_batch_size=4, max_head_offpolicyness=1)
+    try:
+        wf = ItemWorkflow()
+        ctl.pause()
+        for i in range(3):
+            ctl.submit({"prompt_id": i}, wf)
+        time.sleep(0.1)
+        st = ctl.stats()
+        assert st["running"] == 0 and st["input_queue"] == 3 and wf.started == []
+        with pytest.raises(TimeoutError, match="paused"):
+            ctl.wait(3, timeout=0.1)
+        ctl.resume()
+        assert ids(ctl.wait(3, timeout=5)) == [0, 1, 2]
+    finally:
+        ctl.stop()
+
+
+def test_state_dict_round_trip_loses_and_duplicates_nothing(tmp_path):
+    ctl = make(consumer_batch_size=2, max_head_offpolicyness=3, max_concurrent_rollouts=2)
+    wf = ItemWorkflow()
+    gate = threading.Event()
+    items = [{"prompt_id": i, "gate": None if i < 3 else gate} for i in range(8)]
+    for it in items:
+        ctl.submit(it, wf)
+    first = ctl.wait(2, timeout=5)  # 2 consumed; 1 ready; 2 running (gated); 3 queued
+    time.sleep(0.05)
+    ctl.set_version(1)
+    state = ctl.state_dict()
+    before = ctl.stats()
+    ctl.stop()
+    assert before["output_queue"] == 1 and before["running"] == 2
+    # Through a real file, as the checkpoint will do (threading.Event does not pickle: strip it).
+    for i, it in enumerate(state["pending_items"]):
+        state["pending_items"][i] = {k: v for k, v in it.items() if k != "gate"}
+    state["ready"] = [(d, {k: v for k, v in it.items() if k != "gate"}) for d, it in state["ready"]]
+    torch.save(state, tmp_path / "ctl.pt")
+    state = torch.load(tmp_path / "ctl.pt", weights_only=False)
+
+    ctl2 = RolloutController(FakeEngine(), ctl.config)
+    ctl2.load_state_dict(state)
+    ctl2.start()
+    try:
+        after = ctl2.stats()
+        for k in ("submitted", "accepted", "rejected", "failed", "consumed", "version"):
+            assert after[k] == before[k], k
+        assert ctl2.resubmit_pending(ItemWorkflow()) == 5
+        assert ctl2.stats()["submitted"] == before["submitted"]  # resubmission is not a new submission
+        seen = ids(first)
+        for _ in range(3):
+            seen += ids(ctl2.wait(2, timeout=5))
+            ctl2.set_version(ctl2.get_version() + 1)
+        assert sorted(seen) == list(range(8))  # every item exactly once
+    finally:
+        ctl2.stop()
+
+
+def test_prepare_batch_keeps_the_next_step_generating():
+    ctl = make(consumer_batch_size=2, max_head_offpolicyness=1)
+    try:
+        wf = ItemWorkflow()
+        loader = StatefulDataLoader([{"prompt_id": i} for i in range(20)], batch_size=2, shuffle=False)
+        b0 = ctl.prepare_batch(loader, wf)
+        assert b0.batch_size[0] == 2
+        time.sleep(0.1)  # the trainer "trains" on b0 ...
+        st = ctl.stats()
+        # ... while step 1's groups were already generated (eta=1 lets one batch run ahead).
+        assert st["output_queue"] + st["running"] >= 2, st
+        ctl.set_version(1)
+        b1 = ctl.prepare_batch(loader, wf)
+        assert set(ids(b0)).isdisjoint(ids(b1))
+        seen = ids(b0) + ids(b1)
+        for v in range(2, 12):  # wraps into the second epoch without losing an item
+            ctl.set_version(v)
+            seen += ids(ctl.prepare_batch(loader, wf))
+        assert sorted(seen[:20]) == list(range(20))
+    finally:
+        ctl.stop()
+
+
+def test_back_pressure_bounds_the_queues():
+    ctl = make(consumer_batch_size=2, max_head_offpolicyness=100, queue_size=4)
+    try:
+        wf = ItemWorkflow()
+        for i in range(4):
+            ctl.submit({"prompt_id": i}, wf)
+        time.sleep(0.1)
+        for i in range(4, 8):
+            ctl.submit({"prompt_id": i}, wf)
+        time.sleep(0.1)
+        st = ctl.stats()
+        # A slow consumer: the output queue is full, so nothing more is admitted.
+        assert st["output_queue"] == 4 and st["running"] == 0 and st["input_queue"] == 4, st
+        with pytest.raises(InputQueueFull, match="queue_size"):
+            ctl.submit({"prompt_id": 99}, wf)
+        assert ids(ctl.wait(4, timeout=5)) == [0, 1, 2, 3]
+        assert ids(ctl.wait(4, timeout=5)) == [4, 5, 6, 7]
+        with pytest.raises(ValueError, match="queue_size"):
+            ctl.wait(5)
+    finally:
+        ctl.stop()
+
+
+def test_failing_workflow_fail_policy_raises_with_item_and_traceback():
+    ctl = make(consumer_batch_size=2, max_head_offpolicyness=2)
+    try:
+        wf = ItemWorkflow()
+        ctl.submit({"prompt_id": 0}, wf)
+        ctl.submit({"prompt_id": 41, "fail": True}, wf)
+        with pytest.raises(WorkflowError) as ei:
+            ctl.wait(2, timeout=5)
+        msg = str(ei.value)
+        assert "'prompt_id': 41" in msg and "ZeroDivisionError: boom on 41" in msg and "on_workflow_error" in msg
+        assert ei.value.item["prompt_id"] == 41
+        st = ctl.stats()
+        assert st["failed"] == 1 and st["running"] == 0
+        # The error is reported once; the good group is still there.
+        ctl.submit({"prompt_id": 1}, wf)
+        assert ids(ctl.wait(2, timeout=5)) == [0, 1]
+    finally:
+        ctl.stop()
+
+
+def test_failing_workflow_drop_policy_goes_on_and_never_hangs():
+    ctl = make(consumer_batch_size=2, max_head_offpolicyness=2, on_workflow_error="drop")
+    try:
+        wf = ItemWorkflow()
+        for i in range(4):
+            ctl.submit({"prompt_id": i, "fail": i % 2 == 1}, wf)
+        assert ids(ctl.wait(2, timeout=5)) == [0, 2]
+        assert ctl.stats()["failed"] == 2
+        # Nothing running or queued: waiting for more is an immediate error, not a hang.
+        with pytest.raises(RuntimeError, match="never complete"):
+            ctl.wait(1)
+    finally:
+        ctl.stop()
+
+
+def test_malformed_trajectory_is_a_workflow_error_naming_the_key():
+    class Bad(RolloutWorkflow):
+        async def arun_episode(self, engine, item):
+            td = await ItemWorkflow().arun_episode(engine, item)
+            del td["versions"]
+            return td
+
+    ctl = make()
+    try:
+        ctl.submit({"prompt_id": 0}, Bad())
+        with pytest.raises(WorkflowError, match="missing key 'versions'"):
+            ctl.wait(1, timeout=5)
+    finally:
+        ctl.stop()
+
+
+def test_forgotten_version_bump_is_reported_not_hung():
+    ctl = make(consumer_batch_size=2, max_head_offpolicyness=0)
+    try:
+        wf = ItemWorkflow()
+        loader = StatefulDataLoader([{"prompt_id": i} for i in range(8)], batch_size=2, shuffle=False)
+        ctl.prepare_batch(loader, wf)
+        with pytest.raises(RuntimeError, match="set_version"):
+            ctl.prepare_batch(loader, wf)
+    finally:
+        ctl.stop()
+
+
+def test_should_accept_filters_and_staleness_histogram():
+    eng = FakeEngine()
+    ctl = make(eng, consumer_batch_size=2, max_head_offpolicyness=4)
+    try:
+        wf = ItemWorkflow()
+        for i in range(4):
+            ctl.submit({"prompt_id": i, "reward": i}, wf)
+        time.sleep(0.05)
+        ctl.set_version(3)  # the trainer moved on; these were made at version 0
+        batch = ctl.wait(2, timeout=5, should_accept=lambda td: td["rewards"][0] >= 2)
+        assert ids(batch) == [2, 3]
+        st = ctl.stats()
+        assert st["rejected"] == 2 and st["staleness_hist"] == {3: 2}
+    finally:
+        ctl.stop()
+    two = pad_and_stack([trajectory_row([1], [([2], [0.0], [0])])] * 2, {"rewards": torch.tensor([1.0, 1.0])})
+    assert not reject_equal_rewards(two)
+    two["rewards"][1] = 0.0
+    assert reject_equal_rewards(two)
+
+
+def test_stop_cancels_running_episodes_and_joins_the_thread():
+    ctl = make(consumer_batch_size=4, max_head_offpolicyness=1)
+    gate = threading.Event()
+    wf = ItemWorkflow()
+    for i in range(3):
+        ctl.submit({"prompt_id": i, "gate": gate}, wf)
+    time.sleep(0.05)
+    thread = ctl._thread
+    t0 = time.monotonic()
+    ctl.stop()
+    assert time.monotonic() - t0 < 2
+    assert not thread.is_alive() and ctl.engine.closed
+    assert [it["prompt_id"] for it in ctl.state_dict()["pending_items"]] == [0, 1, 2]
+    assert not any(t.name == "arealite-rollout" for t in threading.enumerate())
+
+
+def test_ctrl_c_interrupts_a_blocked_wait_promptly():
+    ctl = make()
+    gate = threading.Event()
+    ctl.submit({"prompt_id": 0, "gate": gate}, ItemWorkflow())
+
+    def interrupt(*_):
+        raise KeyboardInterrupt
+
+    old = signal.signal(signal.SIGALRM, interrupt)
+    try:
+        signal.setitimer(signal.ITIMER_REAL, 0.2)
+        t0 = time.monotonic()
+        with pytest.raises(KeyboardInterrupt):
+            ctl.wait(1)
+        assert time.monotonic() - t0 < 2
+        # The interrupted wait took nothing: the group is still delivered afterwards.
+        gate.set()
+        assert ids(ctl.wait(1, timeout=5)) == [0]
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old)
+        ctl.stop()
+
+
+def test_run_executes_coroutines_on_the_controller_loop():
+    ctl = make()
+    try:
+        async def where():
+            return threading.current_thread().name
+
+        assert ctl.run(where()) == "arealite-rollout"
+        with pytest.raises(TimeoutError):
+            ctl.run(asyncio.sleep(5), timeout=0.1)
+    finally:
+        ctl.stop()
+
+
+def test_hanging_reward_through_the_controller_is_counted_not_hung(micro_model_dir):
+    from transformers import AutoTokenizer
+
+    from arealite.config.schema import GenerationConfig
+    from arealite.workflow.rlvr import RLVRWorkflow
+
+    tok = AutoTokenizer.from_pretrained(micro_model_dir)
+
+    def slow_reward(*a, **k):
+        time.sleep(20)
+
+    ctl = make(reward_timeout_s=0.2)
+    try:
+        wf = RLVRWorkflow(slow_reward, GenerationConfig(n_samples=2, max_new_tokens=4), tok, ctl.config)
+        t0 = time.monotonic()
+        batch = ctl.rollout_batch([{"prompt": "a", "prompt_id": 0}, {"prompt": "b", "prompt_id": 1}], wf)
+        assert time.monotonic() - t0 < 3
+        assert batch["rewards"].tolist() == [0.0] * 4  # on_reward_error='zero'
+        st = ctl.stats()
+        assert st["workflow/reward_errors"] == 4 and st["workflow/reward_abandoned_threads"] == 4
+    finally:
+        ctl.stop()

@@ -1,0 +1,279 @@
+"""The local launcher: command builders (unit) and real launches with embedded servers.
+
+The launches run `python -m arealite.launcher.local` as a subprocess with a
+trivial training script, real embedded servers and a real torchrun, and check
+that no child survives by the pids the launcher and the script recorded.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from arealite.config.schema import ArealiteConfig
+from arealite.launcher.local import ExitCode
+from arealite.launcher.server_cmd import (
+    embedded_server_command,
+    masked,
+    server_command,
+    sglang_server_command,
+)
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+# ---------------------------------------------------------------- command builders
+
+
+def _cfg(**sections) -> ArealiteConfig:
+    return ArealiteConfig.model_validate(sections)
+
+
+def _flag(cmd: list[str], flag: str) -> str:
+    return cmd[cmd.index(flag) + 1]
+
+
+def test_sglang_command_from_config():
+    cfg = _cfg(
+        actor={"model_path": "/models/actor"},
+        experiment={"seed": 7},
+        launch={"server_backend": "sglang"},
+        server={"host": "0.0.0.0", "dtype": "float16", "api_key": "s3cret",
+                "sglang": {"tp_size": 2, "mem_fraction_static": 0.7, "context_length": 4096,
+                           "extra_args": ["--enable-metrics", "--log-level", "warning"]}},
+    )
+    cmd = server_command(cfg, 31000, index=3)
+    assert cmd[:3] == [sys.executable, "-m", "sglang.launch_server"]
+    assert _flag(cmd, "--model-path") == "/models/actor"  # server.model_path unset -> actor's
+    assert _flag(cmd, "--host") == "0.0.0.0" and _flag(cmd, "--port") == "31000"
+    assert _flag(cmd, "--tp-size") == "2" and _flag(cmd, "--mem-fraction-static") == "0.7"
+    assert _flag(cmd, "--dtype") == "float16"
+    assert _flag(cmd, "--random-seed") == "10"  # experiment.seed + server index
+    assert _flag(cmd, "--context-length") == "4096"
+    assert "--skip-tokenizer-init" in cmd
+    assert _flag(cmd, "--api-key") == "s3cret"
+    assert cmd[-3:] == ["--enable-metrics", "--log-level", "warning"]  # verbatim, last
+    shown = masked(cmd)
+    assert "s3cret" not in shown and "--api-key ***" in shown
+
+
+def test_sglang_command_defaults():
+    cfg = _cfg(server={"model_path": "/m", "random_seed": 100,
+                       "sglang": {"skip_tokenizer_init": False}},
+               launch={"server_backend": "sglang"})
+    cmd = sglang_server_command(cfg, 30000)
+    assert _flag(cmd, "--dtype") == "bfloat16"  # auto means bf16 on GPUs
+    assert _flag(cmd, "--random-seed") == "100"
+    for absent in ("--skip-tokenizer-init", "--api-key", "--context-length"):
+        assert absent not in cmd
+
+
+def test_embedded_command_from_config():
+    cfg = _cfg(server={"model_path": "/m", "max_batch_size": 8, "context_length": 512,
+                       "api_key": "k"}, experiment={"seed": 3})
+    cmd = server_command(cfg, 30001, index=1)
+    assert cmd[:3] == [sys.executable, "-m", "arealite.server"]
+    assert _flag(cmd, "--port") == "30001" and _flag(cmd, "--random-seed") == "4"
+    assert _flag(cmd, "--max-batch-size") == "8" and _flag(cmd, "--context-length") == "512"
+    assert "--dtype" not in cmd  # auto: the server decides
+    assert masked(cmd).count("***") == 1 and " k " not in masked(cmd) + " "
+    assert _flag(embedded_server_command(_cfg(server={"model_path": "/m", "dtype": "bfloat16"}), 1),
+                 "--dtype") == "bfloat16"
+
+
+def test_command_without_model_path_names_the_fields():
+    with pytest.raises(ValueError, match="server.model_path and actor.model_path"):
+        server_command(_cfg(), 30000)
+
+
+def test_embedded_command_is_accepted_by_the_server_parser():
+    from arealite.server.args import parse_args
+
+    cfg = _cfg(server={"model_path": "/m", "dtype": "float32", "context_length": 64, "api_key": "x"})
+    args = parse_args(embedded_server_command(cfg, 4321)[3:])
+    assert (args.port, args.dtype, args.context_length, args.api_key) == (4321, "float32", 64, "x")
+
+
+# ---------------------------------------------------------------- real launches
+
+SCRIPT = r'''
+import json, os, sys, time, urllib.request
+out = os.environ["OUT_FILE"]
+mode = os.environ.get("MODE", "ok")
+addrs = os.environ.get("AREALITE_SERVER_ADDRS", "").split(",")
+health = []
+for a in addrs:
+    with urllib.request.urlopen(f"http://{a}/health", timeout=5) as r:
+        health.append(r.status)
+record = {"addrs": addrs, "health": health, "argv": sys.argv[1:], "pid": os.getpid(),
+          "ppid": os.getppid(), "api_key": os.environ.get("AREALITE_SERVER_API_KEY"),
+          "rank": os.environ.get("RANK")}
+with open(out + ".tmp", "w") as f:
+    json.dump(record, f)
+os.replace(out + ".tmp", out)
+print("hello from the trainer", flush=True)
+if mode == "sleep":
+    time.sleep(120)
+if mode == "fail":
+    sys.exit(3)
+'''
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:  # a zombie (not yet reaped by its parent) counts as gone
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def _assert_all_gone(pids: list[int], within: float = 10.0) -> None:
+    deadline = time.monotonic() + within
+    while time.monotonic() < deadline and any(_alive(p) for p in pids):
+        time.sleep(0.1)
+    assert not [p for p in pids if _alive(p)], "child processes survived the launcher"
+
+
+class Launch:
+    """One `python -m arealite.launcher.local` run in a subprocess."""
+
+    def __init__(self, tmp_path: Path, model_dir: Path, mode: str, n_servers: int = 1,
+                 extra: tuple[str, ...] = ()):
+        self.tmp = tmp_path
+        self.script = tmp_path / "train.py"
+        self.script.write_text(SCRIPT)
+        self.cfg = tmp_path / "cfg.yaml"
+        self.cfg.write_text(
+            f"experiment: {{output_root: {tmp_path / 'runs'}, name: exp, trial: t1}}\n"
+            f"actor: {{model_path: {model_dir}}}\n"
+            f"launch: {{n_servers: {n_servers}, server_startup_timeout_s: 120}}\n")
+        self.out = tmp_path / "record.json"
+        self.stdout = open(tmp_path / "launcher.out", "w+b")
+        self.stderr = open(tmp_path / "launcher.err", "w+b")
+        env = dict(os.environ, OUT_FILE=str(self.out), MODE=mode, OMP_NUM_THREADS="1",
+                   AREALITE_LAUNCHER_GRACE_S="5", PYTHONPATH=str(REPO))
+        env.pop("AREALITE_SERVER_ADDRS", None)
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "arealite.launcher.local", str(self.script),
+             "--config", str(self.cfg), *extra],
+            stdout=self.stdout, stderr=self.stderr, env=env, cwd=tmp_path)
+
+    def err(self) -> str:
+        return (self.tmp / "launcher.err").read_text(errors="replace")
+
+    def out_text(self) -> str:
+        return (self.tmp / "launcher.out").read_text(errors="replace")
+
+    def pids(self) -> dict[str, int]:
+        return {m[0]: int(m[1]) for m in re.findall(r"started (\w+) \(pid (\d+)\)", self.err())}
+
+    def wait_record(self, timeout: float = 120) -> dict:
+        deadline = time.monotonic() + timeout
+        while not self.out.exists():
+            assert self.proc.poll() is None, f"launcher exited early:\n{self.err()}"
+            assert time.monotonic() < deadline, f"the script never ran:\n{self.err()}"
+            time.sleep(0.2)
+        return json.loads(self.out.read_text())
+
+    def wait(self, timeout: float = 120) -> int:
+        try:
+            return self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            raise
+
+    def all_pids(self, record: dict | None) -> list[int]:
+        pids = list(self.pids().values())
+        if record:
+            pids += [record["pid"], record["ppid"]]
+        return pids
+
+    @property
+    def log_dir(self) -> Path:
+        return self.tmp / "runs" / "exp" / "t1" / "logs"
+
+
+@pytest.mark.slow
+def test_launch_two_servers_runs_script_and_cleans_up(tmp_path, micro_model_dir):
+    run = Launch(tmp_path, micro_model_dir, "ok", n_servers=2,
+                 extra=("rollout.consumer_batch_size=4", "server.api_key=topsecret"))
+    code = run.wait()
+    assert code == ExitCode.OK, run.err()
+    record = json.loads(run.out.read_text())
+    assert len(record["addrs"]) == 2 and len(set(record["addrs"])) == 2
+    assert record["health"] == [200, 200], "the script could reach every server"
+    assert record["argv"] == ["--config", str(run.cfg), "rollout.consumer_batch_size=4",
+                              "server.api_key=topsecret"]
+    assert record["rank"] == "0", "the script ran under torchrun"
+    assert record["api_key"] == "topsecret"  # passed in the environment
+    for name in ("server0.log", "server1.log", "trainer.log"):
+        assert (run.log_dir / name).stat().st_size > 0, name
+    assert "hello from the trainer" in (run.log_dir / "trainer.log").read_text()
+    assert "hello from the trainer" in run.out_text(), "trainer output is echoed"
+    for name in ("server0.log", "server1.log"):
+        assert "topsecret" not in (run.log_dir / name).read_text()
+    assert "topsecret" not in run.err()
+    assert set(run.pids()) == {"server0", "server1", "trainer"}
+    _assert_all_gone(run.all_pids(record))
+
+
+@pytest.mark.slow
+def test_server_killed_mid_run_stops_everything(tmp_path, micro_model_dir):
+    run = Launch(tmp_path, micro_model_dir, "sleep")
+    record = run.wait_record()
+    os.kill(run.pids()["server0"], signal.SIGKILL)
+    code = run.wait(60)
+    assert code == ExitCode.SERVER_DIED, run.err()
+    assert "server0" in run.err() and "died" in run.err()
+    _assert_all_gone(run.all_pids(record))
+
+
+@pytest.mark.slow
+def test_trainer_failure_stops_servers(tmp_path, micro_model_dir):
+    run = Launch(tmp_path, micro_model_dir, "fail")
+    code = run.wait()
+    assert code == ExitCode.TRAINER_FAILED, run.err()
+    record = json.loads(run.out.read_text())
+    _assert_all_gone(run.all_pids(record))
+
+
+@pytest.mark.slow
+def test_sigint_tears_everything_down(tmp_path, micro_model_dir):
+    run = Launch(tmp_path, micro_model_dir, "sleep")
+    record = run.wait_record()
+    run.proc.send_signal(signal.SIGINT)
+    code = run.wait(60)
+    assert code == ExitCode.INTERRUPTED == 130, run.err()
+    _assert_all_gone(run.all_pids(record))
+
+
+def test_server_that_cannot_start_reports_its_log(tmp_path, micro_model_dir):
+    broken = tmp_path / "broken_model"
+    broken.mkdir()
+    (broken / "config.json").write_text("{}")  # passes the config check, not the server's load
+    run = Launch(tmp_path, micro_model_dir, "ok", extra=(f"server.model_path={broken}",))
+    code = run.wait()
+    assert code == ExitCode.SERVER_START_FAILED, run.err()
+    assert "server0" in run.err() and "exited with code" in run.err()
+    assert "Last lines of" in run.err() and str(run.log_dir / "server0.log") in run.err()
+    assert not run.out.exists(), "the trainer must not start"
+    _assert_all_gone(run.all_pids(None))
+
+
+def test_bad_override_exits_before_starting_anything(tmp_path, micro_model_dir):
+    run = Launch(tmp_path, micro_model_dir, "ok", extra=("launch.n_servers=-1",))
+    assert run.wait() == ExitCode.BAD_CONFIG
+    assert "launch.n_servers" in run.err()
+    assert run.pids() == {}

@@ -1,0 +1,113 @@
+"""The continuous-batching runner in process: joins, leaves, stops, pauses.
+
+Sequences join a batch that is already decoding (KV caches of different
+lengths merged with left padding) and leave it (rows dropped, padding columns
+trimmed); every log-prob must still equal an unpadded HF forward.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import shutil
+
+import pytest
+import torch
+
+from arealite.server.args import ServerArgs
+from arealite.server.app import create_server
+from arealite.server.sampling import GenerateInput, SamplingConfig
+
+pytestmark = pytest.mark.timeout(120)
+
+
+@pytest.fixture(scope="module")
+def srv(micro_model_dir):
+    s = create_server(ServerArgs(model_path=str(micro_model_dir), random_seed=3, max_batch_size=8))
+    yield s
+    s.runner.shutdown()
+
+
+def req(rid, ids, **sp):
+    return GenerateInput(rid=rid, input_ids=ids, sampling=SamplingConfig(**sp), return_logprob=True)
+
+
+def check_logprobs(model, seq, temperature):
+    ids = torch.tensor([seq.inp.input_ids + seq.output_ids])
+    with torch.no_grad():
+        logits = model(input_ids=ids).logits[0, len(seq.inp.input_ids) - 1:-1].float()
+    ref = torch.log_softmax(logits / temperature, -1).gather(1, torch.tensor(seq.output_ids)[:, None])[:, 0]
+    err = (torch.tensor(seq.output_logprobs) - ref).abs().max().item()
+    assert err <= 1e-5, (seq.inp.rid, err)
+
+
+async def wait_tokens(runner, n):
+    start = runner.stats["generated_tokens"]
+    while runner.stats["generated_tokens"] < start + n:
+        await asyncio.sleep(0.002)
+
+
+async def test_sequences_join_and_leave_a_running_batch(srv):
+    r = srv.runner
+    prefills = r.stats["prefills"]
+    a = asyncio.create_task(r.generate(req("a", list(range(5, 35)), max_new_tokens=60, ignore_eos=True)))
+    await wait_tokens(r, 5)
+    # Shorter and longer prompts join mid-flight; "b" leaves early.
+    b = asyncio.create_task(r.generate(req("b", [9, 8, 7], max_new_tokens=4, ignore_eos=True, temperature=0.7)))
+    c = asyncio.create_task(r.generate(req("c", list(range(40, 100)), max_new_tokens=30, ignore_eos=True)))
+    await wait_tokens(r, 10)
+    d = asyncio.create_task(r.generate(req("d", [11, 12], max_new_tokens=20, ignore_eos=True, top_k=5)))
+    seqs = await asyncio.gather(a, b, c, d)
+    assert r.stats["prefills"] - prefills >= 3, "requests did not join a running batch"
+    for s, t in zip(seqs, (1.0, 0.7, 1.0, 1.0)):
+        assert len(s.output_ids) == s.inp.sampling.max_new_tokens
+        assert s.finish_reason == {"type": "length", "length": s.inp.sampling.max_new_tokens}
+        check_logprobs(srv.model, s, t)
+    assert r.n_running == 0 and r._cache is None  # the batch is fully released
+
+
+async def test_max_new_tokens_zero_returns_nothing(srv):
+    s = await srv.runner.generate(req("z", [1, 2, 3], max_new_tokens=0))
+    assert s.output_ids == [] and s.finish_reason == {"type": "length", "length": 0}
+
+
+async def test_pause_in_place_freezes_and_continue_resumes(srv):
+    r = srv.runner
+    task = asyncio.create_task(r.generate(req("frozen", [4, 5, 6], max_new_tokens=200, ignore_eos=True)))
+    await wait_tokens(r, 3)
+    await r.call(lambda: r.set_paused(True, "in_place"))
+    frozen_at = r.stats["generated_tokens"]
+    await asyncio.sleep(0.2)
+    assert r.stats["generated_tokens"] == frozen_at and not task.done()
+    await r.call(lambda: r.set_paused(False))
+    s = await asyncio.wait_for(task, 30)
+    assert s.finish_reason["type"] == "length" and len(s.output_ids) == 200
+    check_logprobs(srv.model, s, 1.0)
+
+
+async def test_eos_stops_unless_ignored(micro_model_dir, tmp_path):
+    # Make the model's eos the token greedy decoding produces second, so that
+    # the stop is certain.
+    probe = create_server(ServerArgs(model_path=str(micro_model_dir)))
+    try:
+        free = await probe.runner.generate(req("p", [20, 21, 22], max_new_tokens=5, temperature=0.0, ignore_eos=True))
+    finally:
+        probe.runner.shutdown()
+    eos = free.output_ids[1]
+    d = tmp_path / "eos_model"
+    shutil.copytree(micro_model_dir, d)
+    cfg = json.loads((d / "config.json").read_text())
+    cfg["eos_token_id"] = eos
+    (d / "config.json").write_text(json.dumps(cfg))
+    srv = create_server(ServerArgs(model_path=str(d), skip_tokenizer_init=True))
+    try:
+        assert srv.tokenizer is None
+        stop = await srv.runner.generate(req("s", [20, 21, 22], max_new_tokens=5, temperature=0.0))
+        cut = free.output_ids.index(eos) + 1
+        assert stop.output_ids == free.output_ids[:cut]
+        assert stop.finish_reason == {"type": "stop", "matched": eos}
+        cont = await srv.runner.generate(req("i", [20, 21, 22], max_new_tokens=5, temperature=0.0, ignore_eos=True))
+        assert cont.output_ids == free.output_ids and cont.finish_reason["type"] == "length"
+        assert "text" not in srv.format_output(cont)
+    finally:
+        srv.runner.shutdown()

@@ -1,0 +1,263 @@
+"""Weight updates of a real embedded server child process: from disk and over gloo.
+
+The test process plays trainer rank 0: it hosts the TCPStore, joins the group
+built over ``PrefixStore(group_name, store)`` while the server joins through
+``/init_weights_update_group``, and broadcasts the tensors while the server's
+``/update_weights_from_distributed`` call is in flight.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime
+import shutil
+
+import aiohttp
+import pytest
+import torch
+import torch.distributed as dist
+
+from arealite.server.process import ServerProcess
+from conftest import free_port
+
+pytestmark = pytest.mark.timeout(180)
+
+TIMEOUT = datetime.timedelta(seconds=60)
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model_dir, tmp_path_factory):
+    log = tmp_path_factory.mktemp("server_w") / "server.log"
+    proc = ServerProcess(tiny_model_dir, free_port(), extra_args=["--api-key", "k-secret-123"], log_path=log,
+                         threads=1)
+    try:
+        yield proc.wait_healthy()
+    finally:
+        proc.stop()
+    assert "k-secret-123" not in log.read_text(), "the api key leaked into the server log"
+
+
+@pytest.fixture(scope="module")
+def seed1_dir(tmp_path_factory):
+    from arealite.models.tiny import build_tiny_model
+
+    return build_tiny_model(tmp_path_factory.mktemp("tiny_seed1"), size="small", seed=1)
+
+
+@pytest.fixture
+async def http():
+    headers = {"Authorization": "Bearer k-secret-123"}
+    async with aiohttp.ClientSession(headers=headers, timeout=aiohttp.ClientTimeout(total=90)) as s:
+        yield s
+
+
+async def post(http, server, path, body, status=200):
+    async with http.post(server.url + path, json=body) as r:
+        data = await r.json(content_type=None)
+        assert r.status == status, (path, r.status, data)
+        return data
+
+
+async def generated_tokens(http, server) -> int:
+    async with http.get(server.url + "/get_server_info") as r:
+        return (await r.json())["internal_states"][0]["generated_tokens"]
+
+
+def load_hf(path, overrides=None):
+    from transformers import AutoModelForCausalLM
+
+    m = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    if overrides:
+        with torch.no_grad():
+            sd = m.state_dict()
+            for k, v in overrides.items():
+                sd[k].copy_(v)
+    return m
+
+
+def max_logprob_error(model, prompt, out, temperature=1.0):
+    ids = torch.tensor([prompt + out["output_ids"]])
+    with torch.no_grad():
+        logits = model(input_ids=ids).logits[0, len(prompt) - 1:-1].float()
+    ref = torch.log_softmax(logits / temperature, -1).gather(1, torch.tensor(out["output_ids"])[:, None])[:, 0]
+    got = torch.tensor([x[0] for x in out["meta_info"]["output_token_logprobs"]])
+    return (got - ref).abs().max().item()
+
+
+async def test_api_key_is_required_except_for_health(server):
+    async with aiohttp.ClientSession() as anon:
+        assert (await anon.get(server.url + "/health")).status == 200
+        for path in ("/get_server_info", "/health_generate"):
+            assert (await anon.get(server.url + path)).status == 401
+        r = await anon.post(server.url + "/generate", json={"input_ids": [1]})
+        assert r.status == 401
+        r = await anon.post(server.url + "/generate", json={"input_ids": [1]},
+                            headers={"Authorization": "Bearer wrong"})
+        assert r.status == 401
+        r = await anon.post(server.url + "/pause_generation", json={}, headers={"Authorization": "k-secret-123"})
+        assert r.status == 401  # the Bearer scheme is required
+        info = await (await anon.get(server.url + "/get_server_info",
+                                     headers={"Authorization": "Bearer k-secret-123"})).json()
+        assert "k-secret-123" not in str(info)
+
+
+async def test_pause_update_from_disk_continue(server, http, tiny_model_dir, seed1_dir, tmp_path):
+    prompt = list(range(10, 22))
+    budget = 200
+    long = {"max_new_tokens": budget, "ignore_eos": True, "temperature": 1.0}
+    before = await generated_tokens(http, server)
+    first = asyncio.create_task(post(http, server, "/generate", {
+        "input_ids": prompt, "sampling_params": long, "return_logprob": True, "rid": "long"}))
+    while await generated_tokens(http, server) < before + 5:  # pause mid-generation
+        await asyncio.sleep(0.005)
+    await post(http, server, "/pause_generation", {"mode": "abort"})
+    partial = await asyncio.wait_for(first, 10)
+    meta = partial["meta_info"]
+    assert meta["finish_reason"]["type"] == "abort"
+    n_done = len(partial["output_ids"])
+    assert 0 < n_done < budget and meta["completion_tokens"] == n_done
+    assert max_logprob_error(load_hf(tiny_model_dir), prompt, partial) <= 1e-5
+
+    # A request sent while paused waits for continue_generation.
+    waiting = asyncio.create_task(post(http, server, "/generate", {
+        "input_ids": [7, 8, 9], "sampling_params": {"max_new_tokens": 4, "ignore_eos": True}}))
+    await asyncio.sleep(0.5)
+    assert not waiting.done()
+
+    # A checkpoint lacking a tensor is refused and changes nothing.
+    broken = tmp_path / "broken"
+    shutil.copytree(seed1_dir, broken)
+    from safetensors.torch import load_file, save_file
+
+    sd = load_file(str(broken / "model.safetensors"))
+    del sd["model.norm.weight"]
+    save_file(sd, str(broken / "model.safetensors"), metadata={"format": "pt"})
+    bad = await post(http, server, "/update_weights_from_disk", {"model_path": str(broken), "weight_version": "9"},
+                     status=400)
+    assert bad["success"] is False and "model.norm.weight" in bad["message"]
+    bad = await post(http, server, "/update_weights_from_disk", {"model_path": str(tmp_path / "nowhere")},
+                     status=400)
+    assert bad["success"] is False and "nowhere" in bad["message"]
+
+    res = await post(http, server, "/update_weights_from_disk", {"model_path": str(seed1_dir), "weight_version": "1"})
+    assert res["success"] is True, res
+    await post(http, server, "/continue_generation", {})
+    done = await asyncio.wait_for(waiting, 20)
+    assert done["meta_info"]["finish_reason"]["type"] == "length"
+    assert done["meta_info"]["weight_version"] == "1"
+
+    # The client's partial-rollout resume: prompt + partial, smaller budget.
+    resumed = await post(http, server, "/generate", {
+        "input_ids": prompt + partial["output_ids"], "return_logprob": True,
+        "sampling_params": {**long, "max_new_tokens": budget - n_done}})
+    assert resumed["meta_info"]["finish_reason"] == {"type": "length", "length": budget - n_done}
+    assert resumed["meta_info"]["weight_version"] == "1"
+    new_model = load_hf(seed1_dir)
+    assert max_logprob_error(new_model, prompt + partial["output_ids"], resumed) <= 1e-5
+    info = await (await http.get(server.url + "/get_server_info")).json()
+    assert info["weight_version"] == "1" and info["model_path"] == str(seed1_dir)
+
+
+class Trainer:
+    """Rank 0 of the weight-update group, as the trainer would be."""
+
+    def __init__(self, port: int, world_size: int, group_name: str):
+        self.store = dist.TCPStore("127.0.0.1", port, world_size, is_master=True, timeout=TIMEOUT,
+                                   wait_for_workers=False)
+        self.group_name = group_name
+        self.world_size = world_size
+        self.pg = None
+
+    def join(self) -> None:
+        self.pg = dist.ProcessGroupGloo(dist.PrefixStore(self.group_name, self.store), 0, self.world_size, TIMEOUT)
+
+    def broadcast(self, tensors: list[torch.Tensor], flattened: bool) -> None:
+        opts = dist.BroadcastOptions()
+        opts.rootRank = 0
+        if flattened:
+            tensors = [torch.cat([t.flatten() for t in tensors])]
+        for t in tensors:
+            self.pg.broadcast([t.contiguous()], opts).wait()
+
+
+async def push(http, server, trainer, names, tensors, *, flattened=False, version=None, meta_override=None,
+               status=200):
+    """Post the update and broadcast concurrently, as the trainer does."""
+    meta = {"names": names, "dtypes": [str(t.dtype).removeprefix("torch.") for t in tensors],
+            "shapes": [list(t.shape) for t in tensors], "group_name": trainer.group_name,
+            "flattened_bucket": flattened, "flush_cache": True}
+    if version is not None:
+        meta["weight_version"] = version
+    meta.update(meta_override or {})
+    req = asyncio.create_task(post(http, server, "/update_weights_from_distributed", meta, status=status))
+    await asyncio.to_thread(trainer.broadcast, tensors, flattened)
+    return await asyncio.wait_for(req, 60)
+
+
+async def test_update_weights_from_distributed(server, http, seed1_dir):
+    # (Runs after the disk test: the server holds the seed-1 weights.)
+    base = load_hf(seed1_dir)
+    state = base.state_dict()
+    gen = torch.Generator().manual_seed(5)
+    names = [n for n in state if n != "lm_head.weight"]  # tied to the embedding
+    new = {n: state[n] + 0.05 * torch.randn(state[n].shape, generator=gen) for n in names}
+
+    trainer = Trainer(free_port(), 2, "wsync-test")
+    init = asyncio.create_task(post(http, server, "/init_weights_update_group", {
+        "master_address": "127.0.0.1", "master_port": trainer.store.port, "rank_offset": 1, "world_size": 2,
+        "group_name": "wsync-test", "backend": "gloo"}))
+    await asyncio.to_thread(trainer.join)
+    assert (await asyncio.wait_for(init, 60))["success"] is True
+
+    # Two buckets: one tensor per broadcast, then one flattened broadcast.
+    half = len(names) // 2
+    b1, b2 = names[:half], names[half:]
+    r1 = await push(http, server, trainer, b1, [new[n] for n in b1], version="2")
+    assert r1["success"] is True, r1
+    r2 = await push(http, server, trainer, b2, [new[n] for n in b2], flattened=True, version="3")
+    assert r2["success"] is True, r2
+    for n in (b1[0], b1[-1], b2[0], b2[-1], "lm_head.weight"):
+        src = new["model.embed_tokens.weight" if n == "lm_head.weight" else n]
+        got = await post(http, server, "/get_weights_by_name", {"name": n, "truncate_size": 16})
+        assert torch.allclose(torch.tensor(got), src.flatten()[:16]), n
+    updated = load_hf(seed1_dir, new)
+    prompt = list(range(30, 40))
+    out = await post(http, server, "/generate", {"input_ids": prompt, "return_logprob": True, "sampling_params": {
+        "max_new_tokens": 12, "temperature": 1.0, "ignore_eos": True}})
+    assert out["meta_info"]["weight_version"] == "3"
+    assert max_logprob_error(updated, prompt, out) <= 1e-5
+
+    # Bad metadata: refused with the tensor named, the broadcast is still drained,
+    # the old weights keep serving and the group keeps working.
+    target = "model.layers.0.mlp.up_proj.weight"
+    junk = torch.randn(7, 3)
+    bad = await push(http, server, trainer, [target], [junk], version="bad", status=400)
+    assert bad["success"] is False and target in bad["message"] and "shape" in bad["message"]
+    bad = await push(http, server, trainer, [target], [new[target].double()], status=400)
+    assert bad["success"] is False and "dtype" in bad["message"]
+    bad = await push(http, server, trainer, ["model.no_such.weight", target], [junk, new[target]], flattened=True,
+                     status=400)
+    assert bad["success"] is False and "model.no_such.weight" in bad["message"]
+    got = await post(http, server, "/get_weights_by_name", {"name": target, "truncate_size": 8})
+    assert torch.allclose(torch.tensor(got), new[target].flatten()[:8])
+    info = await (await http.get(server.url + "/get_server_info")).json()
+    assert info["weight_version"] == "3"
+
+    final = new[target] * 0.5
+    ok = await push(http, server, trainer, [target], [final], version="4")
+    assert ok["success"] is True
+    got = await post(http, server, "/get_weights_by_name", {"name": target, "truncate_size": 8})
+    assert torch.allclose(torch.tensor(got), final.flatten()[:8])
+
+    # A new-style begin/end bracket holds admission, like a pause.
+    await post(http, server, "/begin_weight_update", {})
+    held = asyncio.create_task(post(http, server, "/generate", {"input_ids": [3, 4], "sampling_params": {
+        "max_new_tokens": 2}}))
+    await asyncio.sleep(0.3)
+    assert not held.done()
+    await post(http, server, "/end_weight_update", {})
+    assert (await asyncio.wait_for(held, 20))["meta_info"]["weight_version"] == "4"
+
+    res = await post(http, server, "/destroy_weights_update_group", {"group_name": "wsync-test"})
+    assert res["success"] is True
+    await post(http, server, "/destroy_weights_update_group", {"group_name": "wsync-test"}, status=400)

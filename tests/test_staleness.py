@@ -1,0 +1,111 @@
+"""The staleness bound, as a specification: never exceeded, always used."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from arealite.rollout.staleness import StalenessManager
+
+
+def admit_all(sm: StalenessManager, queued: int) -> int:
+    """What the controller does after every event: admit while the bound allows."""
+    n = 0
+    while queued > 0 and sm.capacity() > 0:
+        sm.on_submit()
+        queued -= 1
+        n += 1
+    return n
+
+
+ops = st.lists(
+    st.one_of(
+        st.tuples(st.just("submit"), st.integers(1, 5)),
+        st.tuples(st.just("accept"), st.just(0)),
+        st.tuples(st.just("reject"), st.just(0)),
+        st.tuples(st.just("bump"), st.just(0)),
+        st.tuples(st.just("consume_filter"), st.just(0)),
+    ),
+    max_size=80,
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    ops=ops,
+    eta=st.integers(0, 3),
+    batch=st.integers(1, 4),
+    max_concurrent=st.integers(1, 8),
+)
+def test_bound_holds_and_capacity_is_used(ops, eta, batch, max_concurrent):
+    sm = StalenessManager(max_concurrent, batch, eta)
+    queued = 0
+    for op, arg in ops:
+        if op == "submit":
+            queued += arg
+        elif op == "accept" and sm.running:
+            sm.on_accept()
+        elif op == "reject" and sm.running:
+            sm.on_reject()
+        elif op == "bump":
+            sm.set_version(sm.version + 1)
+        elif op == "consume_filter" and sm.accepted:
+            sm.on_unaccept(1)  # a filter at consumption time rejects an accepted group
+        queued -= admit_all(sm, queued)
+        # The bound: never more groups accepted or running than (eta + v + 1) * B.
+        assert sm.accepted + sm.running <= (eta + sm.version + 1) * batch
+        assert 0 <= sm.running <= max_concurrent
+        # Work-conserving: if items wait, it is because one of the two limits is reached.
+        if queued > 0:
+            assert sm.running == max_concurrent or sm.accepted + sm.running == (eta + sm.version + 1) * batch
+
+
+def test_synchronous_rl_admits_one_batch_per_version():
+    sm = StalenessManager(max_concurrent=100, consumer_batch_size=3, max_head_offpolicyness=0)
+    assert admit_all(sm, 10) == 3
+    for _ in range(3):
+        sm.on_accept()
+    assert sm.capacity() == 0, "eta=0: nothing more until the trainer consumed and bumped the version"
+    sm.set_version(1)
+    assert admit_all(sm, 10) == 3
+
+
+def test_rejection_frees_its_slot():
+    sm = StalenessManager(max_concurrent=100, consumer_batch_size=2, max_head_offpolicyness=0)
+    assert admit_all(sm, 5) == 2
+    sm.on_reject()
+    assert sm.capacity() == 1
+    sm.on_accept()
+    assert sm.capacity() == 1  # one accepted, one slot left at version 0
+
+
+def test_state_round_trip_keeps_the_bound():
+    sm = StalenessManager(8, 2, 1, version=3)
+    admit_all(sm, 6)
+    for _ in range(4):
+        sm.on_accept()
+    restored = StalenessManager(8, 2, 1)
+    restored.load_state_dict(sm.state_dict())
+    assert (restored.version, restored.accepted, restored.running) == (3, sm.accepted, 0)
+    # Running groups are resubmitted after a resume: exactly as many fit again.
+    assert restored.capacity() == sm.capacity() + sm.running
+
+
+@pytest.mark.parametrize(
+    "kwargs, field",
+    [
+        (dict(max_concurrent=0, consumer_batch_size=1, max_head_offpolicyness=0), "max_concurrent"),
+        (dict(max_concurrent=1, consumer_batch_size=0, max_head_offpolicyness=0), "consumer_batch_size"),
+        (dict(max_concurrent=1, consumer_batch_size=1, max_head_offpolicyness=-1), "max_head_offpolicyness"),
+    ],
+)
+def test_bad_settings_name_the_field(kwargs, field):
+    with pytest.raises(ValueError, match=field):
+        StalenessManager(**kwargs)
+
+
+def test_admitting_past_the_bound_is_an_error():
+    sm = StalenessManager(1, 1, 0)
+    sm.on_submit()
+    with pytest.raises(RuntimeError, match="staleness bound"):
+        sm.on_submit()

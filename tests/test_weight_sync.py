@@ -1,0 +1,274 @@
+"""Weight sync against a real embedded server subprocess (micro tiny model).
+
+The test process plays trainer rank 0: it hosts the TCP store, builds the gloo
+group, broadcasts, and drives the server through the real client on an event
+loop running in a background thread (as the rollout controller does).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+import torch
+
+from arealite.api.types import GenerationRequest, SamplingParams
+from arealite.config.schema import WeightSyncConfig
+from arealite.engine.sglang_remote import RemoteSGLangEngine
+from arealite.utils.net import free_port
+from arealite.weight_sync import (
+    DiskWeightSync,
+    DistributedWeightSync,
+    StateDictSource,
+    WeightSyncError,
+)
+from arealite.weight_sync.base import buckets_of
+
+
+def _start_server(model_dir: Path, log_path: Path) -> tuple[subprocess.Popen, str]:
+    port = free_port()
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    log = open(log_path, "wb")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "arealite.server", "--model-path", str(model_dir),
+         "--host", "127.0.0.1", "--port", str(port)],
+        stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    addr = f"127.0.0.1:{port}"
+    deadline = time.monotonic() + 90
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited: {log_path.read_text()[-2000:]}")
+        try:
+            with urllib.request.urlopen(f"http://{addr}/health", timeout=1) as r:
+                if r.status == 200:
+                    return proc, addr
+        except OSError:
+            time.sleep(0.2)
+    proc.kill()
+    raise RuntimeError(f"server not healthy: {log_path.read_text()[-2000:]}")
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+@pytest.fixture(scope="module")
+def loop_runner():
+    """An event loop in a thread and `run(coro)`, like RolloutController.run."""
+    import uvloop
+
+    loop = uvloop.new_event_loop()
+    t = threading.Thread(target=loop.run_forever, daemon=True)
+    t.start()
+
+    def run(coro):
+        return asyncio.run_coroutine_threadsafe(coro, loop).result(120)
+
+    yield run, loop
+    loop.call_soon_threadsafe(loop.stop)
+    t.join(5)
+
+
+@pytest.fixture(scope="module")
+def server(micro_model_dir, tmp_path_factory):
+    proc, addr = _start_server(micro_model_dir, tmp_path_factory.mktemp("ws") / "server.log")
+    yield addr
+    _stop(proc)
+
+
+@pytest.fixture(scope="module")
+def client(server, loop_runner):
+    run, _ = loop_runner
+    c = RemoteSGLangEngine([server])
+    run(c.initialize(30))
+    yield c
+    run(c.aclose())
+
+
+@pytest.fixture(scope="module")
+def base_state(micro_model_dir):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(micro_model_dir))
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def _new_weights(base: dict[str, torch.Tensor], seed: int) -> dict[str, torch.Tensor]:
+    """Different weights of the same shapes, tied embedding kept tied."""
+    g = torch.Generator().manual_seed(seed)
+    out = {k: v + 0.05 * torch.randn(v.shape, generator=g) for k, v in base.items()
+           if k != "lm_head.weight"}
+    if "lm_head.weight" in base:
+        out["lm_head.weight"] = out["model.embed_tokens.weight"]
+    return out
+
+
+def _server_tensor(run, client, name: str, n: int = 100_000) -> torch.Tensor:
+    (values,) = run(client.get_weights_by_name(name, n)).values()
+    return torch.tensor(values, dtype=torch.float32)
+
+
+def _assert_server_has(run, client, state: dict[str, torch.Tensor]) -> None:
+    for name, t in state.items():
+        got = _server_tensor(run, client, name)
+        assert torch.equal(got, t.flatten().float()), f"{name} differs on the server"
+
+
+def _generate_version(run, client) -> list[int]:
+    req = GenerationRequest(input_ids=[5, 6, 7], sampling=SamplingParams(max_new_tokens=4, greedy=True))
+    return list(run(client.agenerate(req)).output_versions)
+
+
+def _cfg(**kw) -> WeightSyncConfig:
+    return WeightSyncConfig(**{"bucket_size_mb": 0.05, "verify_n_tensors": 3, "timeout_s": 30, **kw})
+
+
+def test_distributed_push_in_buckets_updates_weights_and_version(client, loop_runner, base_state):
+    run, _ = loop_runner
+    sync = DistributedWeightSync(_cfg(), client, run)
+    sync.init()
+    try:
+        for version, seed in ((1, 1), (2, 2)):  # the group serves more than one update
+            new = _new_weights(base_state, seed)
+            timings = sync.push(StateDictSource(new), version)
+            assert timings["n_buckets"] > 1, "the micro model should need several 50 KB buckets"
+            assert timings["n_tensors"] == len(StateDictSource(new).tensors)
+            assert timings["total_s"] >= timings["transfer_s"] > 0
+            _assert_server_has(run, client, new)
+            assert set(_generate_version(run, client)) == {version}
+    finally:
+        sync.close()
+
+
+def test_disk_push_updates_weights_and_removes_the_directory(client, loop_runner, base_state, tmp_path,
+                                                             micro_model_dir):
+    run, _ = loop_runner
+    root = tmp_path / "scratch"
+    sync = DiskWeightSync(_cfg(bucket_size_mb=0.03), client, run, root, str(micro_model_dir))
+    sync.init()
+    new = _new_weights(base_state, 3)
+    timings = sync.push(StateDictSource(new), 7)
+    assert timings["load_s"] > 0 and timings["bytes"] > 0
+    _assert_server_has(run, client, new)
+    assert set(_generate_version(run, client)) == {7}
+    assert root.is_dir() and list(root.iterdir()) == [], "the update's directory must be deleted"
+    sync.close()
+    assert not root.exists()
+
+
+class _CorruptSource:
+    """Yields one tensor with the wrong shape or dtype (an engine bug)."""
+
+    def __init__(self, state, how: str):
+        self.tensors = StateDictSource(state).tensors
+        self.how = how
+        self.victim = next(n for n, t in self.tensors if t.dim() == 2 and t.shape[0] != t.shape[1])
+
+    def named_weight_buckets(self, bucket_bytes):
+        def bad(n, t):
+            if n != self.victim:
+                return t
+            return t.t().contiguous() if self.how == "shape" else t.to(torch.float64)
+
+        yield from buckets_of([(n, bad(n, t)) for n, t in self.tensors], bucket_bytes)
+
+
+@pytest.mark.parametrize("how", ["shape", "dtype"])
+def test_corrupted_update_fails_loudly_and_server_stays_paused(client, loop_runner, base_state, server, how):
+    run, loop = loop_runner
+    before = {n: _server_tensor(run, client, n) for n in base_state if n != "lm_head.weight"}
+    version_before = _generate_version(run, client)[0]
+    sync = DistributedWeightSync(_cfg(), client, run)
+    sync.init()
+    src = _CorruptSource(_new_weights(base_state, 11), how)
+    with pytest.raises(WeightSyncError) as err:
+        sync.push(src, 99)
+    msg = str(err.value)
+    assert server in msg and src.victim in msg and "99" in msg
+    assert err.value.server == server and err.value.tensor == src.victim
+    # Not serving silently: the server is still paused, a generation does not finish.
+    req = GenerationRequest(input_ids=[1, 2, 3], sampling=SamplingParams(max_new_tokens=2, greedy=True))
+    fut = asyncio.run_coroutine_threadsafe(client.agenerate(req), loop)
+    time.sleep(1.0)
+    assert not fut.done(), "a server whose update failed must not serve"
+    # The bucket that held the bad tensor was refused as a whole.
+    bad_bucket = next(b for b in src.named_weight_buckets(50 * 1024) if src.victim in dict(b))
+    for name, _ in bad_bucket:
+        if name in before:
+            assert torch.equal(_server_tensor(run, client, name), before[name])
+    # A further push on the broken sync is refused at once.
+    with pytest.raises(WeightSyncError):
+        sync.push(StateDictSource(base_state), 100)
+    # Let the other tests use the server again (the failed push left it paused, mid-update).
+    run(client.end_weight_update())
+    run(client.continue_generation())
+    assert fut.result(30).output_versions[0] == version_before
+    sync.close()
+
+
+def test_readback_mismatch_names_server_and_tensor(client, loop_runner, base_state):
+    run, _ = loop_runner
+    sync = DistributedWeightSync(_cfg(verify_n_tensors=1), client, run)
+    sync.init()
+    new = _new_weights(base_state, 5)
+    sync.push(StateDictSource(new), 5)
+    name = "model.layers.0.mlp.up_proj.weight"
+    wrong = {name: new[name][:100].flatten().clone()}
+    wrong[name][17] += 0.5
+    with pytest.raises(WeightSyncError, match="read-back mismatch") as err:
+        sync.verify(wrong, 5)
+    assert err.value.tensor == name and err.value.server == client.servers[0]
+    sync.close()
+
+
+def test_inflight_rollout_is_interrupted_and_resumes_on_new_weights(client, loop_runner, base_state):
+    run, loop = loop_runner
+    sync = DistributedWeightSync(_cfg(bucket_size_mb=1.0), client, run)
+    sync.init()
+    before = _generate_version(run, client)[0]
+    req = GenerationRequest(input_ids=[3, 4, 5],
+                            sampling=SamplingParams(max_new_tokens=900, ignore_eos=True))
+    fut = asyncio.run_coroutine_threadsafe(client.agenerate(req), loop)
+    time.sleep(0.3)  # let it produce some tokens
+    assert not fut.done()
+    sync.push(StateDictSource(_new_weights(base_state, 6)), before + 1)
+    out = fut.result(120)
+    assert len(out.output_ids) == 900
+    versions = list(out.output_versions)
+    assert versions[0] == before and versions[-1] == before + 1
+    assert versions == sorted(versions), "each token keeps the version that produced it"
+    assert out.n_interruptions >= 1
+    sync.close()
+
+
+def test_a_dead_server_stops_the_push_with_its_name(micro_model_dir, loop_runner, base_state, tmp_path):
+    run, _ = loop_runner
+    proc, addr = _start_server(micro_model_dir, tmp_path / "doomed.log")
+    c = RemoteSGLangEngine([addr])
+    try:
+        run(c.initialize(30))
+        sync = DistributedWeightSync(_cfg(timeout_s=20), c, run)
+        sync.init()
+        _stop(proc)
+        t0 = time.monotonic()
+        with pytest.raises(WeightSyncError) as err:
+            sync.push(StateDictSource(base_state), 1)
+        assert addr in str(err.value)
+        assert time.monotonic() - t0 < 15, "a dead server must fail fast, not at the timeout"
+    finally:
+        _stop(proc)
+        run(c.aclose())

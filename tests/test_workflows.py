@@ -1,0 +1,299 @@
+"""Workflows: RLVR and multi-turn, first against a scripted engine (exact
+expectations), then end to end through the controller, the real client and
+the embedded server on the tiny model (real HTTP)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import time
+
+import pytest
+import torch
+from transformers import AutoTokenizer
+
+from arealite.api.types import Completion, validate_trajectory
+from arealite.config.schema import GenerationConfig, RolloutConfig
+from arealite.reward.math import math_reward
+from arealite.workflow.multi_turn import MultiTurnWorkflow, StepResult
+from arealite.workflow.rlvr import RLVRWorkflow
+
+from conftest import free_port
+
+
+@pytest.fixture(scope="module")
+def tok(micro_model_dir):
+    return AutoTokenizer.from_pretrained(micro_model_dir)
+
+
+class ScriptedEngine:
+    """Answers request k with ``answers[k % len(answers)]`` (tokenized), logprob -0.25, version 5."""
+
+    def __init__(self, tokenizer, answers, end_token: int | None = None):
+        self.tok = tokenizer
+        self.answers = answers
+        self.end = end_token
+        self.requests = []
+
+    async def agenerate(self, req):
+        k = len(self.requests)
+        self.requests.append(req)
+        await asyncio.sleep(0)
+        out = self.tok.encode(self.answers[k % len(self.answers)], add_special_tokens=False)
+        if self.end is not None:
+            out.append(self.end)
+        return Completion(req.rid, list(req.input_ids), out, [-0.25] * len(out), [5] * len(out), "stop")
+
+
+def gcfg(n=1, **kw):
+    return GenerationConfig(n_samples=n, max_new_tokens=kw.pop("max_new_tokens", 8), **kw)
+
+
+# ----------------------------------------------------------------- RLVR, scripted
+
+
+async def test_rlvr_group_shapes_masks_rewards(tok):
+    eng = ScriptedEngine(tok, ["#### 2", "so it is 3"])
+    wf = RLVRWorkflow(math_reward, gcfg(4), tok)
+    item = {"prompt": "What is 1 + 1?", "answer": "2", "prompt_id": 7}
+    td = await wf.arun_episode(eng, item)
+    validate_trajectory(td)
+    assert td["rewards"].tolist() == [1.0, 0.0, 1.0, 0.0]
+    assert len(set(td["group_id"].tolist())) == 1 and td["prompt_id"].tolist() == [7] * 4
+    assert len({r.affinity_key for r in eng.requests}) == 1  # one group -> one server
+    prompt_ids = tok.encode(item["prompt"], add_special_tokens=False)
+    for row in range(4):
+        out = tok.encode(["#### 2", "so it is 3"][row % 2], add_special_tokens=False)
+        n = len(prompt_ids) + len(out)
+        assert td["input_ids"][row, :n].tolist() == prompt_ids + out
+        assert td["loss_mask"][row].tolist() == [False] * len(prompt_ids) + [True] * len(out) + [False] * (td["input_ids"].shape[1] - n)
+        assert (td["versions"][row][td["loss_mask"][row]] == 5).all()
+        assert (td["versions"][row][~td["loss_mask"][row]] == -1).all()
+        assert torch.allclose(td["logprobs"][row][td["loss_mask"][row]], torch.tensor(-0.25))
+    # EOS always stops a sample
+    assert tok.eos_token_id in eng.requests[0].sampling.stop_token_ids
+
+
+async def test_rlvr_chat_template_prompt(tok):
+    eng = ScriptedEngine(tok, ["#### 1"])
+    wf = RLVRWorkflow(math_reward, gcfg(1), tok, apply_chat_template=True)
+    await wf.arun_episode(eng, {"prompt": "hi", "answer": 1})
+    expected = tok.encode(
+        tok.apply_chat_template([{"role": "user", "content": "hi"}], add_generation_prompt=True, tokenize=False),
+        add_special_tokens=False,
+    )
+    assert eng.requests[0].input_ids == expected
+
+
+def _raises(*a, **k):
+    raise ValueError("reward bug")
+
+
+def _hangs(*a, **k):
+    time.sleep(30)
+
+
+@pytest.mark.parametrize(
+    "fn",
+    [_raises, _hangs, lambda *a, **k: float("nan"), lambda *a, **k: "1.0"],
+    ids=["raises", "hangs", "nan", "string"],
+)
+@pytest.mark.parametrize("policy", ["zero", "reject"])
+async def test_rlvr_reward_errors_are_counted_and_handled(tok, fn, policy):
+    rc = RolloutConfig(reward_timeout_s=0.3, on_reward_error=policy)
+    wf = RLVRWorkflow(fn, gcfg(2), tok, rc)
+    t0 = time.monotonic()
+    td = await wf.arun_episode(ScriptedEngine(tok, ["#### 1"]), {"prompt": "q", "answer": 1})
+    assert time.monotonic() - t0 < 3
+    assert wf.stats()["reward_errors"] == 2
+    if policy == "zero":
+        assert td["rewards"].tolist() == [0.0, 0.0]
+    else:
+        assert td is None and wf.stats()["reward_rejected_groups"] == 1
+
+
+async def test_rlvr_dumps_texts_per_version(tok, tmp_path):
+    wf = RLVRWorkflow(math_reward, gcfg(3), tok, RolloutConfig(dump_dir=str(tmp_path)))
+    await wf.arun_episode(ScriptedEngine(tok, ["#### 4"]), {"prompt": "2+2?", "answer": 4, "prompt_id": 1})
+    lines = [json.loads(x) for x in (tmp_path / "version_5.jsonl").read_text().splitlines()]
+    assert len(lines) == 3 and lines[0]["completion"] == "#### 4" and lines[0]["reward"] == 1.0
+
+
+def test_rlvr_bad_arguments(tok):
+    with pytest.raises(TypeError, match="reward_fn"):
+        RLVRWorkflow("nope", gcfg(), tok)
+
+
+async def test_rlvr_item_without_prompt_names_the_field(tok):
+    wf = RLVRWorkflow(math_reward, gcfg(), tok)
+    with pytest.raises(KeyError, match="'prompt'"):
+        await wf.arun_episode(ScriptedEngine(tok, ["1"]), {"question": "x"})
+
+
+# ------------------------------------------------------------ multi-turn, scripted
+
+
+async def test_multi_turn_token_in_token_out(tok):
+    eng = ScriptedEngine(tok, ["#### 3", "#### 4", "#### 2"])
+    wf = MultiTurnWorkflow(math_reward, gcfg(1), tok, max_turns=3, turn_discount=0.5, feedback="wrong")
+    td = await wf.arun_episode(eng, {"prompt": "1+1?", "answer": 2})
+    validate_trajectory(td)
+    piece = wf.user_turn_piece("wrong")
+    prompt = tok.encode(
+        tok.apply_chat_template([{"role": "user", "content": "1+1?"}], add_generation_prompt=True, tokenize=False),
+        add_special_tokens=False,
+    )
+    outs = [tok.encode(a, add_special_tokens=False) for a in ["#### 3", "#### 4", "#### 2"]]
+    expected = prompt + outs[0] + piece + outs[1] + piece + outs[2]
+    assert td["input_ids"][0].tolist() == expected
+    mask = [False] * len(prompt) + [True] * len(outs[0]) + [False] * len(piece) + [True] * len(outs[1]) + [False] * len(piece) + [True] * len(outs[2])
+    assert td["loss_mask"][0].tolist() == mask
+    # every turn's request is exactly the conversation so far: nothing re-tokenized
+    assert [r.input_ids for r in eng.requests] == [prompt, prompt + outs[0] + piece, prompt + outs[0] + piece + outs[1] + piece]
+    assert td["rewards"].item() == pytest.approx(1.0 * 0.5**2)
+    assert (td["n_steps"].item(), td["step_id"].item()) == (3, 2)
+    # the piece is the template's: close the turn, a user turn, open the assistant
+    assert tok.decode(piece) == "<|im_end|>\n<|im_start|>user\nwrong<|im_end|>\n<|im_start|>assistant\n"
+
+
+async def test_multi_turn_does_not_duplicate_the_end_of_turn_token(tok):
+    im_end = tok.convert_tokens_to_ids("<|im_end|>")
+    eng = ScriptedEngine(tok, ["#### 9"], end_token=im_end)
+    wf = MultiTurnWorkflow(math_reward, gcfg(1), tok, max_turns=2, feedback="no")
+    td = await wf.arun_episode(eng, {"prompt": "x", "answer": 2})
+    ids = td["input_ids"][0].tolist()
+    assert [i for i in range(len(ids) - 1) if ids[i] == ids[i + 1] == im_end] == []
+    assert eng.requests[1].input_ids[-len(wf.user_turn_piece("no")) + 1 :] == wf.user_turn_piece("no")[1:]
+    assert td["rewards"].item() == 0.0 and td["n_steps"].item() == 2
+
+
+async def test_multi_turn_per_step_rows(tok):
+    rewards = iter([0.1, 0.2, 0.7])
+
+    async def env(item, text, ids, turn):
+        r = next(rewards)
+        return StepResult(r, done=turn == 2, feedback=f"step {turn} done")
+
+    eng = ScriptedEngine(tok, ["a", "bb", "ccc"])
+    wf = MultiTurnWorkflow(None, gcfg(1), tok, env=env, per_step=True, max_turns=5)
+    td = await wf.arun_episode(eng, {"prompt": "go"})
+    validate_trajectory(td)
+    assert td.batch_size[0] == 3
+    assert td["rewards"].tolist() == pytest.approx([0.1, 0.2, 0.7])
+    assert td["step_id"].tolist() == [0, 1, 2] and td["n_steps"].tolist() == [3, 3, 3]
+    assert len(set(td["traj_id"].tolist())) == 1
+    for k in range(3):
+        out = tok.encode(["a", "bb", "ccc"][k], add_special_tokens=False)
+        n = len(eng.requests[k].input_ids)
+        # the row is this step's context (not trained on) plus this step's tokens (trained on)
+        assert td["input_ids"][k, : n + len(out)].tolist() == eng.requests[k].input_ids + out
+        assert td["loss_mask"][k].nonzero().flatten().tolist() == list(range(n, n + len(out)))
+
+
+def test_multi_turn_bad_arguments(tok):
+    with pytest.raises(ValueError, match="max_turns"):
+        MultiTurnWorkflow(math_reward, gcfg(), tok, max_turns=0)
+    with pytest.raises(ValueError, match="reward_fn"):
+        MultiTurnWorkflow(None, gcfg(), tok)
+
+
+# ---------------------------------------------------- end to end, real HTTP server
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model_dir):
+    from arealite.server.process import ServerProcess
+
+    proc = ServerProcess(tiny_model_dir, free_port(), threads=1, extra_args=["--random-seed", "0"])
+    try:
+        yield proc.wait_healthy(120)
+    finally:
+        proc.stop()
+
+
+def make_controller(server, **cfg):
+    from arealite.engine.sglang_remote import RemoteSGLangEngine
+    from arealite.rollout.controller import RolloutController
+
+    rc = RolloutConfig(**{"consumer_batch_size": 4, "max_head_offpolicyness": 1, **cfg})
+    return RolloutController(RemoteSGLangEngine([server.url], rc), rc).start(init_timeout=60), rc
+
+
+class Recorder:
+    """Wraps the real client and records every (request, completion) pair."""
+
+    def __init__(self, engine):
+        self.engine = engine
+        self.calls = []
+
+    async def agenerate(self, req):
+        c = await self.engine.agenerate(req)
+        self.calls.append((list(req.input_ids), c))
+        return c
+
+    async def aclose(self):
+        await self.engine.aclose()
+
+
+@pytest.mark.slow
+def test_rlvr_end_to_end_through_controller(server, tiny_model_dir):
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    ctl, rc = make_controller(server)
+    try:
+        wf = RLVRWorkflow(math_reward, gcfg(2, max_new_tokens=6, temperature=1.0), tokenizer, rc, apply_chat_template=True)
+        items = [{"prompt": f"What is {i} + 1?", "answer": i + 1, "prompt_id": i} for i in range(4)]
+        batch = ctl.rollout_batch(items, wf)
+        validate_trajectory(batch)
+        assert batch.batch_size[0] == 8
+        assert sorted(batch["prompt_id"].tolist()) == [0, 0, 1, 1, 2, 2, 3, 3]
+        for g in batch["group_id"].unique():
+            assert (batch["group_id"] == g).sum() == 2
+        gen = batch["loss_mask"]
+        n_gen = gen.sum(1)
+        assert ((n_gen >= 1) & (n_gen <= 6)).all()
+        assert (batch["versions"][gen] == 0).all() and (batch["versions"][~gen] == -1).all()
+        assert (batch["logprobs"][gen] <= 0).all() and (batch["logprobs"][~gen] == 0).all()
+        assert set(batch["rewards"].tolist()) <= {0.0, 1.0}
+        # generated tokens sit right after the prompt, inside the attention mask
+        assert (batch["loss_mask"] <= batch["attention_mask"]).all()
+        st = ctl.stats()
+        assert st["accepted"] == 4 and st["failed"] == 0 and st["staleness_hist"] == {0: 8}
+    finally:
+        ctl.stop()
+
+
+@pytest.mark.slow
+def test_multi_turn_end_to_end_token_in_token_out(server, tiny_model_dir):
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    ctl, rc = make_controller(server, consumer_batch_size=2)
+    try:
+        rec = Recorder(ctl.engine)
+        ctl.engine = rec  # workflows reach the engine through the controller
+        never_right = lambda *a, **k: 0.0  # noqa: E731  every answer gets feedback
+        wf = MultiTurnWorkflow(never_right, gcfg(1, max_new_tokens=5), tokenizer, rc, max_turns=3, feedback="again")
+        batch = ctl.rollout_batch([{"prompt": "Say hi", "prompt_id": 0}, {"prompt": "Count", "prompt_id": 1}], wf)
+        validate_trajectory(batch)
+        assert batch["n_steps"].tolist() == [3, 3] and len(rec.calls) == 6
+        piece = wf.user_turn_piece("again")
+        for row in range(2):
+            ids = batch["input_ids"][row][batch["attention_mask"][row]].tolist()
+            calls = [(inp, c) for inp, c in rec.calls if ids[: len(inp)] == inp]
+            assert len(calls) == 3
+            calls.sort(key=lambda x: len(x[0]))
+            # rebuild the row from the pieces the server saw and returned
+            expected, mask = list(calls[0][0]), [False] * len(calls[0][0])
+            for t, (inp, c) in enumerate(calls):
+                assert inp == expected  # each request is exactly the conversation so far
+                expected += c.output_ids
+                mask += [True] * len(c.output_ids)
+                if t < 2:
+                    p = piece[1:] if c.output_ids and c.output_ids[-1] == piece[0] else piece
+                    expected += p
+                    mask += [False] * len(p)
+            assert ids == expected
+            assert batch["loss_mask"][row][: len(mask)].tolist() == mask
+            assert (batch["versions"][row][batch["loss_mask"][row]] == 0).all()
+        assert math.isclose(batch["rewards"].abs().sum().item(), 0.0)
+    finally:
+        ctl.stop()
