@@ -259,6 +259,7 @@ def test_sigint_tears_everything_down(tmp_path, micro_model_dir):
     _assert_all_gone(run.all_pids(record))
 
 
+@pytest.mark.slow
 def test_server_that_cannot_start_reports_its_log(tmp_path, micro_model_dir):
     broken = tmp_path / "broken_model"
     broken.mkdir()

@@ -588,6 +588,17 @@ def _check_context_length(cfg: ArealiteConfig) -> list[ConfigProblem]:
     return out
 
 
+def _check_reward_fn(cfg: ArealiteConfig) -> list[ConfigProblem]:
+    """`data.reward_fn` names an importable callable."""
+    from arealite.reward import load_reward_fn
+
+    try:
+        load_reward_fn(cfg.data.reward_fn)
+    except (ImportError, AttributeError, TypeError) as e:
+        return [ConfigProblem("data.reward_fn", str(e), cfg.data.reward_fn)]
+    return []
+
+
 #: Checks that relate several fields; each docstring is listed in docs/config_reference.md.
 CROSS_FIELD_CHECKS = (
     _check_batch_divisible,
@@ -595,6 +606,7 @@ CROSS_FIELD_CHECKS = (
     _check_eval_needs_data,
     _check_warmup,
     _check_context_length,
+    _check_reward_fn,
 )
 
 _TINY_HINT = "build a tiny one with `python -m arealite.models.tiny DIR --size small`"

@@ -272,6 +272,9 @@ class DataConfig(Section):
     """Field holding the reference answer passed to the reward function."""
     apply_chat_template: bool = False
     """Wrap prompts with the tokenizer's chat template."""
+    reward_fn: str = Field("arealite.reward.math:math_reward", pattern=r"^[\w.]+:[\w.]+$")
+    """Reward function as `module:function`, called as
+    `fn(prompt, completion, prompt_ids, completion_ids, **row_fields) -> float`."""
     max_prompt_len: int | None = Field(None, ge=1)
     """Prompts longer than this (in tokens) are an error before training starts."""
     total_train_epochs: int = Field(1, ge=1)

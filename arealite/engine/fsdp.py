@@ -91,6 +91,8 @@ class FSDPEngine:
         from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
         from transformers import AutoConfig, AutoModelForCausalLM
 
+        if self.model is not None:
+            raise RuntimeError("FSDPEngine.initialize() was already called")
         path = Path(self.config.model_path)
         if not (path / "config.json").is_file():
             raise FileNotFoundError(
@@ -491,6 +493,8 @@ class FSDPEngine:
             if name in skip:
                 continue
             t = p.detach()
+            if t.device != self.device:
+                t = t.to(self.device)  # CPU-offloaded shards: NCCL gathers on the GPU
             t = t.full_tensor() if hasattr(t, "full_tensor") else t
             nbytes = t.numel() * t.element_size()
             if bucket and size + nbytes > bucket_bytes:

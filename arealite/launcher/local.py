@@ -79,9 +79,12 @@ class Interrupted(Exception):
         self.signum = signum
 
 
+_T0 = time.monotonic()
+
+
 def log(msg: str) -> None:
-    """Launcher messages go to stderr, prefixed so they stand out from the trainer's."""
-    print(f"[launcher] {msg}", file=sys.stderr, flush=True)
+    """Launcher messages go to stderr, prefixed (with seconds since start) to stand out."""
+    print(f"[launcher {time.monotonic() - _T0:6.1f}s] {msg}", file=sys.stderr, flush=True)
 
 
 def _set_parent_death_signal() -> None:
@@ -440,6 +443,7 @@ class LocalLauncher:
                 signal.signal(s, signal.SIG_IGN)
             try:
                 self.teardown()
+                log("all children stopped")
             finally:
                 for s, h in previous.items():
                     signal.signal(s, h)
@@ -512,6 +516,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ValueError as e:  # ConfigError is a ValueError
         log(f"bad config: {e}")
         return int(ExitCode.BAD_CONFIG)
+    log("config loaded")
     run_dir = Path(cfg.experiment.output_root) / cfg.experiment.name / cfg.experiment.trial
     return LocalLauncher(cfg, args.script, args.config, args.overrides, run_dir).run()
 

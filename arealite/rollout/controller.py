@@ -221,6 +221,15 @@ class RolloutController:
             self._counters["submitted"] += 1
         self._admit()
 
+    def _submit_many_on_loop(self, jobs: list[_Job]) -> None:
+        if len(self._input) + len(jobs) > self.config.queue_size:
+            raise InputQueueFull(f"input queue cannot take {len(jobs)} more items (rollout.queue_size={self.config.queue_size})")
+        for job in jobs:
+            self._input.append(job)
+            self._workflows.setdefault(id(job.workflow), job.workflow)
+        self._counters["submitted"] += len(jobs)
+        self._admit()
+
     def _capacity(self) -> int:
         if self._paused:
             return 0
@@ -353,14 +362,13 @@ class RolloutController:
     def _take(self, count: int) -> TensorDict:
         tds = [self._output.popleft()[0] for _ in range(count)]
         self._counters["consumed"] += count
-        version = self.staleness.version
-        for td in tds:
-            v = td["versions"].masked_fill(~td["loss_mask"], torch.iinfo(torch.int64).max)
-            for oldest in v.min(dim=1).values.tolist():
-                if oldest != torch.iinfo(torch.int64).max:
-                    self._staleness_hist[version - oldest] += 1
         self._admit()
-        return concat_trajectories(tds)
+        batch = concat_trajectories(tds)
+        # Staleness of each trajectory: trainer version minus the oldest version among its tokens.
+        none = torch.iinfo(torch.int64).max
+        oldest = batch["versions"].masked_fill(~batch["loss_mask"], none).min(dim=1).values
+        self._staleness_hist.update(self.staleness.version - v for v in oldest.tolist() if v != none)
+        return batch
 
     def rollout_batch(self, items: list[Any], workflow: RolloutWorkflow, should_accept: ShouldAccept | None = None) -> TensorDict:
         """Submit ``items`` and wait for all of them (evaluation, tests); the order of rows is completion order."""
@@ -398,8 +406,8 @@ class RolloutController:
             if queued + len(batch) > self.config.queue_size:
                 self._unsubmitted.extend(batch)  # do not lose it: it goes first next time
                 return
-            for item in batch:
-                self.submit(item, workflow, should_accept)
+            # One hop to the loop for the whole batch, not one per item.
+            self._call(self._submit_many_on_loop, [_Job(it, workflow, should_accept) for it in batch])
 
     def _next_data(self, dataloader: Iterable) -> list[Any]:
         key = id(dataloader)

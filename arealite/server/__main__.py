@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import signal
 import sys
 
@@ -30,6 +31,11 @@ def main(argv: list[str] | None = None) -> None:
         logging.getLogger("arealite.server").info("server stopped")
 
     uvloop.run(run())
+    # Everything is shut down and flushed; skip the slow interpreter teardown
+    # of torch/transformers so that launchers and tests see a prompt exit.
+    logging.shutdown()
+    sys.stdout.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":

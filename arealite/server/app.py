@@ -516,7 +516,11 @@ async def serve(args: ServerArgs, stop: asyncio.Event | None = None) -> None:
     app_runner = web.AppRunner(app, access_log=None)
     await app_runner.setup()
     site = web.TCPSite(app_runner, args.host, args.port)
-    await site.start()
+    try:
+        await site.start()
+    except OSError as e:
+        await app_runner.cleanup()
+        raise SystemExit(f"cannot listen on {args.host}:{args.port}: {e}") from None
     n_params = sum(p.numel() for p in server.model.parameters())
     logger.info(
         "arealite embedded server ready on http://%s:%d (model %s, %.2fM params, %s, device %s, loaded in %.1fs)",

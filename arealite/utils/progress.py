@@ -1,8 +1,11 @@
-"""A progress bar for training steps that shows the numbers people watch."""
+"""Training progress that shows the numbers people watch: a tqdm bar on a terminal,
+plain lines otherwise (under the launcher, whose log files and console echo are line-based)."""
 
 from __future__ import annotations
 
+import os
 import sys
+import time
 from typing import Any, Mapping
 
 _SHOWN = (
@@ -14,22 +17,28 @@ _SHOWN = (
 
 
 class Progress:
-    """tqdm over training steps (rank 0); a plain line per step when stderr is not a terminal."""
+    """Progress of training steps on rank 0.
+
+    On a terminal, a tqdm bar; otherwise one line about every 5% of the run (and on
+    every evaluation), with the ETA. ``AREALITE_PROGRESS=lines|bar`` forces a style.
+    """
 
     def __init__(self, total: int, initial: int = 0, enabled: bool = True):
         self.enabled = enabled
         self.total = total
+        self.initial = initial
         self._last_eval: float | None = None
         self._bar = None
-        if enabled:
+        self._t0 = time.monotonic()
+        self._every = max(1, total // 20)
+        style = os.environ.get("AREALITE_PROGRESS") or ("bar" if sys.stderr.isatty() else "lines")
+        if enabled and style == "bar":
             from tqdm import tqdm
 
             self._bar = tqdm(total=total, initial=initial, desc="RL steps", unit="step",
                              dynamic_ncols=True, file=sys.stderr, mininterval=0.5)
 
-    def update(self, step: int, stats: Mapping[str, Any]) -> None:
-        if not self.enabled or self._bar is None:
-            return
+    def _fields(self, stats: Mapping[str, Any]) -> dict[str, str]:
         if "eval/accuracy" in stats:
             self._last_eval = float(stats["eval/accuracy"])
         shown = {}
@@ -37,8 +46,25 @@ class Progress:
             v = self._last_eval if key == "eval/accuracy" else stats.get(key)
             if isinstance(v, (int, float)):
                 shown[label] = fmt.format(v)
-        self._bar.set_postfix(shown, refresh=False)
-        self._bar.update(step - self._bar.n)
+        return shown
+
+    def update(self, step: int, stats: Mapping[str, Any]) -> None:
+        if not self.enabled:
+            return
+        shown = self._fields(stats)
+        if self._bar is not None:
+            self._bar.set_postfix(shown, refresh=False)
+            self._bar.update(step - self._bar.n)
+            return
+        if step % self._every and step != self.total and "eval/accuracy" not in stats:
+            return
+        done = step - self.initial
+        elapsed = time.monotonic() - self._t0
+        eta = elapsed / done * (self.total - step) if done > 0 else float("nan")
+        pct = step / self.total if self.total else 1.0
+        text = "  ".join(f"{k} {v}" for k, v in shown.items())
+        print(f"[step {step}/{self.total} {pct:4.0%}] {text}  elapsed {elapsed:.0f}s  eta {eta:.0f}s",
+              file=sys.stderr, flush=True)
 
     def close(self) -> None:
         if self._bar is not None:

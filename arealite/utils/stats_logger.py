@@ -135,8 +135,11 @@ def plot_reward_curve(stats_path: str | Path, out_png: str | Path,
     records = read_stats(stats_path)
     if not records:
         return None
-    # A resumed run appends: keep the last record of each step.
-    by_step = {r["step"]: r for r in records}
+    # A step may have several records (training, then evaluation), and a resumed
+    # run appends: merge them, later values winning.
+    by_step: dict[int, dict] = {}
+    for r in records:
+        by_step.setdefault(r["step"], {}).update(r)
     steps = sorted(by_step)
     fig, ax = plt.subplots(figsize=(7, 4))
     for key in keys:

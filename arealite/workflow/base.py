@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import queue
+from array import array
 import math
 import os
 import threading
@@ -51,6 +53,11 @@ def new_group_id() -> int:
     return next(_GROUP_IDS)
 
 
+def _int64(values: Sequence[int]) -> torch.Tensor:
+    # array -> frombuffer is ~10x faster than torch.tensor(list) for a few hundred ints.
+    return torch.frombuffer(array("q", values), dtype=torch.int64) if len(values) else torch.empty(0, dtype=torch.int64)
+
+
 def trajectory_row(
     prompt_ids: Sequence[int],
     pieces: Sequence[tuple[Sequence[int], Sequence[float] | None, Sequence[int] | None]] = (),
@@ -61,32 +68,34 @@ def trajectory_row(
     output) get ``loss_mask`` False, logprob 0 and version -1; generated pieces
     ``(ids, logprobs, versions)`` get ``loss_mask`` True and their own values.
     """
-    ids: list[int] = list(prompt_ids)
-    lp: list[float] = [0.0] * len(ids)
-    ver: list[int] = [-1] * len(ids)
-    mask: list[bool] = [False] * len(ids)
+    ids = array("q", prompt_ids)
+    generated: list[tuple[int, int, Sequence[float], Sequence[int]]] = []
     for p_ids, p_lp, p_ver in pieces:
-        n = len(p_ids)
-        ids.extend(int(t) for t in p_ids)
-        if p_lp is None:
-            lp.extend([0.0] * n)
-            ver.extend([-1] * n)
-            mask.extend([False] * n)
-        else:
+        start = len(ids)
+        ids.extend(p_ids)
+        if p_lp is not None:
+            n = len(ids) - start
             if len(p_lp) != n or p_ver is None or len(p_ver) != n:
                 raise ValueError(
                     f"generated piece has {n} tokens but {len(p_lp)} logprobs and "
                     f"{None if p_ver is None else len(p_ver)} versions; the engine must return one of each per token"
                 )
-            lp.extend(float(x) for x in p_lp)
-            ver.extend(int(v) for v in p_ver)
-            mask.extend([True] * n)
+            if n:
+                generated.append((start, len(ids), p_lp, p_ver))
+    L = len(ids)
+    loss_mask = torch.zeros(L, dtype=torch.bool)
+    logprobs = torch.zeros(L, dtype=torch.float32)
+    versions = torch.full((L,), -1, dtype=torch.int64)
+    for a, b, lp, ver in generated:
+        loss_mask[a:b] = True
+        logprobs[a:b] = torch.frombuffer(array("f", lp), dtype=torch.float32)
+        versions[a:b] = _int64(ver)
     return {
-        "input_ids": torch.tensor(ids, dtype=torch.int64),
-        "attention_mask": torch.ones(len(ids), dtype=torch.bool),
-        "loss_mask": torch.tensor(mask, dtype=torch.bool),
-        "logprobs": torch.tensor(lp, dtype=torch.float32),
-        "versions": torch.tensor(ver, dtype=torch.int64),
+        "input_ids": _int64(ids),
+        "attention_mask": torch.ones(L, dtype=torch.bool),
+        "loss_mask": loss_mask,
+        "logprobs": logprobs,
+        "versions": versions,
     }
 
 
@@ -104,8 +113,14 @@ def pad_and_stack(rows: Sequence[dict[str, torch.Tensor]], per_row: dict[str, to
     """Right-pad 1-D per-token rows to the longest and stack them into ``[B, L]``."""
     if not rows:
         raise ValueError("pad_and_stack needs at least one row")
-    L = max(r["input_ids"].shape[0] for r in rows)
+    lengths = {r["input_ids"].shape[0] for r in rows}
     out: dict[str, torch.Tensor] = {}
+    if len(lengths) == 1:  # the common case (one sample, or equal lengths): no padding
+        for key in rows[0]:
+            out[key] = rows[0][key].unsqueeze(0) if len(rows) == 1 else torch.stack([r[key] for r in rows])
+        out.update(per_row or {})
+        return TensorDict(out, batch_size=[len(rows)])
+    L = max(lengths)
     for key in rows[0]:
         pad = PAD_VALUES.get(key, 0)
         t0 = rows[0][key]
@@ -124,26 +139,29 @@ def concat_trajectories(tds: Sequence[TensorDict]) -> TensorDict:
     """
     if not tds:
         raise ValueError("concat_trajectories needs at least one TensorDict")
-    L = max(td["input_ids"].shape[1] for td in tds)
-    keys = list(tds[0].keys())
-    for i, td in enumerate(tds[1:], 1):
-        if set(td.keys()) != set(keys):
+    if len(tds) == 1:
+        return tds[0]
+    dicts = [dict(td.items()) for td in tds]
+    keys = set(dicts[0])
+    for i, d in enumerate(dicts[1:], 1):
+        if set(d) != keys:
             raise ValueError(
-                f"trajectory {i} has keys {sorted(td.keys())}, trajectory 0 has {sorted(keys)}; "
+                f"trajectory {i} has keys {sorted(d)}, trajectory 0 has {sorted(keys)}; "
                 "all trajectories of one batch need the same keys"
             )
+    widths = [d["input_ids"].shape[1] for d in dicts]
+    L = max(widths)
     out: dict[str, torch.Tensor] = {}
-    for key in keys:
+    for key in dicts[0]:
         parts = []
-        for td in tds:
-            t = td.get(key)
-            width = td["input_ids"].shape[1]
-            if t.dim() >= 2 and t.shape[1] == width and width < L:
+        for d, width in zip(dicts, widths):
+            t = d[key]
+            if width < L and t.dim() >= 2 and t.shape[1] == width:
                 pad_shape = (t.shape[0], L - width, *t.shape[2:])
                 t = torch.cat([t, torch.full(pad_shape, PAD_VALUES.get(key, 0), dtype=t.dtype)], dim=1)
             parts.append(t)
         out[key] = torch.cat(parts, dim=0)
-    return TensorDict(out, batch_size=[sum(td.batch_size[0] for td in tds)])
+    return TensorDict(out, batch_size=[out["input_ids"].shape[0]])
 
 
 def reject_equal_rewards(td: TensorDict) -> bool:
@@ -163,21 +181,26 @@ class RewardError(RuntimeError):
 class RewardRunner:
     """Runs synchronous reward functions off the event loop, with a timeout.
 
-    Each call gets its own daemon thread (bounded to ``workers`` at once): a
-    reward function that hangs forever is abandoned after ``timeout_s`` and
-    frees its slot, and can neither block the loop, starve later calls, nor
-    keep the interpreter from exiting.
+    A small pool of daemon worker threads (``workers`` at once) runs the calls.
+    A call that exceeds ``timeout_s`` is abandoned: its thread is replaced at
+    once and exits when the call finally returns, so a reward function that
+    hangs can neither block the loop, starve later calls, nor keep the
+    interpreter from exiting. Idle workers exit after ``idle_s``.
     """
 
-    def __init__(self, timeout_s: float = 15.0, workers: int = 2):
+    def __init__(self, timeout_s: float = 15.0, workers: int = 2, idle_s: float = 30.0):
         if timeout_s <= 0:
             raise ValueError(f"reward timeout_s must be > 0, got {timeout_s}")
         if workers < 1:
             raise ValueError(f"reward workers must be >= 1, got {workers}")
         self.timeout_s = timeout_s
         self.workers = workers
+        self.idle_s = idle_s
         self.abandoned_threads = 0
         self._sems: dict[int, asyncio.Semaphore] = {}
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._live = 0  # workers not stuck in an abandoned call
 
     def _sem(self) -> asyncio.Semaphore:
         loop = asyncio.get_running_loop()
@@ -186,46 +209,80 @@ class RewardRunner:
             sem = self._sems[id(loop)] = asyncio.Semaphore(self.workers)
         return sem
 
+    def _worker(self) -> None:
+        while True:
+            try:
+                job = self._jobs.get(timeout=self.idle_s)
+            except queue.Empty:
+                with self._lock:
+                    if self._jobs.empty():
+                        self._live -= 1
+                        return
+                continue
+            with self._lock:
+                if job["state"] == "cancelled":  # timed out before it started
+                    continue
+                job["state"] = "started"
+            try:
+                value, ok = job["fn"](*job["args"], **job["kwargs"]), True
+            except BaseException as e:  # reported to the workflow, never lost
+                value, ok = e, False
+            try:
+                job["loop"].call_soon_threadsafe(job["done"], ok, value)
+            except RuntimeError:  # the loop closed meanwhile: nobody waits any more
+                pass
+            with self._lock:
+                if job["state"] == "abandoned":
+                    return  # a replacement worker was started when this call timed out
+                job["state"] = "finished"
+
+    def _spawn_workers(self) -> None:
+        # caller holds self._lock
+        while self._live < self.workers:
+            self._live += 1
+            threading.Thread(target=self._worker, name="arealite-reward", daemon=True).start()
+
     async def __call__(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> float:
-        """``float(fn(*args, **kwargs))`` in a thread; raises ``RewardError`` on any failure."""
+        """``float(fn(*args, **kwargs))`` in a worker thread; raises ``RewardError`` on any failure."""
         loop = asyncio.get_running_loop()
+        name = getattr(fn, "__name__", repr(fn))
         async with self._sem():
             fut: asyncio.Future = loop.create_future()
 
-            def _set(ok: bool, value: Any) -> None:
+            def _done(ok: bool, value: Any) -> None:
                 if not fut.done():
                     (fut.set_result if ok else fut.set_exception)(value)
 
-            def _target() -> None:
-                try:
-                    value = fn(*args, **kwargs)
-                    ok = True
-                except BaseException as e:  # reported to the workflow, never lost
-                    value, ok = e, False
-                try:
-                    loop.call_soon_threadsafe(_set, ok, value)
-                except RuntimeError:  # the loop closed meanwhile: nobody waits any more
-                    pass
-
-            threading.Thread(target=_target, name="arealite-reward", daemon=True).start()
+            job = {"fn": fn, "args": args, "kwargs": kwargs, "loop": loop, "done": _done, "state": "queued"}
+            with self._lock:
+                self._spawn_workers()
+                self._jobs.put(job)
             try:
                 value = await asyncio.wait_for(fut, self.timeout_s)
             except asyncio.TimeoutError:
-                self.abandoned_threads += 1
+                with self._lock:
+                    if job["state"] == "started":
+                        job["state"] = "abandoned"
+                        self.abandoned_threads += 1
+                        self._live -= 1
+                        self._spawn_workers()
+                    elif job["state"] == "queued":
+                        job["state"] = "cancelled"
                 raise RewardError(
-                    f"reward function {getattr(fn, '__name__', fn)!r} did not return within "
-                    f"{self.timeout_s}s (rollout.reward_timeout_s)"
+                    f"reward function {name!r} did not return within {self.timeout_s}s (rollout.reward_timeout_s)"
                 ) from None
+            except asyncio.CancelledError:
+                with self._lock:
+                    if job["state"] == "queued":
+                        job["state"] = "cancelled"
+                raise
             except Exception as e:
-                raise RewardError(f"reward function {getattr(fn, '__name__', fn)!r} raised {e!r}") from e
+                raise RewardError(f"reward function {name!r} raised {e!r}") from e
         if isinstance(value, bool):
             value = float(value)
         if not isinstance(value, (int, float)) and not (isinstance(value, torch.Tensor) and value.numel() == 1):
-            raise RewardError(
-                f"reward function {getattr(fn, '__name__', fn)!r} returned {type(value).__name__} "
-                f"({value!r:.80}); it must return a float"
-            )
+            raise RewardError(f"reward function {name!r} returned {type(value).__name__} ({value!r:.80}); it must return a float")
         value = float(value)
         if not math.isfinite(value):
-            raise RewardError(f"reward function {getattr(fn, '__name__', fn)!r} returned {value}")
+            raise RewardError(f"reward function {name!r} returned {value}")
         return value

@@ -38,7 +38,7 @@ from arealite.workflow.base import (
     pad_and_stack,
     trajectory_row,
 )
-from arealite.workflow.rlvr import RewardFn, encode_prompt, item_fields, sampling_from_config
+from arealite.workflow.rlvr import RewardFn, decode, encode_prompt, item_fields, sampling_from_config
 
 _SENTINEL = "\u2063AREALITE_SENTINEL\u2063"
 
@@ -151,7 +151,7 @@ class MultiTurnWorkflow(RolloutWorkflow):
             pieces.append((out, list(comp.output_logprobs), list(comp.output_versions)))
             ids.extend(out)
             self.counters["turns"] += 1
-            text = self.tokenizer.decode(out, skip_special_tokens=True)
+            text = decode(self.tokenizer, out)
             if self.env is None:
                 res = await self._default_env(item, text, out, turn, prompt_ids)
             else:

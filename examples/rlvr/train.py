@@ -1,11 +1,12 @@
-"""Asynchronous GRPO on the reverse-digits task: the CPU demo, and a template for your task.
+"""Asynchronous GRPO with verifiable rewards: the CPU demo, the GPU recipe, and a template.
 
-    python -m arealite.launcher.local examples/reverse_digits/train.py \
+    python -m arealite.launcher.local examples/rlvr/train.py \
         --config examples/reverse_digits/config.yaml [key=value ...]
 
 Every trainer rank (torchrun) runs this loop on its own share of the prompts; rank 0 alone
-pushes weights and writes stats. To train on another task, change the dataset, the reward
-function and (if needed) the workflow; the loop stays the same.
+pushes weights and writes stats. A task is a JSONL dataset plus a reward function
+(`data.reward_fn`); for multi-turn or agentic tasks swap `RLVRWorkflow` for your own
+`RolloutWorkflow`. The loop stays the same.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from arealite.config.loader import parse_args
 from arealite.data.dataset import StatefulDataLoader, load_jsonl
 from arealite.engine.fsdp import FSDPEngine
 from arealite.engine.sglang_remote import RemoteSGLangEngine
-from arealite.reward.reverse_digits import reverse_digits_reward
+from arealite.reward import load_reward_fn
 from arealite.rollout.controller import RolloutController
 from arealite.utils.checkpoint import Checkpointer
 from arealite.utils.progress import Progress
@@ -58,11 +59,12 @@ def main(argv: list[str]) -> None:
     client = RemoteSGLangEngine(server_addrs(cfg), cfg.rollout, api_key=server_api_key(cfg),
                                 eos_token_ids=[tokenizer.eos_token_id])
     controller = RolloutController(client, cfg.rollout, world_size=world)
-    workflow = RLVRWorkflow(reverse_digits_reward, cfg.generation, tokenizer, cfg.rollout,
+    reward_fn = load_reward_fn(cfg.data.reward_fn)
+    workflow = RLVRWorkflow(reward_fn, cfg.generation, tokenizer, cfg.rollout,
                             prompt_key=cfg.data.prompt_key, apply_chat_template=cfg.data.apply_chat_template)
     eval_gen = cfg.generation.model_copy(update={"n_samples": 1, "greedy": True,
                                                  "max_new_tokens": cfg.evaluation.max_new_tokens or cfg.generation.max_new_tokens})
-    eval_workflow = RLVRWorkflow(reverse_digits_reward, eval_gen, tokenizer, cfg.rollout,
+    eval_workflow = RLVRWorkflow(reward_fn, eval_gen, tokenizer, cfg.rollout,
                                  prompt_key=cfg.data.prompt_key, apply_chat_template=cfg.data.apply_chat_template)
 
     # --- resume from the latest complete checkpoint (recover.mode), before the controller starts

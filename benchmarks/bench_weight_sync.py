@@ -1,0 +1,165 @@
+"""Seconds to push a ~50M-parameter model to an embedded server, vs a plain memory copy.
+
+Three ways to move the same bytes, in one run:
+
+- baseline: ``dst.copy_(src)`` for every tensor of the state dict, in-process
+  (the floor: what any update must at least do once);
+- distributed: `DistributedWeightSync.push` (gloo broadcast over localhost in
+  buckets, HTTP calls, pause/continue, read-back check), end to end;
+- disk: `DiskWeightSync.push` (safetensors shards, update_weights_from_disk,
+  read-back check, directory removed), end to end.
+
+The figure of merit is best path / memory copy (goal: within 4x).
+
+    python benchmarks/bench_weight_sync.py            # "large" tiny model (~50M), 3 rounds
+    python benchmarks/bench_weight_sync.py --quick    # "base" model (~10M), 1 round
+
+The last line printed is one JSON object with the figures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from arealite.config.schema import WeightSyncConfig  # noqa: E402
+from arealite.engine.sglang_remote import RemoteSGLangEngine  # noqa: E402
+from arealite.utils.net import free_port  # noqa: E402
+from arealite.weight_sync import DiskWeightSync, DistributedWeightSync, StateDictSource  # noqa: E402
+
+
+def start_server(model_dir: Path, log: Path) -> tuple[subprocess.Popen, str]:
+    port = free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "arealite.server", "--model-path", str(model_dir), "--port", str(port)],
+        stdout=open(log, "wb"), stderr=subprocess.STDOUT, start_new_session=True)
+    addr = f"127.0.0.1:{port}"
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise SystemExit(f"server exited:\n{log.read_text()[-3000:]}")
+        try:
+            with urllib.request.urlopen(f"http://{addr}/health", timeout=1):
+                return proc, addr
+        except OSError:
+            time.sleep(0.3)
+    proc.kill()
+    raise SystemExit("server did not become healthy")
+
+
+def best_of(n: int, fn) -> float:
+    times = []
+    for _ in range(n):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return min(times)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--quick", action="store_true", help="base model, one round")
+    ap.add_argument("--size", choices=["micro", "small", "base", "large"], default=None)
+    ap.add_argument("--model-dir", default=None, help="reuse a tiny model directory")
+    ap.add_argument("--rounds", type=int, default=None)
+    ap.add_argument("--bucket-mb", type=float, default=64.0)
+    args = ap.parse_args()
+    size = args.size or ("base" if args.quick else "large")
+    rounds = args.rounds or (1 if args.quick else 3)
+
+    work = Path(tempfile.mkdtemp(prefix="bench_ws_"))
+    if args.model_dir:
+        model_dir = Path(args.model_dir)
+    else:
+        from arealite.models.tiny import build_tiny_model
+
+        model_dir = build_tiny_model(work / "model", size=size, seed=0)
+    from safetensors.torch import load_file
+
+    state = load_file(str(model_dir / "model.safetensors"))
+    src = StateDictSource(state)
+    n_params = sum(t.numel() for _, t in src.tensors)
+    n_bytes = sum(t.numel() * t.element_size() for _, t in src.tensors)
+
+    # The floor: copy every tensor once, in memory (destination preallocated, as in a server).
+    dst = {k: torch.empty_like(v) for k, v in state.items()}
+
+    def mem_copy():
+        for k, v in state.items():
+            dst[k].copy_(v)
+
+    mem_copy()  # touch the pages once
+    t_mem = best_of(max(rounds, 3), mem_copy)
+
+    proc, addr = start_server(model_dir, work / "server.log")
+    loop = asyncio.new_event_loop()
+    threading.Thread(target=loop.run_forever, daemon=True).start()
+
+    def run(coro):
+        return asyncio.run_coroutine_threadsafe(coro, loop).result()
+
+    client = RemoteSGLangEngine([addr])
+    results: dict[str, float] = {}
+    phases: dict[str, dict] = {}
+    try:
+        run(client.initialize(60))
+        cfg = WeightSyncConfig(bucket_size_mb=args.bucket_mb, verify_n_tensors=2, timeout_s=300)
+        dist_sync = DistributedWeightSync(cfg, client, run)
+        dist_sync.init()
+        disk_sync = DiskWeightSync(cfg, client, run, work / "scratch", str(model_dir))
+        disk_sync.init()
+        version = 0
+        for name, sync in (("distributed", dist_sync), ("disk", disk_sync)):
+            sync.push(src, version := version + 1)  # warm-up (first group use, page cache)
+            best = float("inf")
+            for _ in range(rounds):
+                t0 = time.perf_counter()
+                timings = sync.push(src, version := version + 1)
+                dt = time.perf_counter() - t0
+                if dt < best:
+                    best, phases[name] = dt, timings
+            results[name] = best
+        dist_sync.close()
+        disk_sync.close()
+    finally:
+        run(client.aclose())
+        proc.terminate()
+        proc.wait(30)
+
+    best_path = min(results, key=results.get)
+    ratio = {k: v / t_mem for k, v in results.items()}
+    print(f"\nweight sync of the '{size}' tiny model: {n_params / 1e6:.1f}M params, "
+          f"{n_bytes / 2**20:.0f} MB, buckets of {args.bucket_mb:g} MB, best of {rounds}")
+    print(f"{'path':<14}{'seconds':>10}{'GB/s':>8}{'x memcopy':>11}")
+    print(f"{'memory copy':<14}{t_mem:>10.3f}{n_bytes / t_mem / 1e9:>8.2f}{1.0:>11.2f}")
+    for k, v in results.items():
+        print(f"{k:<14}{v:>10.3f}{n_bytes / v / 1e9:>8.2f}{ratio[k]:>11.2f}")
+    for k, ph in phases.items():
+        detail = ", ".join(f"{p}={s:.3f}" for p, s in ph.items() if p.endswith("_s"))
+        print(f"  {k}: {detail}")
+    print(f"best path: {best_path}, {ratio[best_path]:.2f}x the memory copy (goal: <= 4x)")
+    print(json.dumps({
+        "bench": "weight_sync", "model_size": size, "params": n_params, "bytes": n_bytes,
+        "rounds": rounds, "bucket_mb": args.bucket_mb, "memcopy_s": round(t_mem, 4),
+        "distributed_s": round(results["distributed"], 4), "disk_s": round(results["disk"], 4),
+        "distributed_ratio": round(ratio["distributed"], 2), "disk_ratio": round(ratio["disk"], 2),
+        "best_path": best_path, "best_ratio": round(ratio[best_path], 2),
+        "goal_ratio": 4.0, "threads": int(os.environ.get("OMP_NUM_THREADS", "0") or 0),
+    }))
+
+
+if __name__ == "__main__":
+    main()
