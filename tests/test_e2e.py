@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import REPO
+from conftest import REPO
 
 pytestmark = pytest.mark.slow
 

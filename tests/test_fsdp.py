@@ -264,6 +264,36 @@ def test_bad_inputs_fail_with_clear_errors(make_engine, tmp_path):
         FSDPEngine(ActorConfig())
 
 
+def test_gradient_checkpointing_and_bf16_options(micro_model_dir):
+    """Activation checkpointing changes no gradient; bf16 compute keeps fp32 master weights and trains."""
+    from tensordict import TensorDict
+
+    def grads_with(**opts):
+        cfg = ActorConfig(model_path=str(micro_model_dir), mb_max_tokens=24, **opts)
+        cfg.optimizer.gradient_clipping = 0.0
+        cfg.optimizer.lr = 1e-2
+        e = FSDPEngine(cfg).initialize()
+        try:
+            batch = TensorDict(make_batch(e.hf_config.vocab_size, LENGTHS), batch_size=[len(LENGTHS)])
+            losses = [e.train_batch(batch, token_mean_ce, n_tokens)["loss"]]
+            g = full_grads(e)
+            losses += [e.train_batch(batch, token_mean_ce, n_tokens)["loss"] for _ in range(2)]
+            dtypes = {p.dtype for p in e.model.parameters()}
+            return losses, g, dtypes
+        finally:
+            e.destroy()
+
+    plain_losses, plain_grads, _ = grads_with()
+    ckpt_losses, ckpt_grads, _ = grads_with(gradient_checkpointing=True)
+    assert ckpt_losses == pytest.approx(plain_losses, abs=1e-6)
+    for n, g in plain_grads.items():
+        assert (ckpt_grads[n] - g).abs().max().item() <= 1e-6, n
+    bf16_losses, _, dtypes = grads_with(dtype="bfloat16")
+    assert dtypes == {torch.float32}
+    assert bf16_losses[0] == pytest.approx(plain_losses[0], abs=5e-2)  # bf16 rounding only
+    assert bf16_losses[-1] < bf16_losses[0]
+
+
 @pytest.mark.gpu
 def test_cuda_bf16_training_and_forward(micro_model_dir):
     """CUDA path: NCCL group, bf16 compute with fp32 reduction and fp32 master weights."""

@@ -8,13 +8,20 @@ from __future__ import annotations
 
 import asyncio
 import json
+import socket
 
 import aiohttp
 import pytest
 import torch
 
 from arealite.server.process import ServerProcess
-from conftest import free_port
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import datetime
 import shutil
+import socket
 
 import aiohttp
 import pytest
@@ -18,7 +19,13 @@ import torch
 import torch.distributed as dist
 
 from arealite.server.process import ServerProcess
-from conftest import free_port
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -214,7 +221,9 @@ async def test_update_weights_from_distributed(server, http, seed1_dir):
     b1, b2 = names[:half], names[half:]
     r1 = await push(http, server, trainer, b1, [new[n] for n in b1], version="2")
     assert r1["success"] is True, r1
-    r2 = await push(http, server, trainer, b2, [new[n] for n in b2], flattened=True, version="3")
+    # SGLang's spelling of the flat layout (what arealite's client sends).
+    r2 = await push(http, server, trainer, b2, [new[n] for n in b2], flattened=True, version="3",
+                    meta_override={"flattened_bucket": None, "load_format": "flattened_bucket"})
     assert r2["success"] is True, r2
     for n in (b1[0], b1[-1], b2[0], b2[-1], "lm_head.weight"):
         src = new["model.embed_tokens.weight" if n == "lm_head.weight" else n]

@@ -272,3 +272,24 @@ def test_a_dead_server_stops_the_push_with_its_name(micro_model_dir, loop_runner
     finally:
         _stop(proc)
         run(c.aclose())
+
+
+def test_make_weight_sync_follows_the_config(tmp_path):
+    from arealite.config.schema import ArealiteConfig
+    from arealite.weight_sync import make_weight_sync, server_weight_dtype
+
+    cfg = ArealiteConfig.model_validate({
+        "experiment": {"output_root": str(tmp_path), "name": "e", "trial": "t"},
+        "weight_sync": {"method": "disk"}})
+    sync = make_weight_sync(cfg, client=None, train_engine=None, run=None)
+    assert isinstance(sync, DiskWeightSync) and sync.root == tmp_path / "e" / "t" / "weight_sync"
+    assert server_weight_dtype(cfg) is None  # embedded on CPU keeps the checkpoint's dtype
+    cfg.weight_sync.method = "distributed"
+    cfg.server.dtype = "bfloat16"
+    sync = make_weight_sync(cfg, client=None, train_engine=None, run=None)
+    assert isinstance(sync, DistributedWeightSync) and sync.wire_dtype == torch.bfloat16
+    assert sync.backend == ("nccl" if torch.cuda.is_available() else "gloo")
+    cfg.server.dtype = "auto"
+    cfg.launch.server_backend = "sglang"
+    assert server_weight_dtype(cfg) == torch.bfloat16
+    assert make_weight_sync(cfg, None, None, None).layout == "sglang"

@@ -29,7 +29,7 @@ import torch
 import uvloop
 from tensordict import TensorDict
 
-from arealite.api.types import TrajectoryError, validate_trajectory
+from arealite.api.types import validate_trajectory
 from arealite.config.schema import RolloutConfig
 from arealite.rollout.staleness import StalenessManager
 from arealite.workflow.base import RolloutWorkflow, concat_trajectories, reject_equal_rewards

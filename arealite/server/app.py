@@ -212,6 +212,9 @@ class EmbeddedServer:
             "internal_states": [{
                 "num_running_reqs": r.n_running, "num_waiting_reqs": r.n_waiting,
                 "paused": r.paused, "in_weight_update": r.in_update_bracket, **r.stats,
+                # CPU seconds of the whole server process: lets benchmarks on a
+                # busy machine compare work done rather than contended wall time.
+                "cpu_time_s": time.process_time(),
             }],
         })
 
@@ -344,7 +347,12 @@ class EmbeddedServer:
         if name not in self.groups:
             raise RequestError(f"{route}: no weight-update group {name!r}; call init_weights_update_group first "
                                f"(groups: {sorted(self.groups)})")
-        flattened = _want(body, "flattened_bucket", bool, route, False)
+        # SGLang names the flat layout load_format="flattened_bucket"; a
+        # boolean flattened_bucket field is accepted as well.
+        fmt = _want(body, "load_format", str, route)
+        if fmt not in (None, "auto", "flattened_bucket"):
+            raise RequestError(f"{route}: load_format {fmt!r} is not supported (None, 'auto' or 'flattened_bucket')")
+        flattened = _want(body, "flattened_bucket", bool, route, False) or fmt == "flattened_bucket"
         version = _want(body, "weight_version", (str, int), route)
         if _want(body, "abort_all_requests", bool, route, False):
             await self.runner.call(lambda: self.runner.abort(None, "aborted for a weight update"))

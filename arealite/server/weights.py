@@ -10,7 +10,7 @@ hosts a ``TCPStore``; every server joins a group built over
 is built directly (``ProcessGroupGloo`` / ``ProcessGroupNCCL``), so it never
 touches a default process group. Per update, rank 0 broadcasts the tensors of
 ``names`` in order, either one broadcast per tensor or, with
-``flattened_bucket: true``, a single 1-D broadcast of all of them concatenated
+``load_format: "flattened_bucket"`` (or ``flattened_bucket: true``), a single 1-D broadcast of all of them concatenated
 (one dtype). A server that finds the metadata inconsistent with its model still
 receives every broadcast into scratch buffers (so the sender is never left
 hanging), discards them, and answers ``success: false`` naming the tensor.
