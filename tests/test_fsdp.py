@@ -279,6 +279,7 @@ def test_gradient_checkpointing_and_bf16_options(micro_model_dir):
             g = full_grads(e)
             losses += [e.train_batch(batch, token_mean_ce, n_tokens)["loss"] for _ in range(2)]
             dtypes = {p.dtype for p in e.model.parameters()}
+            assert e.model.is_activation_checkpointing == opts.get("gradient_checkpointing", False)
             return losses, g, dtypes
         finally:
             e.destroy()

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.conftest import free_port
+from arealite.utils.dist import free_port
 
 HERE = Path(__file__).resolve().parent
 WORKER = HERE / "_fsdp_worker.py"

@@ -27,7 +27,7 @@ import os
 import random
 import shutil
 from pathlib import Path
-from typing import Any, Callable, Iterator, Mapping
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -114,7 +114,12 @@ class FSDPEngine:
         )
         model.config.use_cache = False
         if self.config.gradient_checkpointing and not self.frozen:
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            # Non-reentrant checkpointing composes with FSDP2's hooks.
+            kw = {"use_reentrant": False}
+            if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.x name
+                model.activation_checkpointing_enable(activation_checkpointing_kwargs=kw)
+            else:
+                model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kw)
 
         # With one rank a shard is the whole tensor: re-gathering it for backward is pure copying.
         kwargs: dict[str, Any] = {"mesh": self.mesh, "reshard_after_forward": self.world_size > 1}
