@@ -19,6 +19,7 @@ import asyncio
 import json
 import os
 import resource
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -97,29 +98,35 @@ def make_items(n: int) -> list[dict]:
 
 
 # -------------------------------------------------------------- baselines
-async def raw_loop(url: str, items: list[dict], concurrency: int) -> float:
-    """Trajectories/s of C workers posting the same /generate requests with plain aiohttp."""
+async def raw_loop(url: str, items: list[dict], concurrency: int) -> tuple[float, float]:
+    """(wall s, CPU s) of C workers posting the same /generate requests with plain aiohttp.
+
+    As lean as a client can be and still speak the protocol: one session,
+    orjson both ways, a fresh request id per request, one check on the answer.
+    """
+    import uuid
+
     import aiohttp
 
     from arealite.api.types import SamplingParams
+    from arealite.engine.sglang_remote import _dumps, _loads
 
     sp = SamplingParams(max_new_tokens=1).to_sglang()
+    headers = {"Content-Type": "application/json"}
     todo = iter(items)
-    done = 0
 
     async def worker(session: aiohttp.ClientSession) -> None:
-        nonlocal done
         for it in todo:
-            payload = {"input_ids": it["input_ids"], "sampling_params": sp, "return_logprob": True, "rid": str(done)}
-            async with session.post(url + "/generate", json=payload) as r:
-                data = await r.json()
+            body = _dumps({"input_ids": it["input_ids"], "sampling_params": sp, "return_logprob": True,
+                           "rid": uuid.uuid4().hex})
+            async with session.post(url + "/generate", data=body, headers=headers) as r:
+                data = _loads(await r.read())
             assert data["output_ids"]
-            done += 1
 
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         await asyncio.gather(*(worker(session) for _ in range(concurrency)))
-        return done / (time.perf_counter() - t0)
+        return time.perf_counter() - t0, time.process_time() - c0
 
 
 def controller_run(url: str, items: list[dict], concurrency: int, tokenizer, consumer_delay_s: float = 0.0,
@@ -139,7 +146,7 @@ def controller_run(url: str, items: list[dict], concurrency: int, tokenizer, con
     ctl = RolloutController(RemoteSGLangEngine([url], rc), rc).start(init_timeout=30)
     max_depth = 0
     try:
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         for step in range(steps):
             out = ctl.prepare_batch(loader, wf)
             assert out.batch_size[0] == batch
@@ -150,11 +157,11 @@ def controller_run(url: str, items: list[dict], concurrency: int, tokenizer, con
                 st = ctl.stats()
                 max_depth = max(max_depth, st["output_queue"] + st["running"] + st["input_queue"])
                 time.sleep(consumer_delay_s)
-        elapsed = time.perf_counter() - t0
+        elapsed, cpu = time.perf_counter() - t0, time.process_time() - c0
         stats = ctl.stats()
     finally:
         ctl.stop()
-    return {"traj_per_s": steps * batch / elapsed, "elapsed_s": elapsed, "max_depth": max_depth,
+    return {"traj_per_s": steps * batch / elapsed, "elapsed_s": elapsed, "cpu_s": cpu, "max_depth": max_depth,
             "failed": stats["failed"]}
 
 
@@ -173,20 +180,36 @@ def main() -> None:
 
     from arealite.models.tiny import build_tiny_model
 
-    n_tp = 640 if args.quick else 5120
+    n_tp = 2048 if args.quick else 8192
+    rounds = 3 if args.quick else 5
     n_mem = 1280 if args.quick else 10240
     tokenizer = AutoTokenizer.from_pretrained(build_tiny_model(tempfile.mkdtemp(), size="micro", seed=0))
     proc, url = start_server()
     try:
-        warm = make_items(256)
-        controller_run(url, warm, args.concurrency, tokenizer)  # warm-up: imports, connections
+        warm = make_items(512)  # warm-up, not timed: imports, first connections, allocator
+        controller_run(url, warm, args.concurrency, tokenizer)
         uvloop.run(raw_loop(url, warm, args.concurrency))
         items = make_items(n_tp)
-        raw, ctl = [], []
-        for _ in range(2 if args.quick else 3):  # interleaved, best of: the machine is shared
-            raw.append(uvloop.run(raw_loop(url, items, args.concurrency)))
-            ctl.append(controller_run(url, items, args.concurrency, tokenizer)["traj_per_s"])
-        raw_tps, ctl_tps = max(raw), max(ctl)
+        raw, ctl = [], []  # per round: (traj/s, client CPU us per trajectory)
+
+        def run_raw() -> None:
+            wall, cpu = uvloop.run(raw_loop(url, items, args.concurrency))
+            raw.append((n_tp / wall, cpu / n_tp * 1e6))
+
+        def run_ctl() -> None:
+            r = controller_run(url, items, args.concurrency, tokenizer)
+            ctl.append((r["traj_per_s"], r["cpu_s"] / n_tp * 1e6))
+
+        # Interleaved rounds, alternating which side goes first, so that load
+        # from other processes on a shared machine hits both sides alike.
+        for i in range(rounds):
+            for fn in ((run_raw, run_ctl) if i % 2 == 0 else (run_ctl, run_raw)):
+                fn()
+        raw_tps = statistics.median(r[0] for r in raw)
+        ctl_tps = statistics.median(c[0] for c in ctl)
+        ratio = statistics.median(c[0] / r[0] for r, c in zip(raw, ctl))  # paired per round
+        raw_cpu = statistics.median(r[1] for r in raw)
+        ctl_cpu = statistics.median(c[1] for c in ctl)
 
         # Memory: producer runs at ctl_tps; the consumer takes 10x as long per batch.
         batch = 64
@@ -206,13 +229,14 @@ def main() -> None:
         proc.terminate()
         proc.wait(10)
 
-    ratio = ctl_tps / raw_tps
     growth = marks["rss_100pct_mb"] - marks["rss_10pct_mb"]
-    print(f"\nController throughput (n=1, 1 new token, instant server, concurrency {args.concurrency}, {n_tp} trajectories)")
-    print(f"{'path':<34}{'traj/s':>10}")
-    print(f"{'raw aiohttp loop (baseline)':<34}{raw_tps:>10.0f}")
-    print(f"{'controller + RLVRWorkflow':<34}{ctl_tps:>10.0f}")
+    print(f"\nController throughput (n=1, 1 new token, instant server, concurrency {args.concurrency}, "
+          f"{n_tp} trajectories, median of {rounds} interleaved rounds)")
+    print(f"{'path':<34}{'traj/s':>10}{'us/traj':>10}{'client CPU us/traj':>20}")
+    print(f"{'raw aiohttp loop (baseline)':<34}{raw_tps:>10.0f}{1e6 / raw_tps:>10.0f}{raw_cpu:>20.0f}")
+    print(f"{'controller + RLVRWorkflow':<34}{ctl_tps:>10.0f}{1e6 / ctl_tps:>10.0f}{ctl_cpu:>20.0f}")
     print(f"{'ratio (goal >= 0.8)':<34}{ratio:>10.2f}")
+    print("rounds (raw, controller traj/s): " + ", ".join(f"({r[0]:.0f}, {c[0]:.0f})" for r, c in zip(raw, ctl)))
     print(f"\nMemory, consumer 10x slower ({n_mem} trajectories, queue_size 256, {delay*1000:.0f} ms per step)")
     print(f"{'point':<34}{'RSS MB':>10}")
     print(f"{'before':<34}{start_rss:>10.1f}")
@@ -223,7 +247,10 @@ def main() -> None:
     print(f"{'peak RSS (ru_maxrss)':<34}{peak:>10.1f}")
     print(json.dumps({
         "raw_traj_per_s": round(raw_tps, 1), "controller_traj_per_s": round(ctl_tps, 1),
-        "ratio": round(ratio, 3), "goal_ratio": 0.8, "n_throughput": n_tp, "concurrency": args.concurrency,
+        "ratio": round(ratio, 3), "goal_ratio": 0.8, "n_throughput": n_tp, "rounds": rounds,
+        "concurrency": args.concurrency, "raw_us_per_traj": round(1e6 / raw_tps, 1),
+        "controller_us_per_traj": round(1e6 / ctl_tps, 1), "raw_cpu_us_per_traj": round(raw_cpu, 1),
+        "controller_cpu_us_per_traj": round(ctl_cpu, 1),
         "n_memory": n_mem, "rss_10pct_mb": round(marks["rss_10pct_mb"], 1),
         "rss_50pct_mb": round(marks["rss_50pct_mb"], 1), "rss_100pct_mb": round(marks["rss_100pct_mb"], 1),
         "rss_growth_mb": round(growth, 1), "peak_rss_mb": round(peak, 1), "max_depth": mem["max_depth"],

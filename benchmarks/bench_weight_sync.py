@@ -119,7 +119,7 @@ def main() -> None:
         cfg = WeightSyncConfig(bucket_size_mb=args.bucket_mb, verify_n_tensors=2, timeout_s=300)
         dist_sync = DistributedWeightSync(cfg, client, run)
         dist_sync.init()
-        disk_sync = DiskWeightSync(cfg, client, run, work / "scratch", str(model_dir))
+        disk_sync = DiskWeightSync(cfg, client, run, Path("/dev/shm") / f"arealite-bench-{os.getpid()}", str(model_dir))
         disk_sync.init()
         version = 0
         for name, sync in (("distributed", dist_sync), ("disk", disk_sync)):

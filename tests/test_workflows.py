@@ -198,6 +198,147 @@ def test_multi_turn_bad_arguments(tok):
         MultiTurnWorkflow(None, gcfg(), tok)
 
 
+# ------------------------------------------------- trajectory schema and builders
+
+
+def _good_td(B=2, L=5):
+    from tensordict import TensorDict
+
+    am = torch.ones(B, L, dtype=torch.bool)
+    am[1, -1] = False
+    lm = torch.zeros(B, L, dtype=torch.bool)
+    lm[:, 2:4] = True
+    return TensorDict({
+        "input_ids": torch.arange(B * L).view(B, L), "attention_mask": am, "loss_mask": lm,
+        "logprobs": torch.zeros(B, L), "versions": torch.full((B, L), -1), "rewards": torch.tensor([1.0, 0.0]),
+        "group_id": torch.zeros(B, dtype=torch.int64), "extra": torch.zeros(B, 3),
+    }, batch_size=[B])
+
+
+@pytest.mark.parametrize("break_it, message", [
+    (lambda td: td.exclude("versions"), "missing key 'versions'"),
+    (lambda td: td.set("logprobs", td["logprobs"].double()), "'logprobs' has dtype torch.float64"),
+    (lambda td: td.set("attention_mask", td["attention_mask"].long()), "'attention_mask' has dtype torch.int64"),
+    (lambda td: td.set("versions", torch.zeros(2, 4, dtype=torch.int64)), "'versions' has length 4"),
+    (lambda td: td.set("logprobs", torch.zeros(2, 5, 1)), r"'logprobs' has shape \(2, 5, 1\)"),
+    (lambda td: td.set("rewards", torch.zeros(2, 1)), r"'rewards' has shape \(2, 1\), expected \[B=2\]"),
+    (lambda td: td.set("group_id", {"a": torch.zeros(2)}), "'group_id' holds a TensorDict"),
+    (lambda td: td.set("loss_mask", torch.ones(2, 5, dtype=torch.bool)), "'loss_mask' marks tokens outside"),
+    (lambda td: td.set("rewards", torch.tensor([1.0, float("nan")])), "'rewards' holds NaN or inf"),
+    (lambda td: td.set("rewards", torch.tensor([float("-inf"), 0.0])), "'rewards' holds NaN or inf"),
+    (lambda td: td.to_dict(), "expected a TensorDict"),
+], ids=["missing", "dtype", "mask-dtype", "length", "3d", "row-shape", "nested", "loss-outside", "nan", "inf", "dict"])
+def test_validate_trajectory_names_the_broken_key(break_it, message):
+    from arealite.api.types import TrajectoryError
+
+    validate_trajectory(_good_td())  # the intact one passes, extra keys included
+    with pytest.raises(TrajectoryError, match=message):
+        validate_trajectory(break_it(_good_td()), where="wf")
+
+
+def test_validate_trajectory_checks_every_reward_of_a_large_batch():
+    from arealite.api.types import TrajectoryError
+    from tensordict import TensorDict
+
+    B = 1000  # past the pure-Python path: the tensor path must catch it too
+    td = TensorDict({k: v.expand(B, *v.shape[1:]).clone() for k, v in _good_td()[:1].items()}, batch_size=[B])
+    validate_trajectory(td)
+    td["rewards"][B - 1] = float("nan")
+    with pytest.raises(TrajectoryError, match="NaN"):
+        validate_trajectory(td)
+
+
+def test_group_builder_matches_rows_padded_and_stacked():
+    from arealite.workflow.base import group_from_outputs, pad_and_stack, trajectory_row
+
+    prompt = [11, 12, 13]
+    outs = [([5, 6], [-0.5, -0.25], [3, 4]), ([], [], []), ([7, 8, 9, 10], [-1.0, -2.0, -3.0, -4.0], [4, 4, 4, 5])]
+    per_row = {"rewards": torch.tensor([1.0, 0.0, 0.5]), "group_id": torch.zeros(3, dtype=torch.int64)}
+    fast = group_from_outputs(prompt, outs, dict(per_row))
+    ref = pad_and_stack([trajectory_row(prompt, [o]) for o in outs], dict(per_row))
+    validate_trajectory(fast)
+    assert fast.batch_size == ref.batch_size and set(fast.keys()) == set(ref.keys())
+    for k in ref.keys():
+        assert fast[k].dtype == ref[k].dtype and torch.equal(fast[k], ref[k]), k
+    assert fast["attention_mask"].sum(1).tolist() == [5, 3, 7]
+    # equal lengths take the no-padding path
+    same = group_from_outputs(prompt, [outs[0], outs[0]], {"rewards": torch.zeros(2), "group_id": torch.zeros(2, dtype=torch.int64)})
+    assert same["attention_mask"].all() and same["input_ids"].tolist() == [prompt + [5, 6]] * 2
+    with pytest.raises(ValueError, match="2 tokens but 1 logprobs"):
+        group_from_outputs(prompt, [([5, 6], [-0.5], [3, 4])], per_row)
+
+
+# ------------------------------------------------------------ reward runner
+
+
+async def test_reward_runner_many_concurrent_calls_each_get_their_own_value():
+    import threading
+
+    from arealite.workflow.base import RewardRunner
+
+    runner = RewardRunner(timeout_s=5, workers=3)
+    seen_threads = set()
+
+    def fn(x, *, scale):
+        seen_threads.add(threading.current_thread().name)
+        return x * scale
+
+    before = threading.active_count()
+    values = await asyncio.gather(*(runner(fn, i, scale=2) for i in range(300)))
+    assert values == [2.0 * i for i in range(300)]
+    assert seen_threads == {"arealite-reward"} and threading.active_count() - before <= 3
+    assert runner.abandoned_threads == 0
+
+
+async def test_reward_runner_timeout_counts_from_the_start_of_each_call():
+    from arealite.workflow.base import RewardRunner
+
+    runner = RewardRunner(timeout_s=0.4, workers=1)
+    # One worker, three calls of 0.25 s each: all succeed although the last one
+    # waits 0.5 s in the queue (longer than the timeout) before it starts.
+    t0 = time.monotonic()
+    values = await asyncio.gather(*(runner(lambda: (time.sleep(0.25), 1.0)[1]) for _ in range(3)))
+    assert values == [1.0] * 3 and time.monotonic() - t0 >= 0.7
+
+
+async def test_reward_runner_hanging_call_is_abandoned_and_later_calls_go_on():
+    import threading
+
+    from arealite.workflow.base import RewardError, RewardRunner
+
+    runner = RewardRunner(timeout_s=0.2, workers=1)
+    release = threading.Event()
+    t0 = time.monotonic()
+    hang = asyncio.ensure_future(runner(lambda: release.wait(10) and 0.0))
+    await asyncio.sleep(0)
+    quick = await asyncio.gather(*(runner(lambda i=i: float(i)) for i in range(5)))
+    assert quick == [0.0, 1.0, 2.0, 3.0, 4.0]
+    with pytest.raises(RewardError, match="did not return within 0.2s"):
+        await hang
+    assert time.monotonic() - t0 < 2 and runner.abandoned_threads == 1
+    release.set()  # the abandoned thread returns and exits; its result goes nowhere
+    assert await runner(lambda: 7) == 7.0
+
+
+async def test_reward_runner_cancelled_queued_call_never_runs():
+    import threading
+
+    from arealite.workflow.base import RewardRunner
+
+    runner = RewardRunner(timeout_s=5, workers=1)
+    gate, ran = threading.Event(), []
+    first = asyncio.ensure_future(runner(lambda: gate.wait(5) and 1.0))
+    second = asyncio.ensure_future(runner(lambda: ran.append(1) or 2.0))
+    await asyncio.sleep(0.05)
+    second.cancel()
+    await asyncio.sleep(0)
+    gate.set()
+    assert await first == 1.0
+    with pytest.raises(asyncio.CancelledError):
+        await second
+    assert await runner(lambda: 3.0) == 3.0 and ran == []
+
+
 # ---------------------------------------------------- end to end, real HTTP server
 
 

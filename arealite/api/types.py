@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 import uuid
 from dataclasses import dataclass, field
 from typing import Any
@@ -127,6 +128,8 @@ def validate_trajectory(td: Any, where: str = "trajectory") -> None:
     """Check a workflow's TensorDict against the schema; raise naming the key.
 
     Extra keys are allowed (workflows may add per-step rewards, turn ids...).
+    Runs once per group on the rollout hot path, so shapes and dtypes are
+    checked in plain Python and the value checks cost two tensor ops at most.
     """
     from tensordict import TensorDictBase
 
@@ -138,27 +141,34 @@ def validate_trajectory(td: Any, where: str = "trajectory") -> None:
         raise TrajectoryError(f"{where}: the TensorDict needs a batch dimension [B]")
     B = td.batch_size[0]
     L = None
+    found: dict[str, Any] = dict(td.items())  # one pass: TensorDict.get costs ~0.5 us per key
     for key, (dtype, per_token) in TRAJECTORY_KEYS.items():
-        if key not in td.keys():
+        t = found.get(key)
+        if t is None:
             raise TrajectoryError(f"{where}: missing key '{key}' (required: {sorted(TRAJECTORY_KEYS)})")
-        t = td.get(key)
+        if not isinstance(t, torch.Tensor):
+            raise TrajectoryError(f"{where}: key '{key}' holds a {type(t).__name__}, expected a tensor")
         if t.dtype != dtype:
             raise TrajectoryError(f"{where}: key '{key}' has dtype {t.dtype}, expected {dtype}")
+        shape = t.shape
         if per_token:
-            if t.dim() != 2 or t.shape[0] != B:
+            if len(shape) != 2 or shape[0] != B:
                 raise TrajectoryError(
-                    f"{where}: key '{key}' has shape {tuple(t.shape)}, expected [B={B}, L]"
+                    f"{where}: key '{key}' has shape {tuple(shape)}, expected [B={B}, L]"
                 )
             if L is None:
-                L = t.shape[1]
-            elif t.shape[1] != L:
+                L = shape[1]
+            elif shape[1] != L:
                 raise TrajectoryError(
-                    f"{where}: key '{key}' has length {t.shape[1]}, but input_ids has length {L}"
+                    f"{where}: key '{key}' has length {shape[1]}, but input_ids has length {L}"
                 )
-        elif tuple(t.shape) != (B,):
-            raise TrajectoryError(f"{where}: key '{key}' has shape {tuple(t.shape)}, expected [B={B}]")
-    am = td["attention_mask"]
-    if (td["loss_mask"] & ~am).any():
+        elif len(shape) != 1 or shape[0] != B:
+            raise TrajectoryError(f"{where}: key '{key}' has shape {tuple(shape)}, expected [B={B}]")
+    # loss_mask must imply attention_mask: on bools, True > False is exactly "loss outside attention".
+    if (found["loss_mask"] > found["attention_mask"]).any():
         raise TrajectoryError(f"{where}: key 'loss_mask' marks tokens outside 'attention_mask'")
-    if not torch.isfinite(td["rewards"]).all():
+    rewards = found["rewards"]
+    # A group's few rewards are checked faster in Python than with two tensor ops.
+    finite = all(map(math.isfinite, rewards.tolist())) if B <= 256 else bool(torch.isfinite(rewards).all())
+    if not finite:
         raise TrajectoryError(f"{where}: key 'rewards' holds NaN or inf")

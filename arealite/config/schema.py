@@ -76,6 +76,10 @@ class LaunchConfig(Section):
     """How long to wait for every server's `/health` before giving up."""
     trainer_env: dict[str, str] = Field(default_factory=dict)
     """Extra environment variables for the trainer processes."""
+    on_server_death: Literal["continue", "stop"] = "continue"
+    """What the launcher does when one of its servers dies mid-run: `continue` logs it and
+    goes on with the others (the trainer drops it from rotation and weight updates; the
+    last one dying still stops the run, exit 3); `stop` ends the run at once (exit 3)."""
 
     @field_validator("server_addrs")
     @classmethod

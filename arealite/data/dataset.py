@@ -10,6 +10,7 @@ run continues with exactly the next batch.
 from __future__ import annotations
 
 import json
+import math
 import random
 from pathlib import Path
 from typing import Any, Iterator, Sequence
@@ -42,26 +43,34 @@ def load_jsonl(
     answer_key: str | None = "answer",
     required_keys: Sequence[str] = (),
     max_rows: int | None = None,
-) -> list[dict[str, Any]]:
+) -> "DatasetRows":
     """Read a JSONL file of prompts; validate every row; give each a stable ``prompt_id``.
 
     Rows must be JSON objects with ``prompt_key`` (a string or a list of chat
     messages) and, unless ``answer_key`` is None, ``answer_key`` (string or
     number). Blank lines are skipped; any other bad line is an error naming its
     line number and field. ``prompt_id`` is the row's index unless the row has one.
+    The rows come back as ``DatasetRows``, a list that remembers each row's line so that
+    later checks (``arealite.data.validate``) can name it.
     """
     path = Path(path)
     if not path.is_file():
         raise DatasetError(f"dataset file not found: {path}")
     rows: list[dict[str, Any]] = []
     seen_ids: dict[int, int] = {}
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
+    line_numbers: list[int] = []
+    # Binary read, decoded per line: a bad byte is reported with its line, not as a bare UnicodeDecodeError.
+    with open(path, "rb") as f:
+        for lineno, raw in enumerate(f, 1):
+            where = f"{path}:{lineno}"
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise DatasetError(f"{where}: not valid UTF-8 (byte {raw[e.start]:#04x} at column {e.start + 1})") from None
             if not line.strip():
                 continue
             if max_rows is not None and len(rows) >= max_rows:
                 break
-            where = f"{path}:{lineno}"
             try:
                 row = json.loads(line)
             except json.JSONDecodeError as e:
@@ -77,6 +86,8 @@ def load_jsonl(
                 ans = row[answer_key]
                 if isinstance(ans, bool) or not isinstance(ans, (str, int, float)):
                     raise DatasetError(f"{where}: field '{answer_key}' must be a string or a number, got {type(ans).__name__}")
+                if isinstance(ans, float) and not math.isfinite(ans):  # json.loads accepts NaN and Infinity
+                    raise DatasetError(f"{where}: field '{answer_key}' is {ans}; it must be a finite number or a string")
             for k in required_keys:
                 if k not in row:
                     raise DatasetError(f"{where}: missing required field '{k}'")
@@ -95,9 +106,31 @@ def load_jsonl(
             if answer_key is not None and answer_key != "answer" and "answer" not in row:
                 row["answer"] = row[answer_key]  # reward functions take `answer`
             rows.append(row)
+            line_numbers.append(lineno)
     if not rows:
         raise DatasetError(f"{path}: the dataset is empty (no non-blank lines)")
-    return rows
+    return DatasetRows(rows, source=str(path), line_numbers=line_numbers)
+
+
+class DatasetRows(list):
+    """The rows of a file, remembering where each came from so that later checks can name its line."""
+
+    def __init__(self, rows: Sequence[Any] = (), source: str | None = None, line_numbers: Sequence[int] | None = None):
+        super().__init__(rows)
+        self.source = source
+        self.line_numbers = list(line_numbers) if line_numbers is not None else None
+
+    def __getitem__(self, index):
+        if isinstance(index, slice):  # `rows[:n]` keeps the line numbers of the rows it keeps
+            lines = self.line_numbers[index] if self.line_numbers is not None else None
+            return DatasetRows(super().__getitem__(index), self.source, lines)
+        return super().__getitem__(index)
+
+    def where(self, i: int) -> str:
+        """``path:line`` of row ``i`` when known, else ``row i``."""
+        if self.source and self.line_numbers is not None:
+            return f"{self.source}:{self.line_numbers[i]}"
+        return f"row {i}"
 
 
 class StatefulDataLoader:

@@ -350,6 +350,45 @@ class RemoteSGLangEngine:
         """Take a server out of rotation; its in-flight requests move to other servers."""
         self._take_out(self._server(addr), reason)
 
+    def server_info(self, addr: str) -> dict[str, Any]:
+        """What a server reported in ``/get_server_info`` at ``initialize()`` (empty if unknown)."""
+        return dict(self._server(addr).info)
+
+    def group_members(self, group_name: str) -> list[str]:
+        """The servers that joined weight-update group ``group_name`` (empty if unknown)."""
+        return list(self._groups.get(group_name, ()))
+
+    async def drop_unreachable(self, addrs: Iterable[str] | None = None, why: str = "") -> list[str]:
+        """Probe ``/health`` of the given servers in rotation (default: all of them).
+
+        Those that do not answer 200 within the probe timeout leave the rotation
+        for good (they miss weight updates, so a later probe must not bring them
+        back with old weights) and are returned. Used by weight sync after a
+        failed admin call, to tell a dead server from a refused request.
+        """
+        session = self._ensure_session()
+        targets = [self._server(a) for a in addrs] if addrs is not None else list(self._servers)
+        targets = [s for s in dict.fromkeys(targets) if s.healthy]
+
+        async def answers(s: _Server) -> bool:
+            try:
+                async with session.get(s.base_url + "/health", timeout=self._probe_timeout) as r:
+                    await r.read()
+                    return r.status == 200
+            except (aiohttp.ClientError, TimeoutError):
+                return False
+
+        oks = await asyncio.gather(*(answers(s) for s in targets))
+        dropped = []
+        for s, ok in zip(targets, oks):
+            if ok:
+                continue
+            reason = f"no answer to /health{f' after {why}' if why else ''}"
+            self._take_out(s, reason)
+            s.excluded = s.excluded or reason
+            dropped.append(s.addr)
+        return dropped
+
     # --------------------------------------------------------------- lifecycle
 
     def _ensure_session(self) -> aiohttp.ClientSession:

@@ -17,8 +17,12 @@
    child's process group (and to the processes torchrun started in their own
    sessions), then SIGKILL after a grace period.
 
+A server that dies mid-run is logged and the run goes on with the others
+(`launch.on_server_death=continue`, the default) until the last one dies.
+
 Exit codes (see `ExitCode`): 0 ok, 1 trainer failed, 2 a server failed to
-start, 3 a server died while the trainer ran, 4 bad arguments or config,
+start, 3 the last server (or, with `launch.on_server_death=stop`, any server)
+died while the trainer ran, 4 bad arguments or config,
 130 interrupted (SIGINT / Ctrl-C), 143 terminated (SIGTERM).
 """
 
@@ -57,7 +61,7 @@ class ExitCode(enum.IntEnum):
     OK = 0
     TRAINER_FAILED = 1
     SERVER_START_FAILED = 2
-    SERVER_DIED = 3
+    SERVER_DIED = 3  # the last server died (or any, with launch.on_server_death=stop)
     BAD_CONFIG = 4
     INTERRUPTED = 130  # 128 + SIGINT
     TERMINATED = 143  # 128 + SIGTERM
@@ -361,25 +365,49 @@ class LocalLauncher:
                 pass
 
     def watch(self) -> ExitCode:
-        """Wait for the trainer; stop early if a server dies or a signal arrives."""
+        """Wait for the trainer; stop early on a signal, or when servers die.
+
+        A dying server is logged; the run goes on while another one lives (the
+        trainer's client drops the dead one from rotation and weight updates),
+        unless `launch.on_server_death` is `stop`. The last one dying stops the run.
+        """
         assert self.trainer is not None
         ticks = 0
+        dead: set[str] = set()
         while True:
             code = self.trainer.proc.poll()
             if code is not None:
                 if self.trainer.pump is not None:
                     self.trainer.pump.join(timeout=5)
                 if code == 0:
-                    log("trainer finished")
+                    log("trainer finished" + (f" ({len(dead)} server(s) died on the way: "
+                                              f"{', '.join(sorted(dead))})" if dead else ""))
                     return ExitCode.OK
                 log(f"trainer failed with exit code {code}; see {self.trainer.log_path}")
+                if self.servers and all(s.proc.poll() is not None for s in self.servers):
+                    log("no inference server is alive: the run cannot go on")
+                    return ExitCode.SERVER_DIED
                 return ExitCode.TRAINER_FAILED
             for s in self.servers:
+                if s.name in dead:
+                    continue
                 code = s.proc.poll()
-                if code is not None:
-                    log(f"{s.name} ({s.addr}) died with exit code {code} while training; "
-                        f"stopping the trainer. Last lines of {s.log_path}:\n{tail(s.log_path)}")
+                if code is None:
+                    continue
+                dead.add(s.name)
+                left = [x for x in self.servers if x.name not in dead and x.proc.poll() is None]
+                why = (f"{s.name} ({s.addr}, pid {s.pid}) died with exit code {code} while "
+                       f"training. Last lines of {s.log_path}:\n{tail(s.log_path)}\n")
+                if not left:
+                    log(why + "No inference server is left: stopping the trainer")
                     return ExitCode.SERVER_DIED
+                if self.cfg.launch.on_server_death == "stop":
+                    log(why + "Stopping the trainer (launch.on_server_death=stop)")
+                    return ExitCode.SERVER_DIED
+                log(why + f"{len(left)} of {len(self.servers)} server(s) left "
+                    f"({', '.join(x.name for x in left)}): the run goes on without {s.name}, "
+                    "which the trainer drops from rotation and weight updates "
+                    "(launch.on_server_death=continue)")
             # torchrun spawns its workers in their own sessions: keep a record of them so
             # that teardown reaches them even after torchrun itself is gone.
             if ticks % 5 == 0:

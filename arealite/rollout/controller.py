@@ -97,7 +97,9 @@ class RolloutController:
         self._running: dict[int, _Job] = {}
         self._paused = False
         self._error: WorkflowError | None = None
-        self._changed: asyncio.Event | None = None
+        # wait() callers parked on the loop: (future, groups wanted). Woken only when
+        # they may be able to return (not on every finished episode).
+        self._waiters: list[tuple[asyncio.Future, int]] = []
         self._counters = {"submitted": 0, "accepted": 0, "rejected": 0, "failed": 0, "consumed": 0}
         self._staleness_hist: collections.Counter[int] = collections.Counter()
         self._workflows: dict[int, RolloutWorkflow] = {}
@@ -105,6 +107,11 @@ class RolloutController:
         self._resubmit: list[Any] = []  # restored unfinished items (already counted as submitted)
         self._unsubmitted: list[Any] = []  # pulled from the dataloader, not yet submitted
         self._next_id = 0
+        # Per-prompt accounting (arealite.utils.accounting): items of the last batch taken,
+        # and, when ``record_dropped`` is set, items rejected/failed since the last ``take_dropped()``.
+        self.last_batch_items: list[Any] = []
+        self.record_dropped = False
+        self._dropped: list[Any] = []
 
     # ------------------------------------------------------------ lifecycle
     def start(self, init_timeout: float = 300.0) -> "RolloutController":
@@ -116,7 +123,6 @@ class RolloutController:
 
         def _main() -> None:
             asyncio.set_event_loop(self._loop)
-            self._changed = asyncio.Event()
             ready.set()
             self._loop.run_forever()
 
@@ -246,11 +252,18 @@ class RolloutController:
             self._next_id += 1
             self._running[jid] = job
             job.task = self._loop.create_task(self._run_job(jid, job))
-        self._notify()
+        if self._waiters:
+            self._notify()
 
-    def _notify(self) -> None:
-        if self._changed is not None:
-            self._changed.set()
+    def _notify(self, force: bool = False) -> None:
+        """Wake the wait() callers that can make progress: enough groups, an error, or nothing running."""
+        if not self._waiters:
+            return
+        wake_all = force or self._error is not None or not self._running
+        ready = len(self._output)
+        for fut, want in self._waiters:
+            if not fut.done() and (wake_all or ready >= want):
+                fut.set_result(None)
 
     async def _run_job(self, jid: int, job: _Job) -> None:
         try:
@@ -263,6 +276,8 @@ class RolloutController:
         except Exception:
             self._running.pop(jid, None)
             self.staleness.on_reject()
+            if self.record_dropped:
+                self._dropped.append(job.item)
             self._on_failure(job.item, traceback.format_exc())
         else:
             self._running.pop(jid, None)
@@ -273,6 +288,8 @@ class RolloutController:
             else:
                 self.staleness.on_reject()
                 self._counters["rejected"] += 1
+                if self.record_dropped:
+                    self._dropped.append(job.item)
         self._admit()
 
     def _on_failure(self, item: Any, tb: str) -> None:
@@ -311,7 +328,6 @@ class RolloutController:
                 return self._take(count)
             if not self._running and not self._paused:
                 self._raise_stuck(count)
-            self._changed.clear()
             remaining = None if deadline is None else deadline - time.monotonic()
             if remaining is not None and remaining <= 0:
                 raise TimeoutError(
@@ -319,10 +335,18 @@ class RolloutController:
                     f"{len(self._running)} running, {len(self._input)} queued"
                     + (" (controller is paused)" if self._paused else "")
                 )
+            fut = self._loop.create_future()
+            entry = (fut, count)
+            self._waiters.append(entry)
+            timer = None if remaining is None else self._loop.call_later(
+                remaining, lambda: fut.done() or fut.set_result(None)
+            )
             try:
-                await asyncio.wait_for(self._changed.wait(), remaining)
-            except asyncio.TimeoutError:
-                pass
+                await fut
+            finally:
+                self._waiters.remove(entry)
+                if timer is not None:
+                    timer.cancel()
 
     def _raise_stuck(self, count: int) -> None:
         """Nothing runs and nothing can be admitted: waiting would hang forever, so say why."""
@@ -352,6 +376,8 @@ class RolloutController:
                 kept.append((td, item))
             else:
                 dropped += 1
+                if self.record_dropped:
+                    self._dropped.append(item)
         if dropped:
             self._output = kept
             self.staleness.on_unaccept(dropped)
@@ -360,7 +386,9 @@ class RolloutController:
             self._admit()
 
     def _take(self, count: int) -> TensorDict:
-        tds = [self._output.popleft()[0] for _ in range(count)]
+        taken = [self._output.popleft() for _ in range(count)]
+        tds = [td for td, _ in taken]
+        self.last_batch_items = [item for _, item in taken]
         self._counters["consumed"] += count
         self._admit()
         batch = concat_trajectories(tds)
@@ -447,6 +475,7 @@ class RolloutController:
     def _set_paused(self, paused: bool) -> None:
         self._paused = paused
         self._admit()
+        self._notify(force=True)  # waiters re-check the stuck and paused conditions
 
     @property
     def paused(self) -> bool:
@@ -501,6 +530,7 @@ class RolloutController:
                 "ready": [(td.to_dict(), item) for td, item in self._output],
                 "pending_items": pending,
                 "unsubmitted_items": list(self._unsubmitted),
+                "dropped_items": list(self._dropped),
             }
 
         return self._call(_snap) if self._loop is not None else _snap()
@@ -523,6 +553,15 @@ class RolloutController:
             self._output.append((td, item))
         self._resubmit = list(state["pending_items"])
         self._unsubmitted = list(state.get("unsubmitted_items", []))
+        self._dropped = list(state.get("dropped_items", []))
+
+    def take_dropped(self) -> list[Any]:
+        """Items rejected or failed since the last call (they will not be trained on)."""
+        def _take() -> list[Any]:
+            out, self._dropped = self._dropped, []
+            return out
+
+        return self._call(_take) if self._loop is not None else _take()
 
     def resubmit_pending(self, workflow: RolloutWorkflow, should_accept: ShouldAccept | None = None) -> int:
         """Resubmit the unfinished items restored by ``load_state_dict``; returns how many."""

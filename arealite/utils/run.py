@@ -68,8 +68,8 @@ def batch_stats(batch, version: int) -> dict[str, float]:
 
 def reduce_stats(stats: Mapping[str, float], sum_keys: Sequence[str] = ()) -> dict[str, float]:
     """Average every stat over trainer ranks (``*_max`` keys: max; ``sum_keys`` and
-    histogram buckets: sum). Every rank must call it with the same keys... except
-    histogram buckets, which are merged by gathering."""
+    histogram buckets: sum; lists: concatenated in rank order). Every rank must call it
+    with the same keys... except histogram buckets, which are merged by gathering."""
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return dict(stats)
     gathered: list[dict] = [None] * dist.get_world_size()  # type: ignore[list-item]
@@ -77,6 +77,10 @@ def reduce_stats(stats: Mapping[str, float], sum_keys: Sequence[str] = ()) -> di
     keys = sorted({k for g in gathered for k in g})
     out: dict[str, float] = {}
     for k in keys:
+        lists = [g[k] for g in gathered if isinstance(g.get(k), list)]
+        if lists:  # per-rank lists (e.g. prompt ids): concatenated in rank order
+            out[k] = [x for lst in lists for x in lst]
+            continue
         vals = [float(g[k]) for g in gathered if k in g and isinstance(g[k], (int, float))]
         if not vals:
             continue

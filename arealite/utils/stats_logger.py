@@ -44,6 +44,21 @@ def flatten(d: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
     return out
 
 
+def _masked(full_config: Mapping) -> dict[str, Any]:
+    """A copy of the config with secret values (server.api_key) replaced by ``***``: W&B uploads it."""
+    from arealite.config.loader import SECRET_FIELDS
+
+    out = json.loads(json.dumps(dict(full_config), default=str))
+    for dotted in SECRET_FIELDS:
+        *parents, leaf = dotted.split(".")
+        node = out
+        for p in parents:
+            node = node.get(p) if isinstance(node, dict) else None
+        if isinstance(node, dict) and node.get(leaf) is not None:
+            node[leaf] = "***"
+    return out
+
+
 class StatsLogger:
     """Writes one record per step to JSONL (and TensorBoard / W&B when enabled)."""
 
@@ -59,7 +74,14 @@ class StatsLogger:
         if rank != 0:
             return
         self.run_dir.mkdir(parents=True, exist_ok=True)
+        torn = False
+        if self.path.exists() and self.path.stat().st_size > 0:
+            with open(self.path, "rb") as f:
+                f.seek(-1, 2)
+                torn = f.read(1) != b"\n"
         self._file = open(self.path, "a", buffering=1)
+        if torn:  # a killed run left half a line: end it, so this run's first record stays intact
+            self._file.write("\n")
         if self.config.tensorboard:
             try:
                 from torch.utils.tensorboard import SummaryWriter
@@ -78,7 +100,7 @@ class StatsLogger:
             self._wandb = wandb.init(
                 project=self.config.wandb.project, entity=self.config.wandb.entity,
                 mode=self.config.wandb.mode, name=run_name, dir=str(self.run_dir),
-                config=dict(full_config or {}), resume="allow",
+                config=_masked(full_config or {}), resume="allow",
             )
 
     def log(self, step: int, stats: Mapping[str, Any]) -> dict[str, Any]:

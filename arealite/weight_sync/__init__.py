@@ -7,7 +7,10 @@
 
 `weight_sync.method` picks the transport: ``distributed`` (broadcast over a
 gloo/NCCL group; see `distributed.py`) or ``disk`` (safetensors directory; see
-`disk.py`). Any failure raises `WeightSyncError` and leaves the servers paused.
+`disk.py`). A server that is gone (dead or hung: no answer to ``/health``) is
+dropped from rotation and weight updates and the push goes on with the others;
+any other failure, or no server left, raises `WeightSyncError` and leaves the
+servers paused.
 """
 
 from __future__ import annotations

@@ -127,6 +127,61 @@ def barrier() -> None:
         dist.barrier()
 
 
+#: `agree` statuses: the push is done / rank 0 lost a server and every rank iterates again.
+DONE, RETRY = 0, 1
+
+
+def agree(status: int | None = None) -> int:
+    """Every trainer rank learns rank 0's `status` (a collective; returns it as is alone).
+
+    Replaces a plain barrier at the end of an attempt, so that after a server dies
+    mid-push all ranks iterate the (collective) weight buckets once more together.
+    """
+    if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+        return DONE if status is None else status
+    box = [status]
+    dist.broadcast_object_list(box, src=0)
+    return int(box[0])
+
+
+def call_dropping_dead(run: Runner, client, make_coro: Callable[[], Coroutine[Any, Any, Any]],
+                       version: int, what: str) -> Any:
+    """Run the admin call ``make_coro()`` on the servers in rotation, surviving dead ones.
+
+    When it fails, the failing servers are probed: those that are gone leave the
+    rotation (logged) and the call is repeated on the rest. A failure from a live
+    server (a refused update) raises `WeightSyncError`, as does running out of servers.
+    """
+    while True:
+        try:
+            return run(make_coro())
+        except WeightSyncError:
+            raise
+        except Exception as e:  # ServerAdminError / NoHealthyServerError from the client
+            failures = getattr(e, "failures", None)
+            suspects = list(failures) if isinstance(failures, dict) and failures else None
+            dropped = run(client.drop_unreachable(suspects, why=f"{what} failed"))
+            if not client.healthy_servers:
+                raise no_server_left(client, version) from e
+            # A failing server that the generation path took out meanwhile is gone too.
+            healthy = set(client.healthy_servers)
+            dropped = sorted(set(dropped) | {a for a in suspects or () if a not in healthy})
+            if not dropped:
+                raise admin_error(e, version) from e
+            logger.warning("inference server(s) %s did not answer %s and are gone: dropped from "
+                           "rotation and weight updates; %d server(s) left: %s", ", ".join(dropped),
+                           what, len(client.healthy_servers), ", ".join(client.healthy_servers))
+
+
+def no_server_left(client, version: int | None) -> WeightSyncError:
+    """The error when every inference server is gone."""
+    servers = client.stats()["servers"]
+    detail = "; ".join(f"{a}: {s['excluded'] or s['reason'] or 'out of rotation'}"
+                       for a, s in servers.items())
+    return WeightSyncError(f"no inference server is left to update (all of them died or left "
+                           f"the rotation: {detail})", version=version)
+
+
 def drain(source: WeightSource, bucket_bytes: int) -> None:
     """Iterate every bucket without using it: what ranks other than 0 do (it is collective)."""
     for _ in source.named_weight_buckets(bucket_bytes):

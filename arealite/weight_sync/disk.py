@@ -24,7 +24,7 @@ from arealite.weight_sync.base import (
     Timer,
     WeightSource,
     WeightSyncError,
-    admin_error,
+    call_dropping_dead,
     barrier,
     bucket_bytes_of,
     compare_readback,
@@ -97,11 +97,9 @@ class DiskWeightSync:
         if rank == 0:
             self.root.mkdir(parents=True, exist_ok=True)
 
-    def _admin(self, coro, version: int):
-        try:
-            return self.run(coro)
-        except Exception as e:  # the client raises ServerAdminError / GenerationError
-            raise admin_error(e, version) from e
+    def _admin(self, make_coro, version: int, what: str):
+        # A server that is gone is dropped and the call repeated on the others.
+        return call_dropping_dead(self.run, self.client, make_coro, version, what)
 
     def push(self, engine: WeightSource, version: int) -> dict[str, float]:
         """Write, load on every server, verify; returns timings (rank 0). Every rank calls it."""
@@ -118,16 +116,18 @@ class DiskWeightSync:
             n_tensors, n_bytes = write_hf_shards(engine, path, bucket_bytes, sample,
                                                  self.model_path)
             timer.lap("write_s")
-            self._admin(self.client.pause_generation(), version)
+            self._admin(self.client.pause_generation, version, "pause_generation")
             timer.lap("pause_s")
-            self._admin(self.client.update_weights_from_disk(
-                str(path.resolve()), version, timeout=self.config.timeout_s), version)
+            self._admin(lambda: self.client.update_weights_from_disk(
+                str(path.resolve()), version, timeout=self.config.timeout_s), version,
+                "update_weights_from_disk")
             timer.lap("load_s")
-            answers = {name: self._admin(self.client.get_weights_by_name(name, VERIFY_TRUNCATE),
-                                         version) for name in sample.expected}
+            answers = {name: self._admin(
+                lambda n=name: self.client.get_weights_by_name(n, VERIFY_TRUNCATE), version,
+                "get_weights_by_name") for name in sample.expected}
             compare_readback(sample.expected, answers, version, self.server_dtype)
             timer.lap("verify_s")
-            self._admin(self.client.continue_generation(), version)
+            self._admin(self.client.continue_generation, version, "continue_generation")
             timer.lap("continue_s")
         finally:
             shutil.rmtree(path, ignore_errors=True)

@@ -19,7 +19,15 @@ Per update (``push``), on rank 0:
 A bucket whose tensors share one dtype is sent as a single flattened broadcast
 (``load_format: flattened_bucket``); bytes on the wire are the same as SGLang's
 uint8-flattened bucket. Other ranks iterate the buckets (unsharding is a
-collective) and wait at a barrier.
+collective) and then learn from rank 0 whether the push is done.
+
+Server faults: a server that fails an admin call and then ``/health`` is dropped
+from rotation and weight updates, and the call is repeated on the others. Before
+each push the group is compared with the servers in rotation and rebuilt (new
+group name and port) when they differ. A member dying during the transfer fails
+the broadcast; rank 0 then finishes iterating, rebuilds the group over the
+survivors and every rank iterates the buckets again. With no server left the
+push raises `WeightSyncError`.
 """
 
 from __future__ import annotations
@@ -38,13 +46,17 @@ from arealite.weight_sync.base import (
     Runner,
     Timer,
     WeightSource,
+    DONE,
+    RETRY,
     WeightSyncError,
     admin_error,
-    barrier,
+    agree,
     bucket_bytes_of,
+    call_dropping_dead,
     compare_readback,
     drain,
     logger,
+    no_server_left,
     trainer_rank,
 )
 from arealite.weight_sync.group import Layout, UpdateGroup
@@ -96,6 +108,8 @@ class DistributedWeightSync:
         self.backend = resolve_backend(config.backend)
         self.group_name = f"arealite_weights_{uuid.uuid4().hex[:8]}"
         self.group: UpdateGroup | None = None
+        self._layout: Layout = "sglang"
+        self._master = "127.0.0.1"
         self._broken: str | None = None
         self._initialized = False
 
@@ -106,7 +120,7 @@ class DistributedWeightSync:
             return self.layout
         kinds = set()
         for addr in self.client.servers:
-            info = getattr(self.client._server(addr), "info", None) or {}
+            info = self.client.server_info(addr)
             kinds.add("embedded" if info.get("engine") == "arealite-embedded" else "sglang")
         if len(kinds) > 1:
             raise WeightSyncError("the servers mix arealite-embedded and SGLang engines; one "
@@ -125,33 +139,65 @@ class DistributedWeightSync:
         self._initialized = True
         if rank != 0:
             return
+        self._layout = self._detect_layout()
+        self._master = master_addr or self._master_addr()
+        self._build_group(version=None)
+
+    def _build_group(self, version: int | None) -> None:
+        """Rendezvous rank 0 with every server in rotation under `self.group_name`."""
         timeout = self.config.timeout_s
-        layout = self._detect_layout()
-        master_addr = master_addr or self._master_addr()
+        master_addr = self._master
         port = free_port("0.0.0.0" if master_addr not in _LOCAL_HOSTS else master_addr)
         store = UpdateGroup.host_store(master_addr, port, timeout)
         world_size = self.client.weights_update_world_size()
+        if world_size < 2:
+            raise no_server_left(self.client, version)
+        name = self.group_name
         http = in_thread(lambda: self.run(self.client.init_weights_update_group(
-            master_addr, port, world_size, self.group_name, self.backend, timeout=timeout)),
+            master_addr, port, world_size, name, self.backend, timeout=timeout)),
             "weight-sync-init-http")
         join = in_thread(lambda: UpdateGroup.join(
-            store, group_name=self.group_name, world_size=world_size, backend=self.backend,
-            layout=layout, timeout_s=timeout), "weight-sync-init-join")
-        self._wait_both(http, join, timeout, version=None, what="init_weights_update_group",
+            store, group_name=name, world_size=world_size, backend=self.backend,
+            layout=self._layout, timeout_s=timeout), "weight-sync-init-join")
+        self._wait_both(http, join, timeout, version=version, what="init_weights_update_group",
                         names=[])
         self.group = join.result()
+        self._broken = None
         logger.info("weight-update group %s: %d server rank(s) joined over %s (%s:%d)",
-                    self.group_name, world_size - 1, self.backend, master_addr, port)
+                    name, world_size - 1, self.backend, master_addr, port)
+
+    def _regroup(self, version: int) -> None:
+        """Replace the group by one over the servers in rotation now (a member died or joined).
+
+        Closing our end first also ends any receive a survivor is still blocked in.
+        """
+        old_name, old_members = self.group_name, self.client.group_members(self.group_name)
+        if self.group is not None:
+            self.group.close()
+            self.group = None
+        # The survivors drop their end in the background: one may still be blocked in a
+        # receive of the old group until its own timeout (gloo does not notice our close),
+        # and that must not hold up the new group, which it joins in another thread.
+        fut = in_thread(lambda: self.run(self.client.destroy_weights_update_group(old_name)),
+                        "weight-sync-destroy")
+        fut.add_done_callback(lambda f: f.exception() and logger.warning(
+            "destroy_weights_update_group %s failed (ignored): %s", old_name, f.exception()))
+        # Make sure that nobody who is gone is asked to join (the rendezvous would time out).
+        self.run(self.client.drop_unreachable(why="a weight-update group change"))
+        self.group_name = f"arealite_weights_{uuid.uuid4().hex[:8]}"
+        left = sorted(set(old_members) - set(self.client.healthy_servers))
+        joined = sorted(set(self.client.healthy_servers) - set(old_members))
+        logger.warning("weight-update group rebuilt as %s for version %d over %d server(s) (%s)%s%s",
+                       self.group_name, version, len(self.client.healthy_servers),
+                       ", ".join(self.client.healthy_servers),
+                       f"; dropped: {', '.join(left)}" if left else "",
+                       f"; joined: {', '.join(joined)}" if joined else "")
+        self._build_group(version)
 
     # -- one update ----------------------------------------------------------------------
 
-    def _admin(self, coro, version: int, what: str) -> Any:
-        try:
-            return self.run(coro)
-        except WeightSyncError:
-            raise
-        except Exception as e:  # the client raises ServerAdminError / GenerationError
-            raise admin_error(e, version) from e
+    def _admin(self, make_coro: Callable[[], Any], version: int, what: str) -> Any:
+        return call_dropping_dead(self.run, self.client, make_coro, version, what)
 
     def _wait_both(self, http: cf.Future, bcast: cf.Future, timeout: float, version: int | None,
                    what: str, names: list[str]) -> None:
@@ -185,27 +231,70 @@ class DistributedWeightSync:
     def push(self, engine: WeightSource, version: int) -> dict[str, float]:
         """Send `engine`'s weights as `version` to every server; returns timings (rank 0).
 
-        Every trainer rank must call it. Raises `WeightSyncError` on any failure.
+        Every trainer rank must call it. A server that is gone (before or during the
+        push) is dropped, the group is rebuilt over the others and the push repeated;
+        any other failure, or no server left, raises `WeightSyncError`.
         """
         if not self._initialized:
             raise RuntimeError("DistributedWeightSync.push before init(): call init() once first")
         rank, _ = trainer_rank()
         bucket_bytes = bucket_bytes_of(self.config)
         if rank != 0:
-            drain(engine, bucket_bytes)
-            barrier()
-            return {}
+            # Unsharding is collective: iterate as often as rank 0 does (once, unless it retries).
+            while True:
+                drain(engine, bucket_bytes)
+                if agree() == DONE:
+                    return {}
         if self._broken:
             raise WeightSyncError(f"the weight-update group is broken ({self._broken}); "
                                   "restart the run", version=version)
-        timeout = self.config.timeout_s
         timer = Timer()
-        sample = ReadbackSample(self.config.verify_n_tensors, version)
-        self._admin(self.client.pause_generation(), version, "pause_generation")
-        self._admin(self.client.begin_weight_update(), version, "begin_weight_update")
-        timer.lap("pause_s")
+        attempts = 0
+        while True:
+            attempts += 1
+            self._admin(self.client.pause_generation, version, "pause_generation")
+            if self.group is None or (set(self.client.group_members(self.group_name))
+                                      != set(self.client.healthy_servers)):
+                self._regroup(version)
+            self._admin(self.client.begin_weight_update, version, "begin_weight_update")
+            timer.lap("pause_s")
+            sample = ReadbackSample(self.config.verify_n_tensors, version)
+            buckets = iter(engine.named_weight_buckets(bucket_bytes))
+            try:
+                counts = self._transfer(buckets, sample, version)
+            except (WeightSyncError, RuntimeError) as e:
+                lost = self._lost_members(version)
+                if not lost:
+                    raise
+                for _ in buckets:  # the other ranks unshard every bucket: keep in step
+                    pass
+                logger.warning("version %d: inference server(s) %s died during the weight push "
+                               "(%s); dropped from rotation and weight updates, pushing again "
+                               "to the %d left", version, ", ".join(lost), e,
+                               len(self.client.healthy_servers))
+                agree(RETRY)
+                continue
+            timer.lap("transfer_s")
+            break
+        n_buckets, n_tensors, n_bytes = counts
+        self._admin(self.client.end_weight_update, version, "end_weight_update")
+        self.verify(sample.expected, version)
+        timer.lap("verify_s")
+        self._admin(self.client.continue_generation, version, "continue_generation")
+        timer.lap("continue_s")
+        agree(DONE)
+        out = timer.total()
+        out.update(bytes=float(n_bytes), n_buckets=float(n_buckets), n_tensors=float(n_tensors),
+                   attempts=float(attempts), n_servers=float(len(self.client.healthy_servers)))
+        logger.info("pushed version %d: %d tensors, %.1f MB in %d bucket(s), %.3fs",
+                    version, n_tensors, n_bytes / 2**20, n_buckets, out["total_s"])
+        return out
+
+    def _transfer(self, buckets, sample: ReadbackSample, version: int) -> tuple[int, int, int]:
+        """Broadcast every bucket to the group; returns (buckets, tensors, bytes)."""
+        timeout = self.config.timeout_s
         n_bytes = n_tensors = n_buckets = 0
-        for bucket in engine.named_weight_buckets(bucket_bytes):
+        for bucket in buckets:
             names = [n for n, _ in bucket]
             tensors = [self._prepare(t) for _, t in bucket]
             for n, t in zip(names, tensors):
@@ -216,31 +305,35 @@ class DistributedWeightSync:
                 self.group_name, version, flattened_bucket=flat, timeout=timeout)
             http = in_thread(lambda c=coro: self.run(c), "weight-sync-http")
             send = [torch.cat([t.reshape(-1) for t in tensors])] if flat else tensors
-            works = self.group.broadcast(send)
+            try:
+                works = self.group.broadcast(send)
+            except RuntimeError as e:  # gloo may refuse at once when a peer is gone
+                self._broken = f"broadcast failed: {e}"
+                raise WeightSyncError(f"the broadcast failed: {e}", version=version) from e
             bcast = in_thread(lambda w=works: [x.wait() for x in w], "weight-sync-broadcast")
             self._wait_both(http, bcast, timeout, version, "update_weights_from_distributed", names)
             n_buckets += 1
             n_tensors += len(tensors)
             n_bytes += sum(t.numel() * t.element_size() for t in tensors)
-        timer.lap("transfer_s")
-        self._admin(self.client.end_weight_update(), version, "end_weight_update")
-        self.verify(sample.expected, version)
-        timer.lap("verify_s")
-        self._admin(self.client.continue_generation(), version, "continue_generation")
-        timer.lap("continue_s")
-        barrier()
-        out = timer.total()
-        out.update(bytes=float(n_bytes), n_buckets=float(n_buckets), n_tensors=float(n_tensors))
-        logger.info("pushed version %d: %d tensors, %.1f MB in %d bucket(s), %.3fs",
-                    version, n_tensors, n_bytes / 2**20, n_buckets, out["total_s"])
-        return out
+        return n_buckets, n_tensors, n_bytes
+
+    def _lost_members(self, version: int) -> list[str]:
+        """Group members that are gone (dead, or out of rotation) after a failed transfer."""
+        members = self.client.group_members(self.group_name)
+        self.run(self.client.drop_unreachable(members, why=f"a failed push of version {version}"))
+        healthy = set(self.client.healthy_servers)
+        lost = [a for a in members if a not in healthy]
+        if lost and not healthy:
+            raise no_server_left(self.client, version)
+        return lost
 
     def verify(self, expected: dict[str, torch.Tensor], version: int) -> None:
         """Read `expected`'s tensors back from every server and compare (raises on mismatch)."""
         answers = {}
         for name in expected:
-            answers[name] = self._admin(self.client.get_weights_by_name(name, VERIFY_TRUNCATE),
-                                        version, "get_weights_by_name")
+            answers[name] = self._admin(
+                lambda n=name: self.client.get_weights_by_name(n, VERIFY_TRUNCATE),
+                version, "get_weights_by_name")
         compare_readback(expected, answers, version, self.wire_dtype)
 
     def close(self) -> None:

@@ -13,11 +13,11 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-import queue
-from array import array
 import math
 import os
+import queue
 import threading
+from array import array
 from typing import Any, Callable, Protocol, Sequence
 
 import torch
@@ -129,6 +129,78 @@ def pad_and_stack(rows: Sequence[dict[str, torch.Tensor]], per_row: dict[str, to
             out[key][i, : r[key].shape[0]] = r[key]
     out.update(per_row or {})
     return TensorDict(out, batch_size=[len(rows)])
+
+
+def _piece_check(n: int, lps: Sequence[float] | None, vers: Sequence[int] | None) -> None:
+    if lps is None or len(lps) != n or vers is None or len(vers) != n:
+        raise ValueError(
+            f"generated piece has {n} tokens but {None if lps is None else len(lps)} logprobs and "
+            f"{None if vers is None else len(vers)} versions; the engine must return one of each per token"
+        )
+
+
+def group_from_outputs(
+    prompt_ids: Sequence[int],
+    outputs: Sequence[tuple[Sequence[int], Sequence[float], Sequence[int]]],
+    per_row: dict[str, torch.Tensor],
+) -> TensorDict:
+    """The ``[n, L]`` trajectory of n single-turn samples ``prompt + output_i`` (right-padded).
+
+    ``outputs[i]`` is ``(ids, logprobs, versions)`` of sample i. Same result as
+    ``pad_and_stack`` over ``trajectory_row``s, but every tensor is built in one
+    go from flat Python buffers: several times cheaper on the per-group hot path.
+    """
+    n, P = len(outputs), len(prompt_ids)
+    if n == 0:
+        raise ValueError("group_from_outputs needs at least one output")
+    lens = [len(o[0]) for o in outputs]
+    G = max(lens)
+    L = P + G
+    prompt = array("q", prompt_ids)
+    ids, vers, lps = array("q"), array("q"), array("f")
+    prompt_vers, prompt_lps = array("q", [-1]) * P, array("f", bytes(4 * P))
+    loss = bytearray()
+    for (o_ids, o_lps, o_vers), g in zip(outputs, lens):
+        _piece_check(g, o_lps, o_vers)
+        pad = G - g
+        ids += prompt
+        ids.extend(o_ids)
+        vers += prompt_vers
+        vers.extend(o_vers)
+        lps += prompt_lps
+        lps.extend(o_lps)
+        loss += b"\0" * P + b"\1" * g + b"\0" * pad
+        if pad:
+            ids.extend(bytes(pad))  # zeros
+            vers.extend([-1] * pad)
+            lps.extend(bytes(pad))
+    if L == 0:
+        raise ValueError("group_from_outputs: empty prompt and empty outputs give no tokens")
+    shape = (n, L)
+    if G == min(lens):
+        attention = torch.ones(shape, dtype=torch.bool)
+    else:
+        attention = torch.frombuffer(
+            bytearray(b"".join(b"\1" * (P + g) + b"\0" * (G - g) for g in lens)), dtype=torch.bool
+        ).view(shape)
+    out = {
+        "input_ids": torch.frombuffer(ids, dtype=torch.int64).view(shape),
+        "attention_mask": attention,
+        "loss_mask": torch.frombuffer(loss, dtype=torch.bool).view(shape),
+        "logprobs": torch.frombuffer(lps, dtype=torch.float32).view(shape),
+        "versions": torch.frombuffer(vers, dtype=torch.int64).view(shape),
+        **per_row,
+    }
+    return _tensordict(out, n)
+
+
+def _tensordict(tensors: dict[str, torch.Tensor], n: int) -> TensorDict:
+    # The checked constructor costs ~4 us more; these tensors are consistent by
+    # construction (and validate_trajectory checks the schema keys anyway).
+    fast = getattr(TensorDict, "_new_unsafe", None)
+    if fast is not None:
+        return fast(tensors, batch_size=torch.Size([n]))
+    return TensorDict(tensors, batch_size=[n])
 
 
 def concat_trajectories(tds: Sequence[TensorDict]) -> TensorDict:

@@ -12,6 +12,8 @@ import asyncio
 import json
 import logging
 import threading
+import uuid
+from array import array
 from pathlib import Path
 from typing import Any, Callable
 
@@ -25,15 +27,16 @@ from arealite.workflow.base import (
     RewardError,
     RewardRunner,
     RolloutWorkflow,
+    group_from_outputs,
     new_group_id,
-    pad_and_stack,
-    trajectory_row,
 )
 
 logger = logging.getLogger("arealite.workflow")
 
 #: ``reward_fn(prompt, completion, prompt_ids, completion_ids, **item_fields) -> float``
 RewardFn = Callable[..., float]
+
+_RID_PREFIX = uuid.uuid4().hex[:12]
 
 # Names reward functions receive positionally; item fields with these names are not forwarded.
 _RESERVED = ("prompt", "completion", "prompt_ids", "completion_ids")
@@ -66,6 +69,24 @@ def decode(tokenizer: Any, ids: list[int], skip_special_tokens: bool = True) -> 
     if backend is not None and not getattr(tokenizer, "clean_up_tokenization_spaces", False):
         return backend.decode(ids, skip_special_tokens=skip_special_tokens)
     return tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+
+
+def decode_many(tokenizer: Any, seqs: list[list[int]], skip_special_tokens: bool = True) -> list[str]:
+    """``decode`` of several sequences, in one call to the Rust tokenizer when possible."""
+    if len(seqs) == 1:
+        return [decode(tokenizer, seqs[0], skip_special_tokens)]
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is not None and not getattr(tokenizer, "clean_up_tokenization_spaces", False):
+        return backend.decode_batch(seqs, skip_special_tokens=skip_special_tokens)
+    return [tokenizer.decode(s, skip_special_tokens=skip_special_tokens) for s in seqs]
+
+
+async def _gather(coros: list) -> list:
+    # asyncio.gather wraps each coroutine in a task; with one sample (the common
+    # evaluation and benchmark case) awaiting it directly saves that.
+    if len(coros) == 1:
+        return [await coros[0]]
+    return list(await asyncio.gather(*coros))
 
 
 def encode_prompt(tokenizer: Any, item: dict[str, Any], prompt_key: str, apply_chat_template: bool) -> tuple[str, list[int]]:
@@ -146,10 +167,15 @@ class RLVRWorkflow(RolloutWorkflow):
     def stats(self) -> dict[str, int]:
         return {**self.counters, "reward_abandoned_threads": self.rewards.abandoned_threads}
 
-    async def score(self, prompt: str, completion: str, prompt_ids: list[int], completion_ids: list[int], item: dict[str, Any]) -> float | None:
-        """Reward of one sample, or ``None`` if it failed and the policy is to reject."""
+    async def score(self, prompt: str, completion: str, prompt_ids: list[int], completion_ids: list[int], item: dict[str, Any],
+                    fields: dict[str, Any] | None = None) -> float | None:
+        """Reward of one sample, or ``None`` if it failed and the policy is to reject.
+
+        ``fields``: ``item_fields(item)``, when the caller already computed it for the group.
+        """
         try:
-            return await self.rewards(self.reward_fn, prompt, completion, prompt_ids, completion_ids, **item_fields(item))
+            return await self.rewards(self.reward_fn, prompt, completion, prompt_ids, completion_ids,
+                                      **(item_fields(item) if fields is None else fields))
         except RewardError as e:
             self.counters["reward_errors"] += 1
             logger.warning("reward error on item %s: %s", item.get("prompt_id", "?"), e)
@@ -159,26 +185,29 @@ class RLVRWorkflow(RolloutWorkflow):
         prompt, prompt_ids = encode_prompt(self.tokenizer, item, self.prompt_key, self.apply_chat_template)
         gid = new_group_id()
         group = f"group-{gid}"
+        n = self.gconfig.n_samples
+        # Cheap unique request ids (uuid4 per request shows up in profiles): process prefix + group + sample.
         reqs = [
-            GenerationRequest(input_ids=list(prompt_ids), sampling=self.sampling, affinity_key=group)
-            for _ in range(self.gconfig.n_samples)
+            GenerationRequest(input_ids=list(prompt_ids), sampling=self.sampling, affinity_key=group,
+                              rid=f"{_RID_PREFIX}-{gid:x}-{i}")
+            for i in range(n)
         ]
-        comps: list[Completion] = await asyncio.gather(*(engine.agenerate(r) for r in reqs))
-        texts = [decode(self.tokenizer, c.output_ids) for c in comps]
-        rewards = await asyncio.gather(
-            *(self.score(prompt, t, prompt_ids, list(c.output_ids), item) for c, t in zip(comps, texts))
+        comps: list[Completion] = await _gather([engine.agenerate(r) for r in reqs])
+        texts = decode_many(self.tokenizer, [c.output_ids for c in comps])
+        fields = item_fields(item)
+        rewards = await _gather(
+            [self.score(prompt, t, prompt_ids, list(c.output_ids), item, fields) for c, t in zip(comps, texts)]
         )
         if any(r is None for r in rewards):
             self.counters["reward_rejected_groups"] += 1
             return None
         if self.dumper is not None:
             self._dump(item, prompt, comps, texts, rewards)
-        rows = [trajectory_row(prompt_ids, [(c.output_ids, c.output_logprobs, c.output_versions)]) for c in comps]
-        n = len(rows)
-        return pad_and_stack(
-            rows,
+        return group_from_outputs(
+            prompt_ids,
+            [(c.output_ids, c.output_logprobs, c.output_versions) for c in comps],
             {
-                "rewards": torch.tensor(rewards, dtype=torch.float32),
+                "rewards": torch.frombuffer(array("f", rewards), dtype=torch.float32),
                 "group_id": torch.full((n,), gid, dtype=torch.int64),
                 "prompt_id": torch.full((n,), int(item.get("prompt_id", -1)), dtype=torch.int64),
             },

@@ -21,11 +21,13 @@ from transformers import AutoTokenizer
 from arealite.algo.actor import PPOActor
 from arealite.config.loader import parse_args
 from arealite.data.dataset import StatefulDataLoader, load_jsonl
+from arealite.data.validate import validate_datasets
 from arealite.engine.fsdp import FSDPEngine
 from arealite.engine.sglang_remote import RemoteSGLangEngine
 from arealite.reward import load_reward_fn
 from arealite.rollout.controller import RolloutController
-from arealite.utils.checkpoint import Checkpointer
+from arealite.utils import accounting
+from arealite.utils.checkpoint import Checkpointer, fault_point
 from arealite.utils.progress import Progress
 from arealite.utils.run import batch_stats, evaluate, reduce_stats, run_dir, server_addrs, server_api_key
 from arealite.utils.stats_logger import StatsLogger, plot_reward_curve
@@ -42,12 +44,17 @@ def main(argv: list[str]) -> None:
     train_items = load_jsonl(cfg.data.train_path, cfg.data.prompt_key, cfg.data.answer_key)
     eval_items = load_jsonl(cfg.data.eval_path, cfg.data.prompt_key, cfg.data.answer_key) if cfg.data.eval_path else []
     eval_items = eval_items[: cfg.evaluation.max_prompts or len(eval_items)]
+    tokenizer = AutoTokenizer.from_pretrained(cfg.actor.model_path)
+    validate_datasets(cfg, tokenizer, train_items, eval_items)  # every bad prompt named, before anything starts
 
     # --- trainer: FSDP2 engine (joins the torchrun process group) and the PPO actor
     rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
     loader = StatefulDataLoader(train_items, cfg.rollout.consumer_batch_size // world, shuffle=cfg.data.shuffle,
                                 seed=cfg.experiment.seed, rank=rank, world_size=world)
+    loader = accounting.EpochTagged(loader)  # items remember their epoch: per-prompt accounting in the stats
     total_steps = cfg.data.max_train_steps or len(loader) * cfg.data.total_train_epochs
+    ckpt = Checkpointer(out_dir / "checkpoints", cfg.saver, cfg.recover)
+    ckpt.check_mode()  # recover.mode=required without a checkpoint fails here, before any engine is built
     actor_engine = FSDPEngine(cfg.actor).initialize(total_steps=total_steps)
     ref_engine = FSDPEngine(cfg.actor, frozen=True).initialize() if cfg.algorithm.kl_coef > 0 else None
     temperature = cfg.actor.temperature or cfg.generation.temperature or 1.0
@@ -55,7 +62,6 @@ def main(argv: list[str]) -> None:
                      max_new_tokens=cfg.generation.max_new_tokens)
 
     # --- rollout: client + controller (uvloop in a background thread) + workflows
-    tokenizer = AutoTokenizer.from_pretrained(cfg.actor.model_path)
     client = RemoteSGLangEngine(server_addrs(cfg), cfg.rollout, api_key=server_api_key(cfg),
                                 eos_token_ids=[tokenizer.eos_token_id])
     controller = RolloutController(client, cfg.rollout, world_size=world)
@@ -68,7 +74,7 @@ def main(argv: list[str]) -> None:
                                  prompt_key=cfg.data.prompt_key, apply_chat_template=cfg.data.apply_chat_template)
 
     # --- resume from the latest complete checkpoint (recover.mode), before the controller starts
-    ckpt = Checkpointer(out_dir / "checkpoints", cfg.saver, cfg.recover)
+    controller.record_dropped = True  # rejected/failed prompts are listed in the stats too
     start_step = ckpt.maybe_resume(actor_engine, controller, loader)
     controller.set_version(start_step)
     controller.start()
@@ -79,6 +85,7 @@ def main(argv: list[str]) -> None:
 
     stats_logger = StatsLogger(out_dir, cfg.stats, rank=rank, run_name=f"{cfg.experiment.name}/{cfg.experiment.trial}",
                                full_config=cfg.model_dump(mode="json"))
+    stats_logger.log(start_step, {accounting.START: start_step})  # supersedes a killed run's later records
     eval_before = evaluate(controller, eval_items, eval_workflow) if eval_items else {}
     if rank == 0 and eval_items:
         print(f"[arealite] held-out greedy accuracy before RL: {eval_before['eval/accuracy']:.1%}", flush=True)
@@ -109,6 +116,7 @@ def main(argv: list[str]) -> None:
         t_sync = time.perf_counter()
 
         stats = batch_stats(batch, version)
+        stats.update(accounting.step_fields(controller.last_batch_items, controller.take_dropped()))
         for mb_stats in train_stats:  # mean over mini-batches
             for k, v in mb_stats.items():
                 stats[f"train/{k}"] = stats.get(f"train/{k}", 0.0) + v / len(train_stats)
@@ -121,12 +129,20 @@ def main(argv: list[str]) -> None:
         cstats = controller.stats()
         stats.update({f"controller/{k}": float(v) for k, v in cstats.items() if isinstance(v, (int, float))})
         stats = reduce_stats(stats)
+        stats["rollout/epoch"] = min(stats[accounting.EPOCHS], default=-1)
         if cfg.evaluation.freq_steps and (step + 1) % cfg.evaluation.freq_steps == 0 and step + 1 < total_steps:
             stats.update(evaluate(controller, eval_items, eval_workflow))
         stats_logger.log(step + 1, stats)
+        fault_point("step", step + 1)
         progress.update(step + 1, stats)
         ckpt.maybe_save(step + 1, actor_engine, controller, loader)
 
+    # What this run leaves untrained (in flight, ready, not yet submitted): closes the accounting.
+    end = accounting.unfinished_fields(controller.state_dict())
+    end["data/epochs_handed_out_per_rank"] = [loader.epochs_handed_out()]
+    end = reduce_stats(end)
+    end[accounting.EPOCHS_DONE] = min(end["data/epochs_handed_out_per_rank"])
+    stats_logger.log(total_steps, {accounting.END: total_steps, **end})
     eval_after = evaluate(controller, eval_items, eval_workflow) if eval_items else {}
     progress.close()
     if rank == 0:
