@@ -325,7 +325,9 @@ class LocalLauncher:
                "--nproc_per_node", str(self.cfg.launch.n_trainer_procs), self.script]
         if self.config_path:
             cmd += ["--config", self.config_path]
-        return cmd + self.overrides
+        # The API key reaches the trainer in AREALITE_SERVER_API_KEY only: an override
+        # carrying it would show in `ps` and in the logged command line.
+        return cmd + [o for o in self.overrides if not o.startswith("server.api_key=")]
 
     def start_trainer(self, addrs: list[str]) -> Child:
         env = dict(os.environ)

@@ -14,6 +14,8 @@ from arealite.config.schema import ArealiteConfig
 
 #: Flags whose value is a secret: shown as *** wherever a command is printed.
 SECRET_FLAGS = ("--api-key",)
+#: Config overrides whose value is secret.
+SECRET_OVERRIDES = ("server.api_key",)
 
 
 def server_model_path(cfg: ArealiteConfig) -> str:
@@ -103,7 +105,7 @@ def masked(cmd: Sequence[str]) -> str:
         elif arg in SECRET_FLAGS:
             out.append(arg)
             hide_next = True
-        elif any(arg.startswith(f + "=") for f in SECRET_FLAGS):
+        elif any(arg.startswith(f + "=") for f in SECRET_FLAGS + SECRET_OVERRIDES):
             out.append(arg.split("=", 1)[0] + "=***")
         else:
             out.append(arg)
