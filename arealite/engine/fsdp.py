@@ -42,6 +42,7 @@ from arealite.engine.packing import (
     split_into_microbatches,
     unpack,
 )
+from arealite.utils.buckets import buckets_of
 from arealite.utils.dist import default_backend, init_default_group
 
 logger = logging.getLogger(__name__)
@@ -491,24 +492,18 @@ class FSDPEngine:
         if bucket_bytes <= 0:
             raise ValueError(f"bucket_bytes={bucket_bytes} must be > 0 (weight_sync.bucket_size_mb)")
         skip = self._tied_duplicate_names()
-        bucket: list[tuple[str, torch.Tensor]] = []
-        size = 0
-        # named_parameters() yields a tied parameter once, under its first name.
-        for name, p in self.model.named_parameters():
-            if name in skip:
-                continue
-            t = p.detach()
-            if t.device != self.device:
-                t = t.to(self.device)  # CPU-offloaded shards: NCCL gathers on the GPU
-            t = t.full_tensor() if hasattr(t, "full_tensor") else t
-            nbytes = t.numel() * t.element_size()
-            if bucket and size + nbytes > bucket_bytes:
-                yield bucket
-                bucket, size = [], 0
-            bucket.append((name, t))
-            size += nbytes
-        if bucket:
-            yield bucket
+
+        def full_weights() -> Iterator[tuple[str, torch.Tensor]]:
+            # named_parameters() yields a tied parameter once, under its first name.
+            for name, p in self.model.named_parameters():
+                if name in skip:
+                    continue
+                t = p.detach()
+                if t.device != self.device:
+                    t = t.to(self.device)  # CPU-offloaded shards: NCCL gathers on the GPU
+                yield name, (t.full_tensor() if hasattr(t, "full_tensor") else t)
+
+        yield from buckets_of(full_weights(), bucket_bytes)
 
 
 def _decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:

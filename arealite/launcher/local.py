@@ -44,10 +44,9 @@ from pathlib import Path
 from typing import IO, Sequence
 
 from arealite.launcher.server_cmd import gpus_per_server, masked, server_command
+from arealite.utils.run import ENV_SERVER_ADDRS, ENV_SERVER_API_KEY
 from arealite.utils.net import free_ports, ports_from
 
-ENV_SERVER_ADDRS = "AREALITE_SERVER_ADDRS"
-ENV_SERVER_API_KEY = "AREALITE_SERVER_API_KEY"
 
 #: Seconds between SIGTERM and SIGKILL when tearing a child down.
 TERM_GRACE_S = float(os.environ.get("AREALITE_LAUNCHER_GRACE_S", "10"))
@@ -489,27 +488,6 @@ def external_server_addrs(cfg) -> list[str]:
             f"launch.n_servers=0 but no server addresses: set launch.server_addrs or "
             f"{ENV_SERVER_ADDRS}=host:port,...", ExitCode.BAD_CONFIG)
     return addrs
-
-
-def server_addrs_from_env(cfg=None) -> list[str]:
-    """For training scripts: the server addresses the launcher (or the user) provided."""
-    env = os.environ.get(ENV_SERVER_ADDRS, "")
-    addrs = [a.strip() for a in env.split(",") if a.strip()]
-    if not addrs and cfg is not None:
-        addrs = list(cfg.launch.server_addrs)
-    if not addrs:
-        raise RuntimeError(
-            f"no inference servers: run under `python -m arealite.launcher.local`, or set "
-            f"{ENV_SERVER_ADDRS}=host:port,... or launch.server_addrs")
-    return addrs
-
-
-def server_api_key_from_env(cfg=None) -> str | None:
-    """For training scripts: AREALITE_SERVER_API_KEY, else `server.api_key`."""
-    key = os.environ.get(ENV_SERVER_API_KEY)
-    if key:
-        return key
-    return cfg.server.api_key if cfg is not None else None
 
 
 class _Parser(argparse.ArgumentParser):

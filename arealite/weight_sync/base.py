@@ -24,6 +24,8 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 
+from arealite.utils.buckets import buckets_of  # noqa: F401  (re-exported)
+
 logger = logging.getLogger("arealite.weight_sync")
 
 #: Values compared per read-back tensor.
@@ -91,22 +93,6 @@ class StateDictSource:
         if bucket_bytes <= 0:
             raise ValueError(f"bucket_bytes={bucket_bytes} must be > 0 (weight_sync.bucket_size_mb)")
         yield from buckets_of(self.tensors, bucket_bytes)
-
-
-def buckets_of(named: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int
-               ) -> Iterator[list[tuple[str, torch.Tensor]]]:
-    """Group `(name, tensor)` pairs into buckets of at most `bucket_bytes`."""
-    bucket: list[tuple[str, torch.Tensor]] = []
-    size = 0
-    for name, t in named:
-        nbytes = t.numel() * t.element_size()
-        if bucket and size + nbytes > bucket_bytes:
-            yield bucket
-            bucket, size = [], 0
-        bucket.append((name, t))
-        size += nbytes
-    if bucket:
-        yield bucket
 
 
 def bucket_bytes_of(config) -> int:
