@@ -32,6 +32,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from arealite.utils import accounting  # noqa: E402
+from arealite.utils.procs import trainer_workers  # noqa: E402
 
 
 def _env() -> dict[str, str]:
@@ -39,35 +40,6 @@ def _env() -> dict[str, str]:
     env.update(OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1",
                PYTHONPATH=str(REPO) + os.pathsep + env.get("PYTHONPATH", ""))
     return env
-
-
-def _descendants(pid: int) -> list[int]:
-    kids: dict[int, list[int]] = {}
-    for e in os.listdir("/proc"):
-        if e.isdigit():
-            try:
-                ppid = int(Path(f"/proc/{e}/stat").read_text().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue
-            kids.setdefault(ppid, []).append(int(e))
-    out, todo = [], [pid]
-    while todo:
-        for c in kids.get(todo.pop(), []):
-            out.append(c)
-            todo.append(c)
-    return out
-
-
-def _workers(launcher_pid: int) -> list[int]:
-    out = []
-    for pid in _descendants(launcher_pid):
-        try:
-            cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
-        except OSError:
-            continue
-        if "examples/rlvr/train.py" in cmd and "torch.distributed.run" not in cmd:
-            out.append(pid)
-    return out
 
 
 def _latest_run(stats: Path) -> tuple[int | None, list[dict]]:
@@ -126,7 +98,7 @@ class Bench:
             else:
                 raise RuntimeError(f"no progress within 400 s; see {log.name}")
             time.sleep(self.rng.uniform(0.0, 0.3))  # before, during or after a checkpoint
-            for pid in _workers(p.pid):
+            for pid in trainer_workers(p.pid):
                 os.kill(pid, signal.SIGKILL)
             p.wait(120)
         finally:

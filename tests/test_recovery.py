@@ -24,6 +24,7 @@ from arealite.data.dataset import StatefulDataLoader
 from arealite.utils import accounting
 from arealite.utils.accounting import EpochItem, EpochTagged, prompt_accounting
 from arealite.utils.checkpoint import Checkpointer, complete_checkpoints, fault_point
+from arealite.utils.procs import trainer_workers
 from arealite.workflow.rlvr import item_fields
 
 
@@ -247,36 +248,6 @@ def _launch(demo_dir: Path, runs: Path, log: Path, fault: str = "") -> subproces
     return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=open(log, "w"), stderr=subprocess.STDOUT)
 
 
-def _descendants(pid: int) -> list[int]:
-    kids: dict[int, list[int]] = {}
-    for e in os.listdir("/proc"):
-        if e.isdigit():
-            try:
-                ppid = int(Path(f"/proc/{e}/stat").read_text().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue
-            kids.setdefault(ppid, []).append(int(e))
-    out, todo = [], [pid]
-    while todo:
-        for c in kids.get(todo.pop(), []):
-            out.append(c)
-            todo.append(c)
-    return out
-
-
-def _trainer_workers(launcher_pid: int) -> list[int]:
-    """The torchrun worker processes (not the torchrun agent) under the launcher."""
-    out = []
-    for pid in _descendants(launcher_pid):
-        try:
-            cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
-        except OSError:
-            continue
-        if "examples/rlvr/train.py" in cmd and "torch.distributed.run" not in cmd:
-            out.append(pid)
-    return out
-
-
 def _run_records(stats: Path) -> list[dict]:
     """The records of the latest run (after its start record)."""
     recs = [json.loads(line) for line in stats.read_text().splitlines() if line.strip().endswith("}")]
@@ -314,7 +285,7 @@ def test_killed_runs_resume_and_train_every_prompt_exactly_once(demo_dir, tmp_pa
                 break
             time.sleep(0.02)
         time.sleep(rng.uniform(0.0, 0.3))  # somewhere before, during or after the next checkpoint
-        workers = _trainer_workers(p.pid)
+        workers = trainer_workers(p.pid)
         assert workers, f"no trainer workers found {why}\n" + out(log2)
         for pid in workers:
             os.kill(pid, signal.SIGKILL)
