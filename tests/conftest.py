@@ -62,3 +62,24 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def base_state(micro_model_dir):
+    """The micro model's state dict, as the trainer would hold it."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(micro_model_dir))
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def perturbed_weights(base: dict, seed: int) -> dict:
+    """Different weights of the same shapes (a new policy version), tied embedding kept tied."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    out = {k: v + 0.05 * torch.randn(v.shape, generator=g) for k, v in base.items()
+           if k != "lm_head.weight"}
+    if "lm_head.weight" in base:
+        out["lm_head.weight"] = out["model.embed_tokens.weight"]
+    return out

@@ -33,7 +33,7 @@ from arealite.config.schema import RolloutConfig, WeightSyncConfig
 from arealite.engine.sglang_remote import RemoteSGLangEngine
 from arealite.launcher.local import ExitCode
 from arealite.weight_sync import DiskWeightSync, DistributedWeightSync, StateDictSource, WeightSyncError
-from conftest import REPO, free_port
+from conftest import REPO, free_port, perturbed_weights
 
 
 # ------------------------------------------------------------------ helpers
@@ -113,23 +113,6 @@ def loop_runner():
     t.join(5)
 
 
-@pytest.fixture(scope="module")
-def base_state(micro_model_dir):
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(str(micro_model_dir))
-    return {k: v.detach().clone() for k, v in model.state_dict().items()}
-
-
-def _new_weights(base: dict[str, torch.Tensor], seed: int) -> dict[str, torch.Tensor]:
-    g = torch.Generator().manual_seed(seed)
-    out = {k: v + 0.05 * torch.randn(v.shape, generator=g) for k, v in base.items()
-           if k != "lm_head.weight"}
-    if "lm_head.weight" in base:  # keep the tied embedding tied
-        out["lm_head.weight"] = out["model.embed_tokens.weight"]
-    return out
-
-
 def _assert_server_has(run, addr: str, state: dict[str, torch.Tensor]) -> None:
     """Every tensor on the server at `addr` equals the trainer's copy."""
     for name, t in state.items():
@@ -171,11 +154,11 @@ def test_push_drops_a_killed_member_then_fails_clearly_with_none_left(
         sync.init()
         first_group = sync.group_name
         assert sorted(client.group_members(first_group)) == sorted([a, b])
-        new = _new_weights(base_state, 1)
+        new = perturbed_weights(base_state, 1)
         assert sync.push(StateDictSource(new), 1)["n_servers"] == 2
 
         servers.kill(1)
-        new = _new_weights(base_state, 2)
+        new = perturbed_weights(base_state, 2)
         with caplog.at_level(logging.WARNING, logger="arealite.weight_sync"):
             timings = sync.push(StateDictSource(new), 2)
         assert timings["n_servers"] == 1 and timings["attempts"] == 1
@@ -221,7 +204,7 @@ def test_a_member_dying_during_a_push_is_dropped_and_the_push_repeated(
     sync = DistributedWeightSync(_cfg(), client, run)
     try:
         sync.init()
-        new = _new_weights(base_state, 3)
+        new = perturbed_weights(base_state, 3)
         source = _KillAfterFirstBucket(new, servers, victim=1)
         t0 = time.monotonic()
         timings = sync.push(source, 1)
@@ -233,7 +216,7 @@ def test_a_member_dying_during_a_push_is_dropped_and_the_push_repeated(
         out = _generate(run, client)
         assert out.server == a and set(out.output_versions) == {1}
         # The rebuilt group serves the next update too.
-        newer = _new_weights(base_state, 4)
+        newer = perturbed_weights(base_state, 4)
         assert sync.push(StateDictSource(newer), 2)["attempts"] == 1
         _assert_server_has(run, a, newer)
     finally:
@@ -251,7 +234,7 @@ def test_disk_push_skips_a_dead_server(micro_model_dir, loop_runner, base_state,
     try:
         sync.init()
         servers.kill(1)
-        new = _new_weights(base_state, 5)
+        new = perturbed_weights(base_state, 5)
         sync.push(StateDictSource(new), 1)
         assert client.healthy_servers == [a]
         assert client.stats()["servers"][b]["excluded"], "the dead server stays out"

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import perturbed_weights
 
 from arealite.api.types import GenerationRequest, SamplingParams
 from arealite.config.schema import WeightSyncConfig
@@ -99,24 +100,6 @@ def client(server, loop_runner):
     run(c.aclose())
 
 
-@pytest.fixture(scope="module")
-def base_state(micro_model_dir):
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(str(micro_model_dir))
-    return {k: v.detach().clone() for k, v in model.state_dict().items()}
-
-
-def _new_weights(base: dict[str, torch.Tensor], seed: int) -> dict[str, torch.Tensor]:
-    """Different weights of the same shapes, tied embedding kept tied."""
-    g = torch.Generator().manual_seed(seed)
-    out = {k: v + 0.05 * torch.randn(v.shape, generator=g) for k, v in base.items()
-           if k != "lm_head.weight"}
-    if "lm_head.weight" in base:
-        out["lm_head.weight"] = out["model.embed_tokens.weight"]
-    return out
-
-
 def _server_tensor(run, client, name: str, n: int = 100_000) -> torch.Tensor:
     (values,) = run(client.get_weights_by_name(name, n)).values()
     return torch.tensor(values, dtype=torch.float32)
@@ -143,7 +126,7 @@ def test_distributed_push_in_buckets_updates_weights_and_version(client, loop_ru
     sync.init()
     try:
         for version, seed in ((1, 1), (2, 2)):  # the group serves more than one update
-            new = _new_weights(base_state, seed)
+            new = perturbed_weights(base_state, seed)
             timings = sync.push(StateDictSource(new), version)
             assert timings["n_buckets"] > 1, "the micro model should need several 50 KB buckets"
             assert timings["n_tensors"] == len(StateDictSource(new).tensors)
@@ -160,7 +143,7 @@ def test_disk_push_updates_weights_and_removes_the_directory(client, loop_runner
     root = tmp_path / "scratch"
     sync = DiskWeightSync(_cfg(bucket_size_mb=0.03), client, run, root, str(micro_model_dir))
     sync.init()
-    new = _new_weights(base_state, 3)
+    new = perturbed_weights(base_state, 3)
     timings = sync.push(StateDictSource(new), 7)
     assert timings["load_s"] > 0 and timings["bytes"] > 0
     _assert_server_has(run, client, new)
@@ -194,7 +177,7 @@ def test_corrupted_update_fails_loudly_and_server_stays_paused(client, loop_runn
     version_before = _generate_version(run, client)[0]
     sync = DistributedWeightSync(_cfg(), client, run)
     sync.init()
-    src = _CorruptSource(_new_weights(base_state, 11), how)
+    src = _CorruptSource(perturbed_weights(base_state, 11), how)
     with pytest.raises(WeightSyncError) as err:
         sync.push(src, 99)
     msg = str(err.value)
@@ -224,7 +207,7 @@ def test_readback_mismatch_names_server_and_tensor(client, loop_runner, base_sta
     run, _ = loop_runner
     sync = DistributedWeightSync(_cfg(verify_n_tensors=1), client, run)
     sync.init()
-    new = _new_weights(base_state, 5)
+    new = perturbed_weights(base_state, 5)
     sync.push(StateDictSource(new), 5)
     name = "model.layers.0.mlp.up_proj.weight"
     wrong = {name: new[name][:100].flatten().clone()}
@@ -235,7 +218,7 @@ def test_readback_mismatch_names_server_and_tensor(client, loop_runner, base_sta
     sync.close()
 
 
-def test_inflight_rollout_is_interrupted_and_resumes_on_new_weights(client, loop_runner, base_state):
+def test_inflight_rollout_is_interrupted_and_resumes_onperturbed_weights(client, loop_runner, base_state):
     run, loop = loop_runner
     sync = DistributedWeightSync(_cfg(bucket_size_mb=1.0), client, run)
     sync.init()
@@ -245,7 +228,7 @@ def test_inflight_rollout_is_interrupted_and_resumes_on_new_weights(client, loop
     fut = asyncio.run_coroutine_threadsafe(client.agenerate(req), loop)
     time.sleep(0.3)  # let it produce some tokens
     assert not fut.done()
-    sync.push(StateDictSource(_new_weights(base_state, 6)), before + 1)
+    sync.push(StateDictSource(perturbed_weights(base_state, 6)), before + 1)
     out = fut.result(120)
     assert len(out.output_ids) == 900
     versions = list(out.output_versions)
