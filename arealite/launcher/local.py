@@ -205,8 +205,10 @@ class LocalLauncher:
     """Starts servers and the trainer, watches them, and always tears them down."""
 
     def __init__(self, cfg, script: str, config_path: str | None, overrides: Sequence[str],
-                 run_dir: Path, echo: IO | None = None):
+                 run_dir: Path, echo: IO | None = None, external_addrs: Sequence[str] = ()):
         self.cfg = cfg
+        # Servers started elsewhere (`launch.n_servers: 0`), as `check_launch` found them.
+        self.external_addrs = list(external_addrs)
         self.script = script
         self.config_path = config_path
         self.overrides = list(overrides)
@@ -455,7 +457,11 @@ class LocalLauncher:
                 addrs = self.start_servers()
                 self.wait_servers()
             else:
-                addrs = external_server_addrs(self.cfg)
+                if not self.external_addrs:
+                    raise LaunchError(
+                        f"launch.n_servers=0 but no server addresses: set launch.server_addrs or "
+                        f"{ENV_SERVER_ADDRS}=host:port,...", ExitCode.BAD_CONFIG)
+                addrs = self.external_addrs
                 log(f"using servers started elsewhere: {','.join(addrs)}")
             self._check_signal()
             self.start_trainer(addrs)
@@ -476,18 +482,6 @@ class LocalLauncher:
             finally:
                 for s, h in previous.items():
                     signal.signal(s, h)
-
-
-def external_server_addrs(cfg) -> list[str]:
-    """Servers started elsewhere (`launch.n_servers=0`): `launch.server_addrs`, else
-    AREALITE_SERVER_ADDRS (the order `config.loader.check_launch` uses)."""
-    env = os.environ.get(ENV_SERVER_ADDRS, "")
-    addrs = list(cfg.launch.server_addrs) or [a.strip() for a in env.split(",") if a.strip()]
-    if not addrs:
-        raise LaunchError(
-            f"launch.n_servers=0 but no server addresses: set launch.server_addrs or "
-            f"{ENV_SERVER_ADDRS}=host:port,...", ExitCode.BAD_CONFIG)
-    return addrs
 
 
 class _Parser(argparse.ArgumentParser):
@@ -518,7 +512,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     try:
         cfg = load_config(args.config, args.overrides)
-        check_launch(cfg)
+        external_addrs = check_launch(cfg)
         if cfg.launch.n_servers > 0:
             server_model_path(cfg)  # fail now, not inside a server, if no model is set
     except ValueError as e:  # ConfigError is a ValueError
@@ -526,7 +520,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return int(ExitCode.BAD_CONFIG)
     log("config loaded")
     run_dir = Path(cfg.experiment.output_root) / cfg.experiment.name / cfg.experiment.trial
-    return LocalLauncher(cfg, args.script, args.config, args.overrides, run_dir).run()
+    return LocalLauncher(cfg, args.script, args.config, args.overrides, run_dir,
+                         external_addrs=external_addrs).run()
 
 
 if __name__ == "__main__":
