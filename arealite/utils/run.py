@@ -67,9 +67,9 @@ def batch_stats(batch, version: int) -> dict[str, float]:
 
 
 def reduce_stats(stats: Mapping[str, float], sum_keys: Sequence[str] = ()) -> dict[str, float]:
-    """Average every stat over trainer ranks (``*_max`` keys: max; ``sum_keys`` and
-    histogram buckets: sum; lists: concatenated in rank order). Every rank must call it
-    with the same keys... except histogram buckets, which are merged by gathering."""
+    """Merge every rank's stats (a collective): ``*_max`` keys take the max, ``sum_keys``,
+    counts and histogram buckets the sum, lists are concatenated in rank order, the rest
+    is averaged. Ranks may hold different keys (histogram buckets differ)."""
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return dict(stats)
     gathered: list[dict] = [None] * dist.get_world_size()  # type: ignore[list-item]
