@@ -248,11 +248,20 @@ def _launch(demo_dir: Path, runs: Path, log: Path, fault: str = "") -> subproces
     return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=open(log, "w"), stderr=subprocess.STDOUT)
 
 
-def _run_records(stats: Path) -> list[dict]:
-    """The records of the latest run (after its start record)."""
+def _run_records(stats: Path, run_index: int = -1) -> list[dict]:
+    """The records of one run (from its start record to the next; the latest by default).
+
+    Empty when that run has not written its start record yet (``run_index`` past the end).
+    """
+    if not stats.exists():
+        return []
     recs = [json.loads(line) for line in stats.read_text().splitlines() if line.strip().endswith("}")]
     starts = [i for i, r in enumerate(recs) if accounting.START in r]
-    return recs[starts[-1]:] if starts else []
+    if not starts or run_index >= len(starts):
+        return []
+    begin = starts[run_index]
+    later = [i for i in starts if i > begin]
+    return recs[begin:later[0]] if later else recs[begin:]
 
 
 @pytest.mark.slow
@@ -280,7 +289,9 @@ def test_killed_runs_resume_and_train_every_prompt_exactly_once(demo_dir, tmp_pa
     try:
         deadline = time.monotonic() + 300
         while time.monotonic() < deadline and p.poll() is None:
-            done = [r["step"] for r in _run_records(stats) if accounting.IDS in r] if stats.exists() else []
+            # Only this run's steps count: until it writes its start record, the records on
+            # disk are the first run's, which already went past some of the targets.
+            done = [r["step"] for r in _run_records(stats, run_index=1) if accounting.IDS in r]
             if done and max(done) >= target:
                 break
             time.sleep(0.02)
