@@ -96,6 +96,8 @@ class RolloutController:
         self._output: collections.deque[tuple[TensorDict, Any]] = collections.deque()
         self._running: dict[int, _Job] = {}
         self._paused = False
+        self._version = 0
+        self._closing = False  # stop() in progress: nothing new is admitted
         self._error: WorkflowError | None = None
         # wait() callers parked on the loop: (future, groups wanted). Woken only when
         # they may be able to return (not on every finished episode).
@@ -146,6 +148,10 @@ class RolloutController:
             return
 
         async def _shutdown() -> None:
+            # First stop admission: an episode finishing while the others are being
+            # cancelled would otherwise admit a new one that nobody cancels, and it
+            # would fail against the closed HTTP session.
+            self._closing = True
             tasks = [j.task for j in self._running.values() if j.task is not None]
             for t in tasks:
                 t.cancel()
@@ -172,6 +178,7 @@ class RolloutController:
             self.staleness.running = 0
             self._thread = None
             self._loop = None
+            self._closing = False
 
     def __enter__(self) -> "RolloutController":
         return self.start() if self._thread is None else self
@@ -237,7 +244,7 @@ class RolloutController:
         self._admit()
 
     def _capacity(self) -> int:
-        if self._paused:
+        if self._paused or self._closing:
             return 0
         # Back-pressure: finished + running groups never exceed the output queue.
         by_output = self.config.queue_size - (len(self._output) + len(self._running))
@@ -412,30 +419,42 @@ class RolloutController:
         restarted for a new epoch when exhausted) whenever the bound leaves
         room, so the next step's groups are already generating while the
         trainer trains on this one. Items restored by ``load_state_dict`` go first.
+
+        The whole call is one coroutine on the controller's loop (the
+        dataloader is iterated there too, so it must be cheap to iterate, as
+        in-memory loaders are): a trainer thread that hops to the loop once
+        per batch, not once per data batch, is never the bottleneck (each
+        hop can cost a GIL switch interval while the loop is busy). Every
+        ``poll_s`` seconds without a batch, the input queue is topped up again
+        (rejected groups free slots that new items must fill).
         """
         if should_accept is None and self.config.filter_equal_rewards:
             should_accept = reject_equal_rewards
+        return self.run(self._prepare_on_loop(dataloader, workflow, should_accept, poll_s))
+
+    async def _prepare_on_loop(self, dataloader: Iterable, workflow: RolloutWorkflow,
+                               should_accept: ShouldAccept | None, poll_s: float) -> TensorDict:
         while True:
             if self._resubmit or self._unsubmitted:
-                self._drain_resubmit(workflow, should_accept)
-            self._top_up(dataloader, workflow, should_accept)
+                self._drain_resubmit_on_loop(workflow, should_accept)
+            self._top_up_on_loop(dataloader, workflow, should_accept)
             try:
-                return self.wait(self.batch_size, timeout=poll_s)
+                batch = await self._wait_on_loop(self.batch_size, poll_s, None)
             except TimeoutError:
                 continue
+            # Refill at once, so that the next step's groups generate while this one trains.
+            self._top_up_on_loop(dataloader, workflow, should_accept)
+            return batch
 
-    def _top_up(self, dataloader: Iterable, workflow: RolloutWorkflow, should_accept: ShouldAccept | None) -> None:
+    def _top_up_on_loop(self, dataloader: Iterable, workflow: RolloutWorkflow,
+                        should_accept: ShouldAccept | None) -> None:
         # Keep enough queued that every slot the bound allows is used, and one batch more.
-        while True:
-            queued, capacity = self._call(lambda: (len(self._input), self._capacity()))
-            if queued >= capacity + self.batch_size:
-                return
+        while len(self._input) < self._capacity() + self.batch_size:
             batch = self._next_data(dataloader)
-            if queued + len(batch) > self.config.queue_size:
+            if len(self._input) + len(batch) > self.config.queue_size:
                 self._unsubmitted.extend(batch)  # do not lose it: it goes first next time
                 return
-            # One hop to the loop for the whole batch, not one per item.
-            self._call(self._submit_many_on_loop, [_Job(it, workflow, should_accept) for it in batch])
+            self._submit_many_on_loop([_Job(it, workflow, should_accept) for it in batch])
 
     def _next_data(self, dataloader: Iterable) -> list[Any]:
         key = id(dataloader)
@@ -453,15 +472,15 @@ class RolloutController:
         raise ValueError("the dataloader yields no batch at all (empty dataset, or drop_last with too few items)")
 
     def _drain_resubmit(self, workflow: RolloutWorkflow, should_accept: ShouldAccept | None) -> None:
+        self._call(self._drain_resubmit_on_loop, workflow, should_accept)
+
+    def _drain_resubmit_on_loop(self, workflow: RolloutWorkflow, should_accept: ShouldAccept | None) -> None:
         # Restored items were counted as submitted before the restart; overflow items were not.
         for pending, counted in ((self._resubmit, False), (self._unsubmitted, True)):
             while pending:
-                job = _Job(pending[0], workflow, should_accept)
-                try:
-                    self._call(self._submit_on_loop, job, counted)
-                except InputQueueFull:
+                if len(self._input) >= self.config.queue_size:
                     return
-                pending.pop(0)
+                self._submit_on_loop(_Job(pending.pop(0), workflow, should_accept), counted)
 
     # --------------------------------------------------------------- admin
     def pause(self) -> None:
@@ -482,18 +501,26 @@ class RolloutController:
         return self._paused
 
     def set_version(self, version: int) -> None:
-        """The trainer's policy version (raises the staleness limit by one batch per version)."""
-        def _set() -> None:
-            self.staleness.set_version(version)
-            self._admit()
+        """The trainer's policy version (raises the staleness limit by one batch per version).
 
+        Does not wait for the loop (a round trip there can cost a GIL switch
+        interval); the loop applies it before any later call to the controller.
+        """
+        if version < 0:
+            raise ValueError(f"version must be >= 0, got {version}")
+        self._version = version
         if self._loop is None:
             self.staleness.set_version(version)
         else:
-            self._call(_set)
+            self._loop.call_soon_threadsafe(self._set_version_on_loop, version)
+
+    def _set_version_on_loop(self, version: int) -> None:
+        self.staleness.set_version(version)
+        self._admit()
 
     def get_version(self) -> int:
-        return self.staleness.version
+        """The version last given to ``set_version`` (or restored by ``load_state_dict``)."""
+        return self._version
 
     # --------------------------------------------------------------- stats
     def stats(self) -> dict[str, Any]:
@@ -545,6 +572,7 @@ class RolloutController:
         if self._thread is not None:
             raise RuntimeError("load_state_dict() must be called before start()")
         self.staleness.load_state_dict(state["staleness"])
+        self._version = self.staleness.version
         self._counters.update({k: int(v) for k, v in state["counters"].items()})
         self._staleness_hist = collections.Counter({int(k): int(v) for k, v in state["staleness_hist"].items()})
         self._output = collections.deque()
