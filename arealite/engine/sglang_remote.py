@@ -37,6 +37,7 @@ import aiohttp
 
 from arealite.api.types import Completion, GenerationRequest
 from arealite.config.schema import RolloutConfig
+from arealite.engine.http1 import Http1Pool, HttpConnectionError, HttpProtocolError
 
 try:  # orjson is several times faster on token-id lists; plain json is the fallback.
     import orjson
@@ -193,7 +194,7 @@ class _Server:
     __slots__ = (
         "addr", "base_url", "sem", "healthy", "reason", "consecutive_failures", "inflight",
         "attempts", "info", "version_text", "version", "tp_size", "last_probe", "probing",
-        "excluded", "n_ok", "n_failed",
+        "excluded", "n_ok", "n_failed", "pool",
     )
 
     def __init__(self, addr: str, base_url: str, max_inflight: int):
@@ -216,6 +217,8 @@ class _Server:
         self.excluded: str | None = None
         self.n_ok = 0
         self.n_failed = 0
+        # Keep-alive connections for /generate (plain http only; https goes through aiohttp).
+        self.pool: Http1Pool | None = None
 
 
 # ---------------------------------------------------------------------------
@@ -411,6 +414,10 @@ class RemoteSGLangEngine:
                 timeout=aiohttp.ClientTimeout(total=None),
                 trust_env=False,
             )
+            for s in self._servers:
+                if s.base_url.startswith("http://"):
+                    host, _, port = s.addr.rpartition(":")
+                    s.pool = Http1Pool(host.strip("[]"), int(port), headers)
         return self._session
 
     async def initialize(self, timeout: float = 300.0) -> None:
@@ -492,6 +499,9 @@ class RemoteSGLangEngine:
             t.cancel()
         if self._bg_tasks:
             await asyncio.gather(*self._bg_tasks, return_exceptions=True)
+        for s in self._servers:
+            if s.pool is not None:
+                await s.pool.aclose()
         if self._session is not None:
             session, self._session = self._session, None
             await session.close()
@@ -648,12 +658,15 @@ class RemoteSGLangEngine:
             server.attempts.add(att)
             server.inflight += 1
             try:
-                async with session.post(
-                    server.base_url + "/generate", data=body, headers=_JSON_HEADERS,
-                    timeout=self._req_timeout,
-                ) as resp:
-                    raw = await resp.read()
-                    status = resp.status
+                if server.pool is not None:
+                    status, raw = await server.pool.post("/generate", body, self.config.request_timeout_s)
+                else:
+                    async with session.post(
+                        server.base_url + "/generate", data=body, headers=_JSON_HEADERS,
+                        timeout=self._req_timeout,
+                    ) as resp:
+                        raw = await resp.read()
+                        status = resp.status
             except asyncio.CancelledError:
                 # Our own eviction (mark_unhealthy) rather than the caller cancelling?
                 if att.evicted is not None and att.task is not None and att.task.uncancel() == 0:
@@ -663,7 +676,7 @@ class RemoteSGLangEngine:
                 raise _AttemptFailure(
                     "timeout", f"no answer within request_timeout_s={self.config.request_timeout_s:g}s"
                 ) from None
-            except aiohttp.ClientError as e:
+            except (aiohttp.ClientError, HttpConnectionError, HttpProtocolError) as e:
                 raise _AttemptFailure("connection", _describe(e)) from None
             finally:
                 server.inflight -= 1
@@ -943,6 +956,40 @@ class RemoteSGLangEngine:
             {"model_path": str(path), "weight_version": str(int(version))},
             timeout=timeout,
         )
+        self._version = int(version)
+        return out
+
+    async def update_weights_from_shm(
+        self,
+        path: str,
+        names: Sequence[str],
+        dtypes: Sequence[Any],
+        shapes: Sequence[Sequence[int]],
+        offsets: Sequence[int],
+        version: int,
+        *,
+        timeout: float | None = None,
+    ) -> dict[str, Any]:
+        """Load every weight from a shared-memory file on every healthy server, tagged ``version``.
+
+        Tensor ``names[i]`` lies at byte ``offsets[i]`` of ``path`` with ``dtypes[i]``
+        (torch dtypes or strings) and ``shapes[i]``. Embedded servers on this host only.
+        """
+        route = "/update_weights_from_shm"
+        if not len(names) == len(dtypes) == len(shapes) == len(offsets):
+            raise ValueError(
+                f"{route}: names ({len(names)}), dtypes ({len(dtypes)}), shapes ({len(shapes)}) "
+                f"and offsets ({len(offsets)}) must have the same length"
+            )
+        self._exclude_unhealthy(f"the weight update to version {version}")
+        out = await self._admin(route, {
+            "path": str(path),
+            "names": list(names),
+            "dtypes": [str(d).removeprefix("torch.") for d in dtypes],
+            "shapes": [[int(x) for x in shp] for shp in shapes],
+            "offsets": [int(o) for o in offsets],
+            "weight_version": str(int(version)),
+        }, timeout=timeout)
         self._version = int(version)
         return out
 
