@@ -125,7 +125,8 @@ def render_reference() -> str:
         "`data.train_path` and `data.eval_path`, when set, are existing files.",
         "- The local launcher also checks: `launch.n_servers: 0` needs `launch.server_addrs` or the "
         "environment variable `AREALITE_SERVER_ADDRS=host:port,...`; `launch.server_addrs` with "
-        "`launch.n_servers` > 0 is a contradiction.",
+        "`launch.n_servers` > 0 is a contradiction; `weight_sync.method: shm` needs every server "
+        "address on this host.",
         "",
     ]
     return "\n".join(lines)

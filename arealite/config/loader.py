@@ -28,6 +28,7 @@ import yaml
 from pydantic import BaseModel, ValidationError
 
 from arealite.config.schema import ArealiteConfig, _check_server_addr
+from arealite.utils.net import is_local_host, split_addr
 
 __all__ = [
     "ConfigError",
@@ -599,6 +600,17 @@ def _check_reward_fn(cfg: ArealiteConfig) -> list[ConfigProblem]:
     return []
 
 
+def _check_shm_backend(cfg: ArealiteConfig) -> list[ConfigProblem]:
+    """`weight_sync.method: shm` needs `launch.server_backend: embedded` (SGLang cannot read the shared-memory file)."""
+    if cfg.weight_sync.method == "shm" and cfg.launch.server_backend != "embedded":
+        return [ConfigProblem(
+            "weight_sync.method", f"= shm works only with the embedded server on the trainer's host, not "
+            f"launch.server_backend = {cfg.launch.server_backend}: use weight_sync.method=distributed "
+            "(or disk)", "shm",
+        )]
+    return []
+
+
 #: Checks that relate several fields; each docstring is listed in docs/config_reference.md.
 CROSS_FIELD_CHECKS = (
     _check_batch_divisible,
@@ -607,6 +619,7 @@ CROSS_FIELD_CHECKS = (
     _check_warmup,
     _check_context_length,
     _check_reward_fn,
+    _check_shm_backend,
 )
 
 _TINY_HINT = "build a tiny one with `python -m arealite.models.tiny DIR --size small`"
@@ -707,6 +720,13 @@ def check_launch(cfg: ArealiteConfig, environ: Mapping[str, str] | None = None) 
             "launch.server_addrs", f"is set but launch.n_servers = {cfg.launch.n_servers} "
             "starts new servers: set launch.n_servers=0 to use these, or remove them", addrs,
         ))
+    if cfg.weight_sync.method == "shm":
+        remote = [a for a in addrs if not _addr_is_local(a)]
+        if remote:
+            problems.append(ConfigProblem(
+                "weight_sync.method", f"= shm needs every server on this host, but {', '.join(remote)} "
+                "is not: use weight_sync.method=distributed (or disk)", "shm",
+            ))
     if cfg.server.base_port and cfg.server.base_port + max(cfg.launch.n_servers, 1) - 1 > 65535:
         problems.append(ConfigProblem(
             "server.base_port", f"+ launch.n_servers ({cfg.launch.n_servers}) runs past port 65535",
@@ -715,6 +735,14 @@ def check_launch(cfg: ArealiteConfig, environ: Mapping[str, str] | None = None) 
     if problems:
         raise ConfigError(problems)
     return addrs
+
+
+def _addr_is_local(addr: str) -> bool:
+    try:
+        host = split_addr(addr)[0]
+    except ValueError:  # reported by the address checks
+        return True
+    return is_local_host(host)
 
 
 # --------------------------------------------------------------------------- dumping, scripts

@@ -333,8 +333,9 @@ class StatsConfig(Section):
 
 
 class WeightSyncConfig(Section):
-    method: Literal["distributed", "disk"] = "distributed"
-    """`distributed`: broadcast over a process group (gloo on CPU, NCCL on CUDA); `disk`: safetensors directory."""
+    method: Literal["distributed", "disk", "shm"] = "distributed"
+    """`distributed`: broadcast over a process group (gloo on CPU, NCCL on CUDA); `disk`: safetensors directory;
+    `shm`: one shared-memory file reused by every update (embedded servers on the trainer's host only; fastest there)."""
     bucket_size_mb: float = Field(64.0, gt=0)
     """Tensors are sent in buckets of about this size."""
     verify_n_tensors: int = Field(2, ge=0)
@@ -345,6 +346,8 @@ class WeightSyncConfig(Section):
     """Timeout of one weight update."""
     disk_dir: str | None = None
     """Scratch directory of the disk method (None = under the run directory)."""
+    shm_dir: str = "/dev/shm"
+    """Directory of the shm method's weight file (a tmpfs, so that it lives in RAM)."""
 
 
 class ArealiteConfig(Section):

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import logging
+import os
 import time
 from pathlib import Path
 from typing import Any
@@ -22,10 +23,13 @@ from .args import ServerArgs
 from .runner import ModelRunner, Sequence
 from .sampling import RequestError, parse_generate
 from .weights import (
+    ShmWeightFile,
     WeightUpdateError,
     WeightUpdateGroup,
     check_full_checkpoint,
     check_metadata,
+    check_shm_layout,
+    file_key,
     copy_into_model,
     model_state,
     parse_dtype,
@@ -106,6 +110,9 @@ class EmbeddedServer:
         self.state = model_state(model)
         self.groups: dict[str, WeightUpdateGroup] = {}
         self.group_locks: dict[str, asyncio.Lock] = {}
+        # The trainer's shared-memory weight file, mapped once and kept while it stays the same.
+        self.shm: ShmWeightFile | None = None
+        self.shm_lock = asyncio.Lock()
         self.started = time.time()
 
         eos: set[int] = set()
@@ -291,6 +298,70 @@ class EmbeddedServer:
         logger.info("update_weights_from_disk: %s (weight_version %s)", msg, self.runner.weight_version)
         return web.json_response({"success": True, "message": msg, "num_paused_requests": 0})
 
+    async def update_weights_from_shm(self, request: web.Request) -> web.Response:
+        body = await _json_body(request)
+        route = "update_weights_from_shm"
+        _check_fields(body, {"path", "names", "dtypes", "shapes", "offsets"},
+                      {"weight_version", "flush_cache", "abort_all_requests"}, route)
+        path = _want(body, "path", str, route)
+        names, dtypes_raw, shapes_raw, offsets = body["names"], body["dtypes"], body["shapes"], body["offsets"]
+        if not all(isinstance(x, list) for x in (names, dtypes_raw, shapes_raw, offsets)):
+            raise RequestError(f"{route}: names, dtypes, shapes and offsets must be lists")
+        if not names or not len(names) == len(dtypes_raw) == len(shapes_raw) == len(offsets):
+            raise RequestError(f"{route}: names, dtypes, shapes and offsets must be non-empty lists of equal "
+                               f"length (got {len(names)}, {len(dtypes_raw)}, {len(shapes_raw)}, {len(offsets)})")
+        if not all(isinstance(n, str) for n in names):
+            raise RequestError(f"{route}: names must be strings")
+        for i, off in enumerate(offsets):
+            if not isinstance(off, int) or isinstance(off, bool) or off < 0:
+                raise RequestError(f"{route}: offsets[{i}] must be a non-negative int (a byte offset), got {off!r}")
+        try:
+            dtypes = [parse_dtype(d, f"dtypes[{i}]") for i, d in enumerate(dtypes_raw)]
+            shapes = [parse_shape(s, f"shapes[{i}]") for i, s in enumerate(shapes_raw)]
+        except WeightUpdateError as e:
+            raise RequestError(f"{route}: {e}") from e
+        version = _want(body, "weight_version", (str, int), route)
+        if _want(body, "abort_all_requests", bool, route, False):
+            await self.runner.call(lambda: self.runner.abort(None, "aborted for a weight update"))
+
+        t0 = time.perf_counter()
+        async with self.shm_lock:
+            try:
+                shm = await asyncio.to_thread(self._map_shm, path)
+                problem = check_shm_layout(self.state, names, dtypes, shapes, offsets, shm.size)
+            except WeightUpdateError as e:
+                problem = str(e)
+            if problem:
+                # Checked in full before any copy: a refused update leaves the old weights serving.
+                logger.warning("%s(%s) refused: %s", route, path, problem)
+                return web.json_response({"success": False, "message": f"{route}: {problem}"}, status=400)
+
+            def load() -> None:
+                with torch.no_grad():
+                    for name, dt, shape, off in zip(names, dtypes, shapes, offsets):
+                        self.state[name].copy_(shm.tensor(off, dt, shape))
+                if version is not None:
+                    self.runner.weight_version = str(version)
+
+            await self.runner.call(load)
+        msg = f"updated {len(names)} tensors from {path} in {time.perf_counter() - t0:.3f}s"
+        logger.debug("%s: %s", route, msg)
+        return web.json_response({"success": True, "message": msg})
+
+    def _map_shm(self, path: str) -> ShmWeightFile:
+        """The mapping of `path`, reusing the cached one while it is the same file."""
+        try:
+            key = file_key(path, os.stat(path))
+        except OSError as e:
+            raise WeightUpdateError(f"path {path!r} cannot be opened: {e.strerror}") from None
+        if self.shm is not None and self.shm.key == key:
+            return self.shm
+        if self.shm is not None:
+            self.shm.close()  # another file now: release the old one's memory
+            self.shm = None
+        self.shm = ShmWeightFile(path)
+        return self.shm
+
     async def init_weights_update_group(self, request: web.Request) -> web.Response:
         body = await _json_body(request)
         route = "init_weights_update_group"
@@ -440,6 +511,9 @@ class EmbeddedServer:
         for g in self.groups.values():
             g.destroy()
         self.groups.clear()
+        if self.shm is not None:
+            self.shm.close()
+            self.shm = None
 
 
 async def _json_body(request: web.Request, allow_empty: bool = False) -> dict:
@@ -491,6 +565,7 @@ def build_app(server: EmbeddedServer) -> web.Application:
         "/continue_generation": s.continue_generation,
         "/abort_request": s.abort_request,
         "/update_weights_from_disk": s.update_weights_from_disk,
+        "/update_weights_from_shm": s.update_weights_from_shm,
         "/init_weights_update_group": s.init_weights_update_group,
         "/update_weights_from_distributed": s.update_weights_from_distributed,
         "/destroy_weights_update_group": s.destroy_weights_update_group,

@@ -1,4 +1,4 @@
-"""Weight updates of the embedded server: from an HF directory or over a process group.
+"""Weight updates of the embedded server: from an HF directory, a shared-memory file or a process group.
 
 Every update is all-or-nothing: the new tensors are checked (names, shapes,
 dtypes) and fully received before any of them is copied into the model, so a
@@ -14,6 +14,13 @@ touches a default process group. Per update, rank 0 broadcasts the tensors of
 (one dtype). A server that finds the metadata inconsistent with its model still
 receives every broadcast into scratch buffers (so the sender is never left
 hanging), discards them, and answers ``success: false`` naming the tensor.
+
+Shared-memory protocol (trainer and server on one host): the trainer keeps one
+file (under ``/dev/shm``) holding every tensor at a given byte offset in the
+server's dtype and posts ``/update_weights_from_shm {path, names, dtypes,
+shapes, offsets}``. The server maps the file once (`ShmWeightFile`) and keeps
+the mapping while the file stays the same, so later updates are a plain copy
+from already-mapped pages.
 """
 
 from __future__ import annotations
@@ -21,6 +28,10 @@ from __future__ import annotations
 import datetime
 import json
 import logging
+import mmap
+import os
+import stat
+import warnings
 from pathlib import Path
 
 import torch
@@ -135,6 +146,87 @@ def copy_into_model(state: dict[str, torch.Tensor], tensors: dict[str, torch.Ten
     """Copy checked tensors into the model's own storage (casting to its dtype)."""
     for name, t in tensors.items():
         state[name].copy_(t.to(device=state[name].device, dtype=state[name].dtype))
+
+
+class ShmWeightFile:
+    """A read-only shared mapping of the trainer's weight file, reused across updates.
+
+    `key` identifies the file (path, device, inode, size): a file re-created
+    under the same path is a different file and must be mapped anew.
+    """
+
+    def __init__(self, path: str):
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except OSError as e:
+            raise WeightUpdateError(f"path {path!r} cannot be opened: {e.strerror}") from None
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                raise WeightUpdateError(f"path {path!r} is not a regular file")
+            if st.st_size == 0:
+                raise WeightUpdateError(f"path {path!r} is empty")
+            # MAP_POPULATE fills the page tables now, not one fault per page during the copy.
+            flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
+            self._mm = mmap.mmap(fd, st.st_size, flags=flags, prot=mmap.PROT_READ)
+        finally:
+            os.close(fd)
+        self.path = path
+        self.size = st.st_size
+        self.key = file_key(path, st)
+        with warnings.catch_warnings():  # read-only buffer: the tensor is only ever read
+            warnings.simplefilter("ignore")
+            self.buf = torch.frombuffer(self._mm, dtype=torch.uint8)
+
+    def tensor(self, offset: int, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+        """A view of the bytes at `offset` as a tensor (checked by `check_shm_layout`)."""
+        n = _numel(shape) * _itemsize(dtype)
+        return self.buf[offset:offset + n].view(dtype).view(shape)
+
+    def close(self) -> None:
+        self.buf = None
+        try:
+            self._mm.close()
+        except BufferError:  # a view is still alive somewhere: the GC unmaps it later
+            pass
+
+
+def file_key(path: str, st: os.stat_result) -> tuple:
+    return (path, st.st_dev, st.st_ino, st.st_size)
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    return dtype.itemsize
+
+
+def check_shm_layout(state: dict[str, torch.Tensor], names: list[str], dtypes: list[torch.dtype],
+                     shapes: list[tuple[int, ...]], offsets: list[int], size: int) -> str | None:
+    """Why the tensors at `offsets` of a `size`-byte file cannot update this model, or None.
+
+    Names, shapes and dtypes must match the model (no cast: the trainer writes the
+    server's dtype), every tensor must lie inside the file at an offset aligned to its
+    element size, and every weight must be given (tied weights once).
+    """
+    problem = check_metadata(state, names, dtypes, shapes)
+    if problem:
+        return problem
+    for i, (name, dt, shape, off) in enumerate(zip(names, dtypes, shapes, offsets)):
+        n = _numel(shape) * _itemsize(dt)
+        if off % _itemsize(dt):
+            return (f"tensor {name!r}: offsets[{i}] = {off} is not a multiple of its element size "
+                    f"{_itemsize(dt)} ({dt})")
+        if off + n > size:
+            return (f"tensor {name!r}: offsets[{i}] = {off} + {n} bytes runs past the end of the "
+                    f"file ({size} bytes)")
+    given = set(names)
+    by_ptr: dict[int, list[str]] = {}
+    for name, t in state.items():
+        by_ptr.setdefault(t.data_ptr(), []).append(name)
+    for aliases in by_ptr.values():
+        if not any(a in given for a in aliases):
+            return (f"names lack tensor {aliases[0]!r} (an update must give every weight; a "
+                    "partial one would mix old and new weights)")
+    return None
 
 
 class WeightUpdateGroup:

@@ -81,3 +81,12 @@ def split_addr(addr: str) -> tuple[str, int]:
     if not sep or not host or not port.isdigit() or not 0 < int(port) <= 65535:
         raise ValueError(f"bad server address {addr!r}: expected host:port, e.g. 127.0.0.1:30000")
     return host, int(port)
+
+
+def is_local_host(host: str) -> bool:
+    """Whether `host` names this machine (loopback, its hostname or its outgoing address)."""
+    h = host.strip("[]").lower()
+    if h in ("localhost", "::1", "0.0.0.0") or h.startswith("127."):
+        return True
+    # No DNS lookup: a config check must not hang on an unreachable resolver.
+    return h in (socket.gethostname().lower(), host_ip())

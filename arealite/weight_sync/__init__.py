@@ -6,8 +6,9 @@
     sync.close()
 
 `weight_sync.method` picks the transport: ``distributed`` (broadcast over a
-gloo/NCCL group; see `distributed.py`) or ``disk`` (safetensors directory; see
-`disk.py`). A server that is gone (dead or hung: no answer to ``/health``) is
+gloo/NCCL group; see `distributed.py`), ``disk`` (safetensors directory; see
+`disk.py`) or ``shm`` (one shared-memory file reused by every update, for
+embedded servers on the trainer's host; see `shm.py`). A server that is gone (dead or hung: no answer to ``/health``) is
 dropped from rotation and weight updates and the push goes on with the others;
 any other failure, or no server left, raises `WeightSyncError` and leaves the
 servers paused.
@@ -28,11 +29,13 @@ from arealite.weight_sync.base import (
 )
 from arealite.weight_sync.disk import DiskWeightSync
 from arealite.weight_sync.distributed import DistributedWeightSync
+from arealite.weight_sync.shm import ShmWeightSync
 
 __all__ = [
     "DiskWeightSync",
     "DistributedWeightSync",
     "ReadbackSample",
+    "ShmWeightSync",
     "StateDictSource",
     "WeightSource",
     "WeightSyncError",
@@ -70,6 +73,8 @@ def make_weight_sync(config, client, train_engine, run):
     if ws.method == "distributed":
         layout = "sglang" if config.launch.server_backend == "sglang" else "auto"
         return DistributedWeightSync(ws, client, run, wire_dtype=dtype, layout=layout)
+    if ws.method == "shm":
+        return ShmWeightSync(ws, client, run, shm_dir=ws.shm_dir, server_dtype=dtype)
     exp = config.experiment
     root = ws.disk_dir or str(Path(exp.output_root) / exp.name / exp.trial / "weight_sync")
     model_path = getattr(getattr(train_engine, "config", None), "model_path", None)

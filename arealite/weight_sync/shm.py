@@ -1,0 +1,271 @@
+"""Weight sync through one shared-memory file, for embedded servers on the trainer's host.
+
+Rank 0 keeps a single file under `weight_sync.shm_dir` (``/dev/shm``: RAM) that
+holds every tensor at a fixed, 64-byte aligned offset in the servers' dtype. The
+file is mapped once and reused by every update, so after the first push its pages
+are already there (first-touch faults on tmpfs cost more than the copy itself);
+the server keeps its own mapping too. Per update:
+
+    every rank iterates engine.named_weight_buckets (collective); rank 0 copies each
+        tensor into its slot of the file
+    pause_generation
+    post /update_weights_from_shm {path, names, dtypes, shapes, offsets, weight_version}
+        (the server checks everything, then copies the slots into its parameters)
+    read back verify_n_tensors tensors with get_weights_by_name and compare
+    continue_generation
+
+That is two memory copies in all (trainer -> file -> server), against the disk
+method's serialize + read + copy. When the tensors' names, dtypes or shapes change
+between pushes, the file is re-created with the new layout. `close` deletes it (a
+finalizer does too when the trainer exits without calling it).
+
+Server faults are handled as by the other methods (`call_dropping_dead`): a server
+that is gone is dropped; any other failure raises `WeightSyncError` and leaves the
+servers paused.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import uuid
+import warnings
+import weakref
+from pathlib import Path
+
+import torch
+
+from arealite.utils.net import is_local_host, split_addr
+from arealite.weight_sync.base import (
+    VERIFY_TRUNCATE,
+    ReadbackSample,
+    Runner,
+    Timer,
+    WeightSource,
+    WeightSyncError,
+    barrier,
+    bucket_bytes_of,
+    call_dropping_dead,
+    compare_readback,
+    drain,
+    logger,
+    trainer_rank,
+)
+
+#: Slot alignment in bytes: keeps every dtype view legal and copies cache-line aligned.
+ALIGN = 64
+
+_EMBEDDED = "arealite-embedded"
+
+Entry = tuple[str, torch.dtype, tuple[int, ...]]
+
+
+def _nbytes(dtype: torch.dtype, shape: tuple[int, ...]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n * dtype.itemsize
+
+
+class ShmLayout:
+    """Where each tensor lives in the file: byte offsets of (name, dtype, shape) entries."""
+
+    def __init__(self, entries: list[Entry]):
+        self.entries = list(entries)
+        self.offsets: list[int] = []
+        pos = 0
+        for _, dt, shape in self.entries:
+            self.offsets.append(pos)
+            pos += -(-_nbytes(dt, shape) // ALIGN) * ALIGN
+        self.size = max(pos, ALIGN)
+
+    def __len__(self) -> int:
+        return len(self.entries)
+
+
+class ShmBuffer:
+    """A file of `size` bytes under `directory`, mapped read-write into this process."""
+
+    def __init__(self, directory: Path, size: int):
+        self.path = directory / f"arealite-weights-{os.getpid()}-{uuid.uuid4().hex[:8]}.bin"
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            os.ftruncate(fd, size)
+            self._mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        except BaseException:
+            os.close(fd)
+            self.path.unlink(missing_ok=True)
+            raise
+        os.close(fd)
+        self.size = size
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            self.buf = torch.frombuffer(self._mm, dtype=torch.uint8)
+        # A trainer that ends without close() must not leave the file filling RAM.
+        self._finalizer = weakref.finalize(self, _unlink, str(self.path))
+
+    def slot(self, offset: int, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+        return self.buf[offset:offset + _nbytes(dtype, shape)].view(dtype).view(shape)
+
+    def close(self) -> None:
+        self.buf = None
+        try:
+            self._mm.close()
+        except BufferError:  # a slot view is still referenced; the GC unmaps it later
+            pass
+        self._finalizer()
+
+
+def _unlink(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+
+
+class ShmWeightSync:
+    """Push weights through one persistent shared-memory file (embedded servers on this host).
+
+    `server_dtype` is the servers' weight dtype (None: ask the servers at `init`).
+    `run(coro)` runs client coroutines on the client's loop.
+    """
+
+    def __init__(self, config, client, run: Runner, *, shm_dir: str | Path | None = None,
+                 server_dtype: torch.dtype | None = None):
+        self.config = config
+        self.client = client
+        self.run = run
+        self.shm_dir = Path(shm_dir if shm_dir is not None else getattr(config, "shm_dir", "/dev/shm"))
+        self.server_dtype = server_dtype
+        self.layout: ShmLayout | None = None
+        self.buffer: ShmBuffer | None = None
+        self._initialized = False
+
+    @property
+    def path(self) -> Path | None:
+        """The shared-memory file (None before the first push or after `close`)."""
+        return None if self.buffer is None else self.buffer.path
+
+    def init(self, master_addr: str | None = None) -> None:
+        """Check that every server is an embedded one on this host; learn their dtype (rank 0)."""
+        rank, _ = trainer_rank()
+        self._initialized = True
+        if rank != 0:
+            return
+        if not self.shm_dir.is_dir() or not os.access(self.shm_dir, os.W_OK):
+            raise WeightSyncError(f"weight_sync.shm_dir={str(self.shm_dir)!r} is not a writable directory; "
+                                  "point it at a tmpfs directory such as /dev/shm")
+        dtypes = set()
+        for addr in self.client.servers:
+            host, _ = split_addr(addr)
+            if not is_local_host(host):
+                raise WeightSyncError(f"weight_sync.method=shm needs every server on this host; {addr} is "
+                                      "not: use weight_sync.method=distributed or disk", server=addr)
+            info = self.client.server_info(addr)
+            if info.get("engine") != _EMBEDDED:
+                raise WeightSyncError(f"weight_sync.method=shm needs the embedded server; {addr} runs "
+                                      f"{info.get('engine') or 'an unknown engine'}: use "
+                                      "weight_sync.method=distributed or disk", server=addr)
+            if info.get("dtype"):
+                dtypes.add(str(info["dtype"]))
+        if self.server_dtype is None and dtypes:
+            if len(dtypes) > 1:
+                raise WeightSyncError(f"the servers hold weights in different dtypes {sorted(dtypes)}; "
+                                      "set server.dtype so that they agree")
+            self.server_dtype = getattr(torch, dtypes.pop())
+
+    def _admin(self, make_coro, version: int, what: str):
+        return call_dropping_dead(self.run, self.client, make_coro, version, what)
+
+    def _prepare(self, t: torch.Tensor) -> torch.Tensor:
+        t = t.detach()
+        if self.server_dtype is not None and t.dtype != self.server_dtype:
+            t = t.to(self.server_dtype)
+        return t
+
+    def _fill(self, engine: WeightSource, bucket_bytes: int, sample: ReadbackSample) -> tuple[int, bool]:
+        """Copy every tensor into the file; returns (bytes, whether the file was re-created)."""
+        old, buf = self.layout, self.buffer
+        entries: list[Entry] = []
+        seen: set[str] = set()
+        pending: list[tuple[int, torch.Tensor]] = []  # tensors that do not fit the old layout
+        n_bytes = 0
+        for bucket in engine.named_weight_buckets(bucket_bytes):
+            for name, t in bucket:
+                if name in seen:
+                    raise WeightSyncError(f"the train engine yields tensor {name!r} twice", tensor=name)
+                seen.add(name)
+                t = self._prepare(t)
+                i = len(entries)
+                entry = (name, t.dtype, tuple(t.shape))
+                entries.append(entry)
+                sample.offer(name, t)
+                n_bytes += t.numel() * t.element_size()
+                if buf is not None and not pending and i < len(old) and old.entries[i] == entry:
+                    buf.slot(old.offsets[i], *entry[1:]).copy_(t)
+                else:
+                    # Keep it until the new layout is known (only when the layout changed).
+                    pending.append((i, t.to("cpu")))
+        if buf is not None and not pending and len(entries) == len(old):
+            return n_bytes, False
+        # New layout: carry over what already went into the old file, then place the rest.
+        layout = ShmLayout(entries)
+        new = ShmBuffer(self.shm_dir, layout.size)
+        try:
+            first_pending = pending[0][0] if pending else len(entries)
+            for i in range(first_pending):
+                new.slot(layout.offsets[i], *entries[i][1:]).copy_(buf.slot(old.offsets[i], *entries[i][1:]))
+            for i, t in pending:
+                new.slot(layout.offsets[i], *entries[i][1:]).copy_(t)
+        except BaseException:
+            new.close()
+            raise
+        if buf is not None:
+            buf.close()
+        self.layout, self.buffer = layout, new
+        logger.info("weight sync: shared-memory file %s holds %d tensors (%.1f MB)",
+                    new.path, len(entries), layout.size / 2**20)
+        return n_bytes, True
+
+    def push(self, engine: WeightSource, version: int) -> dict[str, float]:
+        """Copy into the file, load on every server, verify; returns timings (rank 0). Every rank calls it."""
+        if not self._initialized:
+            raise RuntimeError("ShmWeightSync.push before init(): call init() once first")
+        rank, _ = trainer_rank()
+        bucket_bytes = bucket_bytes_of(self.config)
+        if rank != 0:
+            drain(engine, bucket_bytes)
+            barrier()
+            return {}
+        timer = Timer()
+        sample = ReadbackSample(self.config.verify_n_tensors, version)
+        n_bytes, recreated = self._fill(engine, bucket_bytes, sample)
+        timer.lap("write_s")
+        layout, path = self.layout, str(self.buffer.path)
+        self._admin(self.client.pause_generation, version, "pause_generation")
+        timer.lap("pause_s")
+        self._admin(lambda: self.client.update_weights_from_shm(
+            path, [e[0] for e in layout.entries], [e[1] for e in layout.entries],
+            [e[2] for e in layout.entries], layout.offsets, version, timeout=self.config.timeout_s),
+            version, "update_weights_from_shm")
+        timer.lap("load_s")
+        answers = {name: self._admin(
+            lambda n=name: self.client.get_weights_by_name(n, VERIFY_TRUNCATE), version,
+            "get_weights_by_name") for name in sample.expected}
+        compare_readback(sample.expected, answers, version, self.server_dtype)
+        timer.lap("verify_s")
+        self._admin(self.client.continue_generation, version, "continue_generation")
+        timer.lap("continue_s")
+        barrier()
+        out = timer.total()
+        out.update(bytes=float(n_bytes), n_tensors=float(len(layout)), recreated=float(recreated))
+        logger.info("pushed version %d through shared memory: %d tensors, %.1f MB, %.3fs",
+                    version, len(layout), n_bytes / 2**20, out["total_s"])
+        return out
+
+    def close(self) -> None:
+        """Delete the shared-memory file (safe to call twice)."""
+        if self.buffer is not None:
+            self.buffer.close()
+            self.buffer = None
+            self.layout = None
