@@ -438,3 +438,70 @@ def test_multi_turn_end_to_end_token_in_token_out(server, tiny_model_dir):
         assert math.isclose(batch["rewards"].abs().sum().item(), 0.0)
     finally:
         ctl.stop()
+
+
+# ------------------------------------------- hot-path shortcuts keep their meaning
+
+
+def test_single_sample_group_matches_the_general_builder():
+    from arealite.workflow.base import group_from_outputs, pad_and_stack, trajectory_row
+
+    prompt = [11, 12, 13]
+    out = ([5, 6, 7], [-0.5, -0.25, -1.0], [3, 3, 4])
+    per_row = {"rewards": torch.tensor([1.0]), "group_id": torch.zeros(1, dtype=torch.int64)}
+    one = group_from_outputs(prompt, [out], dict(per_row))
+    ref = pad_and_stack([trajectory_row(prompt, [out])], dict(per_row))
+    validate_trajectory(one)
+    assert set(one.keys()) == set(ref.keys())
+    for k in ref.keys():
+        assert one[k].dtype == ref[k].dtype and torch.equal(one[k], ref[k]), k
+    assert one["loss_mask"].tolist() == [[False] * 3 + [True] * 3]
+    with pytest.raises(ValueError, match="3 tokens but 2 logprobs"):
+        group_from_outputs(prompt, [([5, 6, 7], [-0.5, -0.25], [3, 3, 4])], dict(per_row))
+    with pytest.raises(ValueError, match="no tokens"):
+        group_from_outputs([], [([], [], [])], dict(per_row))
+
+
+@pytest.mark.parametrize("n", [1, 3])
+def test_validation_shortcut_for_built_groups_still_sees_later_edits(n):
+    """A group from group_from_outputs skips per-token checks only while its tensors are untouched."""
+    from arealite.api.types import TrajectoryError
+    from arealite.workflow.base import group_from_outputs
+
+    def fresh():
+        outs = [([5, 6], [-0.5, -0.25], [3, 4])] * n
+        return group_from_outputs([1, 2], outs, {"rewards": torch.zeros(n), "group_id": torch.zeros(n, dtype=torch.int64)})
+
+    validate_trajectory(fresh())
+    td = fresh()
+    td["loss_mask"][0, 0] = True  # in place: the tensor's version counter moves
+    td["attention_mask"][0, 0] = False
+    with pytest.raises(TrajectoryError, match="'loss_mask' marks tokens outside"):
+        validate_trajectory(td)
+    td = fresh()
+    td["logprobs"] = td["logprobs"].double()  # replaced: no longer the built tensor
+    with pytest.raises(TrajectoryError, match="'logprobs' has dtype torch.float64"):
+        validate_trajectory(td)
+    td = fresh()
+    td["rewards"] = torch.full((n,), float("nan"))  # per-row keys are always checked
+    with pytest.raises(TrajectoryError, match="NaN"):
+        validate_trajectory(td)
+
+
+def test_fast_decode_agrees_with_the_tokenizer(tok):
+    import random
+
+    from arealite.workflow.rlvr import decode, decode_many
+
+    rng = random.Random(0)
+    vocab = len(tok)
+    specials = list(tok.all_special_ids)
+    seqs = [[rng.randrange(vocab) for _ in range(rng.randrange(0, 40))] + rng.sample(specials, 1) for _ in range(200)]
+    seqs.append(tok.encode("héllo wörld ✓ 12", add_special_tokens=False))
+    seqs.append(seqs[-1][:-1])  # may cut a multi-byte character: both sides replace it the same way
+    for skip in (True, False):
+        for s in seqs:
+            assert decode(tok, s, skip) == tok.decode(s, skip_special_tokens=skip), s
+        assert decode_many(tok, seqs, skip) == [tok.decode(s, skip_special_tokens=skip) for s in seqs]
+    for odd in ([vocab + 1000], [3, vocab + 5, 4]):  # ids the table does not know: the tokenizer decides
+        assert decode(tok, odd) == tok.decode(odd, skip_special_tokens=True)

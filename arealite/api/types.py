@@ -120,6 +120,12 @@ TRAJECTORY_KEYS: dict[str, tuple[torch.dtype, bool]] = {
 }
 
 
+_PER_TOKEN = tuple(k for k, (_, per_token) in TRAJECTORY_KEYS.items() if per_token)
+_PER_ROW = tuple(k for k, (_, per_token) in TRAJECTORY_KEYS.items() if not per_token)
+_NO_ATTRS: dict[str, Any] = {}
+_TensorDictBase: Any = None  # imported on first use: tensordict is heavy to import
+
+
 class TrajectoryError(ValueError):
     """A workflow produced a malformed trajectory."""
 
@@ -131,18 +137,37 @@ def validate_trajectory(td: Any, where: str = "trajectory") -> None:
     Runs once per group on the rollout hot path, so shapes and dtypes are
     checked in plain Python and the value checks cost two tensor ops at most.
     """
-    from tensordict import TensorDictBase
-
-    if not isinstance(td, TensorDictBase):
+    global _TensorDictBase
+    if _TensorDictBase is None:
+        from tensordict import TensorDictBase as _TensorDictBase
+    if not isinstance(td, _TensorDictBase):
         raise TrajectoryError(
             f"{where}: expected a TensorDict (or None to reject), got {type(td).__name__}"
         )
-    if td.batch_dims < 1:
+    batch_size = td.batch_size
+    if not batch_size:
         raise TrajectoryError(f"{where}: the TensorDict needs a batch dimension [B]")
-    B = td.batch_size[0]
+    B = batch_size[0]
     L = None
-    found: dict[str, Any] = dict(td.items())  # one pass: TensorDict.get costs ~0.5 us per key
-    for key, (dtype, per_token) in TRAJECTORY_KEYS.items():
+    found = getattr(td, "_tensordict", None)  # TensorDict's own key -> value dict, when it has one
+    if type(found) is not dict:
+        found = dict(td.items())  # one pass: TensorDict.get costs ~0.5 us per key
+    # A group from arealite.workflow.base.group_from_outputs is well-formed per token by
+    # construction: skip those checks while its five tensors are the very ones it built,
+    # unmodified in place. What the caller passed in (rewards, group id) is checked below.
+    built = getattr(td, "__dict__", _NO_ATTRS).get("_arealite_group")
+    keys: Any = TRAJECTORY_KEYS
+    if built is not None:
+        ids, am, lm, lp, ve = built
+        get = found.get
+        if (get("input_ids") is ids and get("attention_mask") is am and get("loss_mask") is lm
+                and get("logprobs") is lp and get("versions") is ve and ids.shape[0] == B
+                and not (ids._version or am._version or lm._version or lp._version or ve._version)):
+            keys = _PER_ROW
+        else:
+            built = None
+    for key in keys:
+        dtype, per_token = TRAJECTORY_KEYS[key]
         t = found.get(key)
         if t is None:
             raise TrajectoryError(f"{where}: missing key '{key}' (required: {sorted(TRAJECTORY_KEYS)})")
@@ -165,7 +190,7 @@ def validate_trajectory(td: Any, where: str = "trajectory") -> None:
         elif len(shape) != 1 or shape[0] != B:
             raise TrajectoryError(f"{where}: key '{key}' has shape {tuple(shape)}, expected [B={B}]")
     # loss_mask must imply attention_mask: on bools, True > False is exactly "loss outside attention".
-    if (found["loss_mask"] > found["attention_mask"]).any():
+    if built is None and (found["loss_mask"] > found["attention_mask"]).any():
         raise TrajectoryError(f"{where}: key 'loss_mask' marks tokens outside 'attention_mask'")
     rewards = found["rewards"]
     # A group's few rewards are checked faster in Python than with two tensor ops.

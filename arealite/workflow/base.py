@@ -12,11 +12,13 @@ therefore never block: slow Python (a reward function) goes to a thread with
 from __future__ import annotations
 
 import asyncio
+import collections
 import itertools
 import math
 import os
 import queue
 import threading
+import time
 from array import array
 from typing import Any, Callable, Protocol, Sequence
 
@@ -151,6 +153,8 @@ def group_from_outputs(
     go from flat Python buffers: several times cheaper on the per-group hot path.
     """
     n, P = len(outputs), len(prompt_ids)
+    if n == 1:
+        return _single(prompt_ids, P, outputs[0], per_row)
     if n == 0:
         raise ValueError("group_from_outputs needs at least one output")
     lens = [len(o[0]) for o in outputs]
@@ -183,24 +187,69 @@ def group_from_outputs(
         attention = torch.frombuffer(
             bytearray(b"".join(b"\1" * (P + g) + b"\0" * (G - g) for g in lens)), dtype=torch.bool
         ).view(shape)
-    out = {
-        "input_ids": torch.frombuffer(ids, dtype=torch.int64).view(shape),
-        "attention_mask": attention,
-        "loss_mask": torch.frombuffer(loss, dtype=torch.bool).view(shape),
-        "logprobs": torch.frombuffer(lps, dtype=torch.float32).view(shape),
-        "versions": torch.frombuffer(vers, dtype=torch.int64).view(shape),
-        **per_row,
-    }
-    return _tensordict(out, n)
+    return _tensordict(
+        torch.frombuffer(ids, dtype=torch.int64).view(shape),
+        attention,
+        torch.frombuffer(loss, dtype=torch.bool).view(shape),
+        torch.frombuffer(lps, dtype=torch.float32).view(shape),
+        torch.frombuffer(vers, dtype=torch.int64).view(shape),
+        per_row,
+        n,
+    )
 
 
-def _tensordict(tensors: dict[str, torch.Tensor], n: int) -> TensorDict:
-    # The checked constructor costs ~4 us more; these tensors are consistent by
-    # construction (and validate_trajectory checks the schema keys anyway).
+def _single(
+    prompt_ids: Sequence[int],
+    P: int,
+    output: tuple[Sequence[int], Sequence[float], Sequence[int]],
+    per_row: dict[str, torch.Tensor],
+) -> TensorDict:
+    # One sample (the common evaluation and n=1 case): no padding, no per-sample loop.
+    o_ids, o_lps, o_vers = output
+    g = len(o_ids)
+    _piece_check(g, o_lps, o_vers)
+    L = P + g
+    if L == 0:
+        raise ValueError("group_from_outputs: empty prompt and empty outputs give no tokens")
+    ids = array("q", prompt_ids)
+    ids.extend(o_ids)
+    vers = _MINUS_ONE * P
+    vers.extend(o_vers)
+    lps = array("f", bytes(4 * P))
+    lps.extend(o_lps)
+    return _tensordict(
+        torch.frombuffer(ids, dtype=torch.int64)[None],
+        torch.frombuffer(bytearray(_ONE * L), dtype=torch.bool)[None],
+        torch.frombuffer(bytearray(P) + _ONE * g, dtype=torch.bool)[None],
+        torch.frombuffer(lps, dtype=torch.float32)[None],
+        torch.frombuffer(vers, dtype=torch.int64)[None],
+        per_row,
+        1,
+    )
+
+
+_MINUS_ONE = array("q", [-1])
+_ONE = b"\1"
+
+#: The per-token keys, in the order ``_tensordict`` takes them.
+PER_TOKEN_KEYS = ("input_ids", "attention_mask", "loss_mask", "logprobs", "versions")
+
+
+def _tensordict(input_ids: torch.Tensor, attention_mask: torch.Tensor, loss_mask: torch.Tensor,
+                logprobs: torch.Tensor, versions: torch.Tensor, per_row: dict[str, torch.Tensor], n: int) -> TensorDict:
+    """The group's TensorDict, marked as well-formed by construction.
+
+    ``validate_trajectory`` skips the per-token checks of a marked group as long
+    as those five tensors are still the same objects, unmodified in place
+    (``_version`` 0); per-row keys, which come from the caller, are always checked.
+    """
+    tensors = {"input_ids": input_ids, "attention_mask": attention_mask, "loss_mask": loss_mask,
+               "logprobs": logprobs, "versions": versions, **per_row}
+    # The checked constructor costs ~4 us more; these tensors are consistent by construction.
     fast = getattr(TensorDict, "_new_unsafe", None)
-    if fast is not None:
-        return fast(tensors, batch_size=torch.Size([n]))
-    return TensorDict(tensors, batch_size=[n])
+    td = fast(tensors, batch_size=torch.Size([n])) if fast is not None else TensorDict(tensors, batch_size=[n])
+    td._arealite_group = (input_ids, attention_mask, loss_mask, logprobs, versions)
+    return td
 
 
 def concat_trajectories(tds: Sequence[TensorDict]) -> TensorDict:
@@ -250,14 +299,55 @@ class RewardError(RuntimeError):
     """A reward function raised, timed out or returned a non-number."""
 
 
+class _RewardJob:
+    """One reward call; ``state`` moves under ``RewardRunner._lock``."""
+
+    __slots__ = ("fn", "args", "kwargs", "fut", "box", "state", "started", "ok", "value")
+
+    def __init__(self, fn: Callable[..., Any], args: tuple, kwargs: dict, fut: asyncio.Future, box: "_LoopBox"):
+        self.fn, self.args, self.kwargs, self.fut, self.box = fn, args, kwargs, fut, box
+        self.state = _QUEUED
+        self.started = 0.0  # time.monotonic() when a worker took it
+        self.ok = False
+        self.value: Any = None
+
+
+# Job states. QUEUED: waiting for a worker; STARTED: running; FINISHED: result posted;
+# CANCELLED (before it started) / ABANDONED (timed out while running): nobody waits.
+_QUEUED, _STARTED, _FINISHED, _CANCELLED, _ABANDONED = range(5)
+
+
+class _LoopBox:
+    """Per-event-loop state of a ``RewardRunner``: calls in flight, timer, results mailbox."""
+
+    __slots__ = ("loop", "inflight", "timer", "done", "wake_pending")
+
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self.loop = loop
+        # Calls not yet delivered, in submission order (= start order: the job queue is FIFO),
+        # so one timer watching the oldest replaces a timer per call.
+        self.inflight: collections.OrderedDict[_RewardJob, None] = collections.OrderedDict()
+        self.timer: asyncio.TimerHandle | None = None
+        self.done: collections.deque[_RewardJob] = collections.deque()  # filled by workers
+        self.wake_pending = False
+
+
 class RewardRunner:
     """Runs synchronous reward functions off the event loop, with a timeout.
 
-    A small pool of daemon worker threads (``workers`` at once) runs the calls.
-    A call that exceeds ``timeout_s`` is abandoned: its thread is replaced at
-    once and exits when the call finally returns, so a reward function that
-    hangs can neither block the loop, starve later calls, nor keep the
-    interpreter from exiting. Idle workers exit after ``idle_s``.
+    A small pool of daemon worker threads (``workers`` at once) runs the calls
+    in submission order. A call that runs longer than ``timeout_s`` (counted
+    from when a worker takes it, not from when it was queued) is abandoned:
+    its thread is replaced at once and exits when the call finally returns,
+    so a reward function that hangs can neither block the loop, starve later
+    calls, nor keep the interpreter from exiting. Idle workers exit after
+    ``idle_s``.
+
+    Cheap per call, because it runs once per sample on the rollout hot path:
+    calls are queued at once (a worker that holds the GIL runs many in a row,
+    rather than one per loop round trip), one timer per loop watches the
+    oldest call instead of one timer per call, and workers hand results back
+    in batches (one loop wake-up pending at a time).
     """
 
     def __init__(self, timeout_s: float = 15.0, workers: int = 2, idle_s: float = 30.0):
@@ -269,44 +359,46 @@ class RewardRunner:
         self.workers = workers
         self.idle_s = idle_s
         self.abandoned_threads = 0
-        self._sems: dict[int, asyncio.Semaphore] = {}
+        self._boxes: dict[asyncio.AbstractEventLoop, _LoopBox] = {}
+        self._last: _LoopBox | None = None
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
         self._lock = threading.Lock()
         self._live = 0  # workers not stuck in an abandoned call
 
-    def _sem(self) -> asyncio.Semaphore:
-        loop = asyncio.get_running_loop()
-        sem = self._sems.get(id(loop))
-        if sem is None:
-            sem = self._sems[id(loop)] = asyncio.Semaphore(self.workers)
-        return sem
-
+    # ---------------------------------------------------------- worker side
     def _worker(self) -> None:
+        lock, jobs, monotonic = self._lock, self._jobs, time.monotonic
         while True:
             try:
-                job = self._jobs.get(timeout=self.idle_s)
+                job = jobs.get(timeout=self.idle_s)
             except queue.Empty:
-                with self._lock:
-                    if self._jobs.empty():
+                with lock:
+                    if jobs.empty():
                         self._live -= 1
                         return
                 continue
-            with self._lock:
-                if job["state"] == "cancelled":  # timed out before it started
+            with lock:
+                if job.state != _QUEUED:  # cancelled before it started
                     continue
-                job["state"] = "started"
+                job.state = _STARTED
+                job.started = monotonic()
             try:
-                value, ok = job["fn"](*job["args"], **job["kwargs"]), True
+                job.value, job.ok = job.fn(*job.args, **job.kwargs), True
             except BaseException as e:  # reported to the workflow, never lost
-                value, ok = e, False
-            try:
-                job["loop"].call_soon_threadsafe(job["done"], ok, value)
-            except RuntimeError:  # the loop closed meanwhile: nobody waits any more
-                pass
-            with self._lock:
-                if job["state"] == "abandoned":
+                job.value, job.ok = e, False
+            with lock:
+                if job.state == _ABANDONED:
                     return  # a replacement worker was started when this call timed out
-                job["state"] = "finished"
+                job.state = _FINISHED
+            box = job.box
+            box.done.append(job)
+            # One wake-up covers every result appended before the loop drains (see _drain).
+            if not box.wake_pending:
+                box.wake_pending = True
+                try:
+                    box.loop.call_soon_threadsafe(self._drain, box)
+                except RuntimeError:  # the loop closed meanwhile: nobody waits any more
+                    pass
 
     def _spawn_workers(self) -> None:
         # caller holds self._lock
@@ -314,47 +406,103 @@ class RewardRunner:
             self._live += 1
             threading.Thread(target=self._worker, name="arealite-reward", daemon=True).start()
 
+    # ------------------------------------------------------------ loop side
+    def _box(self) -> _LoopBox:
+        loop = asyncio.get_running_loop()
+        box = self._last
+        if box is None or box.loop is not loop:
+            box = self._boxes.get(loop)
+            if box is None:
+                for old in [lp for lp in self._boxes if lp.is_closed()]:
+                    del self._boxes[old]
+                box = self._boxes[loop] = _LoopBox(loop)
+            self._last = box
+        return box
+
+    def _drain(self, box: _LoopBox) -> None:
+        # Clear the flag first: a result appended after this line schedules a new drain.
+        box.wake_pending = False
+        done, inflight = box.done, box.inflight
+        while done:
+            job = done.popleft()
+            inflight.pop(job, None)
+            if not job.fut.done():
+                job.fut.set_result(None)
+
+    def _arm(self, box: _LoopBox, delay: float) -> None:
+        box.timer = box.loop.call_later(delay, self._on_timer, box)
+
+    def _on_timer(self, box: _LoopBox) -> None:
+        box.timer = None
+        inflight = box.inflight
+        now = time.monotonic()
+        while inflight:
+            job = next(iter(inflight))
+            with self._lock:
+                state = job.state
+                if state == _STARTED and now - job.started >= self.timeout_s:
+                    job.state = state = _ABANDONED
+                    self.abandoned_threads += 1
+                    self._live -= 1
+                    self._spawn_workers()
+            if state == _QUEUED:  # later calls are queued too; look again soon after it starts
+                self._arm(box, min(self.timeout_s, 0.05))
+                return
+            if state == _STARTED:
+                self._arm(box, job.started + self.timeout_s - now)
+                return
+            inflight.pop(job)
+            if state == _ABANDONED and not job.fut.done():
+                job.fut.set_result(_TIMED_OUT)
+            # FINISHED: _drain delivers it; CANCELLED: nobody waits
+
+    def _cancel(self, box: _LoopBox, job: _RewardJob) -> None:
+        with self._lock:
+            if job.state == _QUEUED:
+                job.state = _CANCELLED  # the worker that takes it skips it
+        if job.state == _CANCELLED:
+            box.inflight.pop(job, None)
+        # STARTED: it runs on, and its result is dropped when it arrives
+
     async def __call__(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> float:
         """``float(fn(*args, **kwargs))`` in a worker thread; raises ``RewardError`` on any failure."""
-        loop = asyncio.get_running_loop()
-        name = getattr(fn, "__name__", repr(fn))
-        async with self._sem():
-            fut: asyncio.Future = loop.create_future()
-
-            def _done(ok: bool, value: Any) -> None:
-                if not fut.done():
-                    (fut.set_result if ok else fut.set_exception)(value)
-
-            job = {"fn": fn, "args": args, "kwargs": kwargs, "loop": loop, "done": _done, "state": "queued"}
-            with self._lock:
+        box = self._box()
+        job = _RewardJob(fn, args, kwargs, box.loop.create_future(), box)
+        box.inflight[job] = None
+        with self._lock:  # with the put, so that an idle worker cannot exit past this job
+            if self._live < self.workers:
                 self._spawn_workers()
-                self._jobs.put(job)
-            try:
-                value = await asyncio.wait_for(fut, self.timeout_s)
-            except asyncio.TimeoutError:
-                with self._lock:
-                    if job["state"] == "started":
-                        job["state"] = "abandoned"
-                        self.abandoned_threads += 1
-                        self._live -= 1
-                        self._spawn_workers()
-                    elif job["state"] == "queued":
-                        job["state"] = "cancelled"
-                raise RewardError(
-                    f"reward function {name!r} did not return within {self.timeout_s}s (rollout.reward_timeout_s)"
-                ) from None
-            except asyncio.CancelledError:
-                with self._lock:
-                    if job["state"] == "queued":
-                        job["state"] = "cancelled"
-                raise
-            except Exception as e:
-                raise RewardError(f"reward function {name!r} raised {e!r}") from e
+            self._jobs.put(job)
+        if box.timer is None:
+            self._arm(box, self.timeout_s)
+        try:
+            result = await job.fut
+        except asyncio.CancelledError:
+            self._cancel(box, job)
+            raise
+        if result is _TIMED_OUT:
+            raise RewardError(
+                f"reward function {_name(fn)!r} did not return within {self.timeout_s}s (rollout.reward_timeout_s)"
+            )
+        value = job.value
+        if not job.ok:
+            raise RewardError(f"reward function {_name(fn)!r} raised {value!r}") from value
+        if type(value) is float:  # the common case, checked first
+            if value - value == 0.0:  # finite: inf - inf and nan - nan are nan
+                return value
+            raise RewardError(f"reward function {_name(fn)!r} returned {value}")
         if isinstance(value, bool):
             value = float(value)
         if not isinstance(value, (int, float)) and not (isinstance(value, torch.Tensor) and value.numel() == 1):
-            raise RewardError(f"reward function {name!r} returned {type(value).__name__} ({value!r:.80}); it must return a float")
+            raise RewardError(f"reward function {_name(fn)!r} returned {type(value).__name__} ({value!r:.80}); it must return a float")
         value = float(value)
         if not math.isfinite(value):
-            raise RewardError(f"reward function {name!r} returned {value}")
+            raise RewardError(f"reward function {_name(fn)!r} returned {value}")
         return value
+
+
+_TIMED_OUT = object()
+
+
+def _name(fn: Callable[..., Any]) -> str:
+    return getattr(fn, "__name__", repr(fn))
