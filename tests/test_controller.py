@@ -407,3 +407,32 @@ def test_hanging_reward_through_the_controller_is_counted_not_hung(micro_model_d
         assert st["workflow/reward_errors"] == 4 and st["workflow/reward_abandoned_threads"] == 4
     finally:
         ctl.stop()
+
+
+def test_loop_thread_runs_torch_single_threaded_and_old_objects_are_frozen():
+    """The loop's small tensor ops stay off OpenMP teams (whose workers spin after each
+    parallel op); the trainer thread keeps its threads; the heap is frozen at start."""
+    import gc
+
+    gc.unfreeze()
+    main_threads = torch.get_num_threads()
+    ctl = make()
+    try:
+        assert ctl._call(torch.get_num_threads) == 1
+        assert torch.get_num_threads() == main_threads
+        assert gc.get_freeze_count() > 0
+    finally:
+        ctl.stop()
+        gc.unfreeze()
+    ctl = make(freeze_gc=False)
+    try:
+        assert gc.get_freeze_count() == 0
+    finally:
+        ctl.stop()
+
+
+async def test_reward_workers_run_torch_single_threaded():
+    from arealite.workflow.base import RewardRunner
+
+    runner = RewardRunner(timeout_s=5, workers=2)
+    assert await runner(lambda: float(torch.get_num_threads())) == 1.0

@@ -160,6 +160,11 @@ class RolloutConfig(Section):
     """If set, dump generated texts per policy version as JSONL here, for inspection."""
     filter_equal_rewards: bool = False
     """Dynamic sampling: reject groups whose rewards are all equal (no GRPO signal)."""
+    freeze_gc: bool = True
+    """At start, move every object alive so far (model, modules, imports) out of the cyclic
+    garbage collector's reach (`gc.freeze()`), so the collections that the rollout's churn
+    triggers scan only young objects instead of pausing the loop for the whole heap.
+    Cycles among those older objects are then never collected; turn off to keep them."""
 
 
 class GenerationConfig(Section):

@@ -367,6 +367,10 @@ class RewardRunner:
 
     # ---------------------------------------------------------- worker side
     def _worker(self) -> None:
+        # Reward calls run side by side on several workers: one intra-op thread each
+        # (per-thread setting), so that a torch op in a reward function does not leave
+        # an OpenMP team per worker spin-waiting.
+        torch.set_num_threads(1)
         lock, jobs, monotonic = self._lock, self._jobs, time.monotonic
         while True:
             try:
