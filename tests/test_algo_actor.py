@@ -349,3 +349,34 @@ def test_sft_loss_is_cross_entropy_and_training_reduces_it(micro_model_dir):
     losses = [engine.train_batch(batch, sft_loss_fn, sft_loss_weight)["loss"] for _ in range(8)]
     assert math.isclose(losses[0], start, rel_tol=1e-4)  # the engine's loss is the batch NLL
     assert nll() < 0.7 * start
+
+
+def test_one_minibatch_takes_the_proximal_policy_from_the_training_forward(micro_model_dir, vocab):
+    """With n_minibatches=1 the decoupled loss needs no compute_logp pass: same update, same stats."""
+    cfg = AlgorithmConfig(use_decoupled_loss=True, behav_imp_weight_cap=5.0, n_minibatches=1)
+    assert PPOActor(cfg, None, temperature=1.0).needs_prox_logp is False
+    assert PPOActor(cfg.model_copy(update={"n_minibatches": 2}), None, temperature=1.0).needs_prox_logp is True
+    assert PPOActor(cfg.model_copy(update={"use_decoupled_loss": False, "n_minibatches": 2}), None,
+                    temperature=1.0).needs_prox_logp is False
+
+    batch = make_batch(vocab, seed=3)
+    batch["rewards"] = torch.tensor([1.0, 0.0, 0.0, 1.0, 0.0, 1.0, 1.0, 0.0])
+    results = []
+    for explicit in (True, False):
+        engine = PlainEngine(micro_model_dir, lr=1e-2, mb_max_tokens=24)
+        actor = PPOActor(cfg, engine, temperature=1.0)
+        b = batch.clone()
+        # Stale behaviour log-probs: importance weights away from 1, some above the cap.
+        b["logprobs"] = torch.where(b["loss_mask"], actor.compute_logp(b) - 0.8 * torch.rand(b["loss_mask"].shape,
+                                    generator=torch.Generator().manual_seed(0)), torch.zeros(()))
+        if explicit:
+            b["prox_logp"] = actor.compute_logp(b)
+        actor.compute_advantages(b)
+        stats = actor.ppo_update(b)[0]
+        results.append((stats, [p.detach().clone() for p in engine.model.parameters()]))
+    (s_exp, p_exp), (s_fwd, p_fwd) = results
+    for a, b in zip(p_exp, p_fwd):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    for key in ("imp_weight_mean", "imp_weight_capped_frac", "approx_kl_behav", "logp_mismatch_mean", "loss"):
+        assert s_fwd[key] == pytest.approx(s_exp[key], rel=1e-4, abs=1e-6), key
+    assert s_fwd["imp_weight_mean"] > 1.05  # the behaviour weights were applied, not ignored

@@ -131,3 +131,32 @@ def test_varlen_attention_equals_separate_sequences():
         assert torch.allclose(out[:, a:b], ref, atol=1e-6)
     with pytest.raises(ValueError, match="ends at 21"):
         varlen_sdpa_attention(Attn(), q, k, v, None, cu_seq_lens_q=torch.tensor([0, 21]))
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.integers(1, 7), min_size=1, max_size=6), st.randoms(use_true_random=False))
+def test_pack_and_unpack_agree_with_a_row_by_row_reference(lengths, rnd):
+    B, L = len(lengths), max(lengths)
+    g = torch.Generator().manual_seed(rnd.randrange(2**31))
+    am = torch.arange(L)[None, :] < torch.tensor(lengths)[:, None]
+    batch = {"input_ids": torch.randint(1, 50, (B, L), generator=g) * am, "attention_mask": am,
+             "logprobs": torch.randn(B, L, generator=g) * am, "feat": torch.randn(B, L, 2, generator=g),
+             "rewards": torch.randn(B, generator=g)}
+    batch["logprobs"][:, 0] = 0  # the layout: position 0 scores nothing
+    rows = rnd.sample(range(B), rnd.randint(1, B))
+    mb, index = pack(batch, rows, torch.tensor(lengths))
+    for k in ("input_ids", "labels", "logprobs", "feat", "attention_mask"):
+        src = batch["input_ids" if k == "labels" else k]
+        parts = []
+        for r in rows:
+            seq = src[r, : lengths[r]]
+            if k != "input_ids":  # the value of the next token; zeros at the end
+                seq = torch.cat([seq[1:], torch.zeros_like(seq[:1])])
+            parts.append(seq)
+        assert torch.equal(mb[k], torch.cat(parts)), k
+    assert mb["position_ids"].tolist() == [j for r in rows for j in range(lengths[r])]
+    assert torch.equal(mb["rewards"], batch["rewards"][rows])
+    out = unpack(mb["logprobs"], index, torch.zeros(B, L))
+    for r in range(B):
+        want = batch["logprobs"][r] if r in rows else torch.zeros(L)
+        assert torch.equal(out[r], want), r

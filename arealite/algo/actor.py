@@ -2,9 +2,13 @@
 
 The training script calls, per step::
 
-    batch["prox_logp"] = actor.compute_logp(batch)   # decoupled PPO (or recompute)
+    if actor.needs_prox_logp:                         # decoupled PPO over several mini-batches
+        batch["prox_logp"] = actor.compute_logp(batch)
     actor.compute_advantages(batch)                   # adds batch["advantages"] [B, L]
     stats = actor.ppo_update(batch)                   # n_minibatches optimizer steps
+
+With one mini-batch the proximal policy is the training forward itself (the
+weights before the update), so decoupled PPO needs no separate forward pass.
 
 The engine (``FSDPEngine`` or any object with ``forward(batch, post_hook)`` and
 ``train_batch(batch, loss_fn, loss_weight_fn)``, see docs/internals.md) knows
@@ -105,6 +109,16 @@ class PPOActor:
         self.adv_stats: dict[str, float] = {}
 
     # ------------------------------------------------------------------ log-probs
+    @property
+    def needs_prox_logp(self) -> bool:
+        """Whether the decoupled loss needs ``batch["prox_logp"]`` computed before ``ppo_update``.
+
+        Only with several mini-batches: the later ones run on updated weights, so
+        the proximal log-probs must be taken first. With one, the loss uses the
+        training forward's own (detached) log-probs, which are the same numbers.
+        """
+        return self.config.use_decoupled_loss and self.config.n_minibatches > 1
+
     def compute_logp(self, batch: TensorDictBase, engine: Any | None = None) -> torch.Tensor:
         """Log-probs ``[B, L]`` of the batch's tokens under the engine's current weights.
 
@@ -181,6 +195,7 @@ class PPOActor:
             entropy_coef=cfg.entropy_coef,
             loss_agg_mode=cfg.loss_agg_mode,
             agg_constant=self.agg_constant,
+            prox_from_forward=cfg.use_decoupled_loss and cfg.n_minibatches == 1,
         )
 
     def loss_weight_fn(self):

@@ -270,6 +270,7 @@ def ppo_actor_loss(
     entropy_coef: float = 0.0,
     loss_agg_mode: LossAggMode = "token-mean",
     agg_constant: float | None = None,
+    prox_from_forward: bool = False,
 ) -> torch.Tensor:
     """The loss function given to ``engine.train_batch``: ``(logits [T, V], mb) -> scalar``.
 
@@ -277,8 +278,14 @@ def ppo_actor_loss(
     (behaviour), ``advantages``, optional ``prox_logp`` and ``ref_logp`` (needed
     when ``kl_coef > 0``) and ``cu_seqlens``. The old policy is ``prox_logp``
     when present, else the behaviour log-probs; the behaviour importance weight
-    applies only with ``use_decoupled_loss`` and a ``prox_logp``. Puts float
+    applies only with ``use_decoupled_loss`` and a proximal policy. Puts float
     stats into ``mb["_stats"]``.
+
+    ``prox_from_forward``: with no ``prox_logp`` in the micro-batch, the proximal
+    log-probs are this forward's own, detached. Exact when the whole batch is one
+    optimizer step (``n_minibatches == 1``): every micro-batch then runs on the
+    weights before the update, which is what a separate ``compute_logp`` pass
+    would score, so that pass (a third of the step's compute) is skipped.
     """
     for key in ("labels", "loss_mask", "logprobs", "advantages"):
         if key not in mb:
@@ -295,6 +302,8 @@ def ppo_actor_loss(
         with torch.no_grad():
             entropy = token_entropy(logits.detach(), temperature, chunk_size=_CHUNK)
 
+    if prox is None and prox_from_forward:
+        prox = logp.detach()
     decoupled = use_decoupled_loss and prox is not None
     pg, stats = ppo_policy_loss(
         logp, prox if prox is not None else behav, mb["advantages"], mask,

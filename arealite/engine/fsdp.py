@@ -309,8 +309,13 @@ class FSDPEngine:
             (loss * (w * scale)).backward()
             loss_sum += loss.detach().double() * w
             for k, v in (mb.get("_stats") or {}).items():
+                v = float(v.detach() if isinstance(v, torch.Tensor) else v)
+                if k.endswith("_max"):  # a maximum stays a maximum
+                    acc = stat_sums.setdefault(k, [-math.inf, 1.0])
+                    acc[0] = max(acc[0], v)
+                    continue
                 acc = stat_sums.setdefault(k, [0.0, 0.0])
-                acc[0] += float(v.detach() if isinstance(v, torch.Tensor) else v) * w
+                acc[0] += v * w
                 acc[1] += w
         self.model.set_requires_gradient_sync(True)
 
@@ -339,7 +344,7 @@ class FSDPEngine:
         return float(norm)
 
     def _reduce_stats(self, stat_sums: dict[str, list[float]]) -> dict[str, float]:
-        """Weighted mean of loss-function stats over micro-batches and ranks."""
+        """Weighted mean of loss-function stats over micro-batches and ranks (``*_max``: the maximum)."""
         if self.world_size > 1:
             gathered: list[Any] = [None] * self.world_size
             dist.all_gather_object(gathered, stat_sums)
@@ -348,6 +353,10 @@ class FSDPEngine:
         merged: dict[str, list[float]] = {}
         for part in gathered:
             for k, (s, w) in part.items():
+                if k.endswith("_max"):
+                    acc = merged.setdefault(k, [-math.inf, 1.0])
+                    acc[0] = max(acc[0], s)
+                    continue
                 acc = merged.setdefault(k, [0.0, 0.0])
                 acc[0] += s
                 acc[1] += w

@@ -149,30 +149,27 @@ def pack(
     cu = torch.zeros(len(rows) + 1, dtype=torch.int32)
     if lens:
         cu[1:] = torch.cumsum(torch.tensor(lens, dtype=torch.int64), 0).to(torch.int32)
-    mb: dict[str, torch.Tensor] = {}
-    if rows:
-        mb["position_ids"] = torch.cat([torch.arange(n, device=device) for n in lens])
-    else:
-        mb["position_ids"] = torch.zeros(0, dtype=torch.long, device=device)
-    mb["cu_seqlens"] = cu.to(device)
-    for k in per_token:
-        v = batch[k]
-        parts = []
-        for r, n in zip(rows, lens):
-            parts.append(v[r, :n])
-        mb[k] = torch.cat(parts) if parts else v.new_zeros((0, *v.shape[2:]))
-    # Shift every per-token key but input_ids: position t holds the value of
-    # token t+1 of the same sequence, the token logits[t] predicts. The last
-    # position of each sequence predicts nothing and gets zeros (loss_mask False).
+    # One gather per key instead of a slice per row: the flat [B*L] position of every
+    # packed token, and whether it is the last of its sequence.
+    pos = torch.arange(L, device=device)
+    lens_t = torch.tensor(lens, dtype=torch.int64, device=device)
+    rows_t = torch.tensor(rows, dtype=torch.int64, device=device)
+    keep = pos[None, :] < lens_t[:, None]  # [R, L]
+    flat = (rows_t[:, None] * L + pos[None, :])[keep]
+    last = (pos[None, :] == (lens_t - 1)[:, None])[keep]
+    # Shifted keys: position t holds the value of token t+1 of the same sequence, the
+    # token logits[t] predicts. The last position of each sequence predicts nothing and
+    # gets zeros (loss_mask False).
+    nxt = (flat + 1).clamp_(max=max(B * L - 1, 0))
+    mb: dict[str, torch.Tensor] = {"position_ids": pos[None, :].expand(len(rows), L)[keep], "cu_seqlens": cu.to(device)}
     for k in per_token + ["labels"]:
+        v = batch["input_ids" if k == "labels" else k]
+        v = v.reshape(B * L, *v.shape[2:])
         if k == "input_ids":
+            mb[k] = v.index_select(0, flat)
             continue
-        src = mb["input_ids"] if k == "labels" else mb[k]
-        shifted = torch.zeros_like(src)
-        for i, n in enumerate(lens):
-            s = int(cu[i])
-            if n > 1:
-                shifted[s : s + n - 1] = src[s + 1 : s + n]
+        shifted = v.index_select(0, nxt)
+        shifted[last] = 0
         mb[k] = shifted
     for k in per_seq:
         mb[k] = batch[k][rows] if rows else batch[k][:0]
@@ -191,11 +188,17 @@ def unpack(values: torch.Tensor, index: PackedIndex, out: torch.Tensor) -> torch
             f"post_hook returned shape {tuple(values.shape)}; expected [T={index.total_tokens}] "
             f"(one value per packed token)"
         )
-    s = 0
-    for r, n in zip(index.rows, index.lengths):
-        if n > 1:
-            out[r, 1:n] = values[s : s + n - 1].to(out.dtype)
-        s += n
+    B, L = out.shape[:2]
+    lens = torch.tensor(index.lengths, dtype=torch.int64)
+    rows = torch.tensor(index.rows, dtype=torch.int64)
+    pos = torch.arange(L)
+    # Every packed token but the last of its sequence: its value goes one position on.
+    src_keep = pos[None, :] < (lens - 1)[:, None]
+    target = (rows[:, None] * L + pos[None, :] + 1)[src_keep]
+    starts = torch.cumsum(lens, 0) - lens
+    src_idx = (starts[:, None] + pos[None, :])[src_keep]
+    flat_out = out.view(B * L, *out.shape[2:])  # a fresh (contiguous) output, as the engine passes
+    flat_out[target.to(out.device)] = values[src_idx.to(values.device)].to(out.dtype)
     return out
 
 

@@ -98,8 +98,9 @@ def main(argv: list[str]) -> None:
         # 1. a batch of groups, generated while the previous step trained
         batch = controller.prepare_batch(loader, workflow)
         t_rollout = time.perf_counter()
-        # 2. proximal log-probs with the current weights (decoupled PPO), 3. advantages (pure functions)
-        if cfg.algorithm.use_decoupled_loss:
+        # 2. proximal log-probs with the current weights (decoupled PPO; with one mini-batch the
+        #    training forward provides them), 3. advantages (pure functions)
+        if actor.needs_prox_logp:
             batch["prox_logp"] = actor.compute_logp(batch)
         if ref_engine is not None:
             batch["ref_logp"] = actor.compute_logp(batch, engine=ref_engine)
