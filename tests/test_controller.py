@@ -431,6 +431,23 @@ def test_loop_thread_runs_torch_single_threaded_and_old_objects_are_frozen():
         ctl.stop()
 
 
+def test_gil_switch_interval_is_set_while_running_and_restored():
+    import sys
+
+    before = sys.getswitchinterval()
+    ctl = make(gil_switch_interval_ms=0.25)
+    try:
+        assert sys.getswitchinterval() == pytest.approx(0.00025)
+    finally:
+        ctl.stop()
+    assert sys.getswitchinterval() == before
+    ctl = make(gil_switch_interval_ms=None)
+    try:
+        assert sys.getswitchinterval() == before
+    finally:
+        ctl.stop()
+
+
 async def test_reward_workers_run_torch_single_threaded():
     from arealite.workflow.base import RewardRunner
 

@@ -115,7 +115,7 @@ for a in addrs:
         health.append(r.status)
 record = {"addrs": addrs, "health": health, "argv": sys.argv[1:], "pid": os.getpid(),
           "ppid": os.getppid(), "api_key": os.environ.get("AREALITE_SERVER_API_KEY"),
-          "rank": os.environ.get("RANK")}
+          "rank": os.environ.get("RANK"), "affinity": sorted(os.sched_getaffinity(0))}
 with open(out + ".tmp", "w") as f:
     json.dump(record, f)
 os.replace(out + ".tmp", out)
@@ -278,3 +278,44 @@ def test_bad_override_exits_before_starting_anything(tmp_path, micro_model_dir):
     assert run.wait() == ExitCode.BAD_CONFIG
     assert "launch.n_servers" in run.err()
     assert run.pids() == {}
+
+
+# ---------------------------------------------------------------- CPU pinning
+
+
+def test_cpu_plan_splits_cores_between_servers_and_trainer():
+    from arealite.launcher.local import cpu_plan
+
+    assert cpu_plan(1, 1, [0, 1]) == ([[0]], [1])
+    assert cpu_plan(2, 5, list(range(8))) == ([[0, 1, 2], [3, 4]], [5, 6, 7])
+    assert cpu_plan(2, None, [0, 1]) == ([[], []], [])
+    with pytest.raises(ValueError, match="server_cpus=2"):
+        cpu_plan(1, 2, [0, 1])
+
+
+def test_server_cpus_checks_name_the_field():
+    from arealite.config.loader import ConfigError, check_launch
+
+    n = len(os.sched_getaffinity(0))
+    for launch, words in (
+        ({"n_servers": 1, "server_cpus": n}, "leaves no core for the trainer"),
+        ({"n_servers": 0, "server_addrs": ["127.0.0.1:3000"], "server_cpus": 1}, "launch.n_servers = 0"),
+        ({"n_servers": 3, "server_cpus": 2}, "fewer than launch.n_servers = 3"),
+    ):
+        if launch.get("server_cpus", 0) >= n and "fewer" in words:
+            continue
+        with pytest.raises(ConfigError, match=re.escape("launch.server_cpus")) as e:
+            check_launch(_cfg(launch=launch))
+        assert words in str(e.value)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two cores")
+def test_server_cpus_pins_server_and_trainer_to_their_cores(tmp_path, micro_model_dir):
+    run = Launch(tmp_path, micro_model_dir, "ok", extra=("launch.server_cpus=1",))
+    assert run.wait() == ExitCode.OK, run.err()
+    cpus = sorted(os.sched_getaffinity(0))
+    assert f"started server0 (pid {run.pids()['server0']}) on " in run.err()
+    assert f"on cores {cpus[:1]}" in run.err() and f"trainer processes pinned to cores {cpus[1:]}" in run.err()
+    record = json.loads(run.out.read_text())
+    assert record["affinity"] == cpus[1:]

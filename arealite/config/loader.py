@@ -727,6 +727,25 @@ def check_launch(cfg: ArealiteConfig, environ: Mapping[str, str] | None = None) 
                 "weight_sync.method", f"= shm needs every server on this host, but {', '.join(remote)} "
                 "is not: use weight_sync.method=distributed (or disk)", "shm",
             ))
+    k = cfg.launch.server_cpus
+    if k is not None:
+        if cfg.launch.n_servers == 0:
+            problems.append(ConfigProblem(
+                "launch.server_cpus", "pins the servers the launcher starts, but launch.n_servers = 0: "
+                "remove it (or pin external servers yourself, e.g. with taskset)", k))
+        elif not hasattr(os, "sched_getaffinity"):
+            problems.append(ConfigProblem(
+                "launch.server_cpus", "needs Linux (os.sched_getaffinity): remove it on this system", k))
+        else:
+            n_cpus = len(os.sched_getaffinity(0))
+            if k >= n_cpus:
+                problems.append(ConfigProblem(
+                    "launch.server_cpus", f"leaves no core for the trainer: this process may use {n_cpus} "
+                    f"core(s); give the servers at most {n_cpus - 1}, or set null for no pinning", k))
+            elif k < cfg.launch.n_servers:
+                problems.append(ConfigProblem(
+                    "launch.server_cpus", f"is fewer than launch.n_servers = {cfg.launch.n_servers}: every "
+                    "server needs a core of its own", k))
     if cfg.server.base_port and cfg.server.base_port + max(cfg.launch.n_servers, 1) - 1 > 65535:
         problems.append(ConfigProblem(
             "server.base_port", f"+ launch.n_servers ({cfg.launch.n_servers}) runs past port 65535",

@@ -74,6 +74,11 @@ class LaunchConfig(Section):
     """Number of trainer processes `torchrun` starts (one per GPU on CUDA)."""
     server_startup_timeout_s: float = Field(300.0, gt=0)
     """How long to wait for every server's `/health` before giving up."""
+    server_cpus: int | None = Field(None, ge=1)
+    """Pin processes to CPU cores (Linux): this many of the launcher's cores go to the
+    servers it starts (split evenly between them), the others to the trainer processes.
+    Keeps inference and training from taking each other's cores when they run at the
+    same time (asynchronous RL on a CPU machine). `null`: no pinning."""
     trainer_env: dict[str, str] = Field(default_factory=dict)
     """Extra environment variables for the trainer processes."""
     on_server_death: Literal["continue", "stop"] = "continue"
@@ -160,6 +165,11 @@ class RolloutConfig(Section):
     """If set, dump generated texts per policy version as JSONL here, for inspection."""
     filter_equal_rewards: bool = False
     """Dynamic sampling: reject groups whose rewards are all equal (no GRPO signal)."""
+    gil_switch_interval_ms: float | None = Field(0.5, gt=0)
+    """`sys.setswitchinterval` of the process while the controller runs. The rollout loop
+    thread and the training thread share the GIL: a thread that wants it back (the trainer
+    between two torch ops) waits until the other blocks or this interval ends. Python's
+    default, 5 ms, lets bursts of response handling stall training; `null` keeps it."""
     freeze_gc: bool = True
     """At start, move every object alive so far (model, modules, imports) out of the cyclic
     garbage collector's reach (`gc.freeze()`), so the collections that the rollout's churn

@@ -41,7 +41,7 @@ import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, Sequence
+from typing import IO, Callable, Sequence
 
 from arealite.launcher.server_cmd import gpus_per_server, masked, server_command
 from arealite.utils.run import ENV_SERVER_ADDRS, ENV_SERVER_API_KEY
@@ -98,6 +98,32 @@ def _set_parent_death_signal() -> None:
         libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
     except OSError:  # not Linux: the process-group teardown still applies
         pass
+
+
+def cpu_plan(n_servers: int, server_cpus: int | None, cpus: list[int]) -> tuple[list[list[int]], list[int]]:
+    """Cores of each server and of the trainer: the first ``server_cpus`` of ``cpus``
+    split evenly (in order) between the servers, the rest to the trainer. No pinning
+    (``server_cpus`` None): empty lists."""
+    if server_cpus is None or n_servers == 0:
+        return [[] for _ in range(n_servers)], []
+    if not n_servers <= server_cpus < len(cpus):
+        raise ValueError(f"launch.server_cpus={server_cpus} cannot give {n_servers} server(s) a core each "
+                         f"and leave one for the trainer out of {len(cpus)}")
+    share = [server_cpus // n_servers + (i < server_cpus % n_servers) for i in range(n_servers)]
+    plan, start = [], 0
+    for n in share:
+        plan.append(cpus[start:start + n])
+        start += n
+    return plan, cpus[server_cpus:]
+
+
+def _child_setup(cpus: list[int]) -> Callable[[], None]:
+    """``preexec_fn`` of a child: the parent-death signal, then its cores (if any)."""
+    def setup() -> None:
+        _set_parent_death_signal()
+        if cpus:
+            os.sched_setaffinity(0, cpus)
+    return setup
 
 
 def _child_pids(pid: int) -> list[int]:
@@ -256,6 +282,14 @@ class LocalLauncher:
         plan = [",".join(str((i * per + j) % n_gpus) for j in range(per)) for i in range(n_servers)]
         return plan, None
 
+    def _cpu_plan(self) -> tuple[list[list[int]], list[int]]:
+        """Cores per server and for the trainer (`launch.server_cpus`; empty = not pinned)."""
+        k = self.cfg.launch.server_cpus
+        n = self.cfg.launch.n_servers
+        if k is None or n == 0:
+            return [[] for _ in range(n)], []
+        return cpu_plan(n, k, sorted(os.sched_getaffinity(0)))
+
     def start_servers(self) -> list[str]:
         """Start the servers; return their `host:port` addresses."""
         cfg = self.cfg
@@ -264,6 +298,7 @@ class LocalLauncher:
         ports = (ports_from(cfg.server.base_port, n, host) if cfg.server.base_port
                  else free_ports(n, host))
         gpu_plan, _ = self._gpu_plan()
+        cpus, _ = self._cpu_plan()
         for i, port in enumerate(ports):
             cmd = server_command(cfg, port, i)
             env = dict(os.environ)
@@ -274,11 +309,12 @@ class LocalLauncher:
             log_file.write(f"[launcher] {masked(cmd)}\n".encode())
             proc = subprocess.Popen(
                 cmd, stdin=subprocess.DEVNULL, stdout=log_file, stderr=subprocess.STDOUT,
-                env=env, start_new_session=True, preexec_fn=_set_parent_death_signal,
+                env=env, start_new_session=True, preexec_fn=_child_setup(cpus[i]),
             )
             child = Child(f"server{i}", proc, log_path, log_file, addr=f"{host}:{port}")
             self.servers.append(child)
-            log(f"started server{i} (pid {proc.pid}) on {child.addr}; log: {log_path}")
+            pinned = f" on cores {cpus[i]}" if cpus[i] else ""
+            log(f"started server{i} (pid {proc.pid}) on {child.addr}{pinned}; log: {log_path}")
         return [s.addr for s in self.servers]
 
     def _healthy(self, addr: str) -> bool:
@@ -344,10 +380,13 @@ class LocalLauncher:
         log_path = self.log_dir / "trainer.log"
         log_file = open(log_path, "ab", buffering=0)
         log_file.write(f"[launcher] {masked(cmd)}\n".encode())
+        _, cpus = self._cpu_plan()
         proc = subprocess.Popen(
             cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-            env=env, start_new_session=True, preexec_fn=_set_parent_death_signal,
+            env=env, start_new_session=True, preexec_fn=_child_setup(cpus),
         )
+        if cpus:
+            log(f"trainer processes pinned to cores {cpus}")
         child = Child("trainer", proc, log_path, log_file)
         child.pump = threading.Thread(target=self._pump, args=(child,), daemon=True,
                                       name="trainer-log")

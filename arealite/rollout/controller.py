@@ -20,6 +20,7 @@ import collections
 import concurrent.futures
 import gc
 import logging
+import sys
 import threading
 import time
 import traceback
@@ -99,6 +100,7 @@ class RolloutController:
         self._paused = False
         self._version = 0
         self._closing = False  # stop() in progress: nothing new is admitted
+        self._old_switch_interval: float | None = None  # restored by stop()
         self._error: WorkflowError | None = None
         # wait() callers parked on the loop: (future, groups wanted). Woken only when
         # they may be able to return (not on every finished episode).
@@ -121,6 +123,9 @@ class RolloutController:
         """Start the event loop thread; initialise the engine on it (if it has ``initialize``)."""
         if self._thread is not None:
             raise RuntimeError("controller already started")
+        if self.config.gil_switch_interval_ms is not None:
+            self._old_switch_interval = sys.getswitchinterval()
+            sys.setswitchinterval(self.config.gil_switch_interval_ms / 1000)
         if self.config.freeze_gc:
             # A trainer process holds ~10^5-10^6 long-lived objects; without this, every
             # full collection triggered by the rollout's allocations scans them all.
@@ -190,6 +195,9 @@ class RolloutController:
             self._thread = None
             self._loop = None
             self._closing = False
+            if self._old_switch_interval is not None:
+                sys.setswitchinterval(self._old_switch_interval)
+                self._old_switch_interval = None
 
     def __enter__(self) -> "RolloutController":
         return self.start() if self._thread is None else self
