@@ -86,3 +86,25 @@ def test_bad_inputs_are_named():
         gather_logprobs(logits, labels.float(), 1.0)
     with pytest.raises(ValueError, match="chunk_size"):
         gather_logprobs(logits, labels, 1.0, chunk_size=0)
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_entropy_stat_comes_with_the_chunked_logprobs(temperature, dtype):
+    from arealite.algo.logprob import gather_logprobs_entropy_stat
+
+    g = torch.Generator().manual_seed(4)
+    logits = (torch.randn(37, 53, generator=g) * 3).to(dtype)
+    logits[5, :50] = -float("inf")  # a row with (almost) all mass on three tokens
+    labels = torch.randint(50, 53, (37,), generator=g)
+    a = logits.clone().requires_grad_(True)
+    b = logits.clone().requires_grad_(True)
+    ref = gather_logprobs(a, labels, temperature)
+    got, ent = gather_logprobs_entropy_stat(b, labels, temperature, chunk_size=8)
+    torch.testing.assert_close(got, ref)
+    torch.testing.assert_close(ent, token_entropy(logits, temperature), rtol=1e-5, atol=1e-5)
+    assert not ent.requires_grad and torch.isfinite(ent).all()
+    w = torch.randn(37, generator=g)
+    (ref * w).sum().backward()
+    (got * w).sum().backward()
+    torch.testing.assert_close(b.grad, a.grad)

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["gather_logprobs", "gather_logprobs_entropy", "token_entropy"]
+__all__ = ["gather_logprobs", "gather_logprobs_entropy", "gather_logprobs_entropy_stat", "token_entropy"]
 
 
 def _check(logits: torch.Tensor, labels: torch.Tensor, temperature: float) -> None:
@@ -42,33 +42,46 @@ class _ChunkedLogprob(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, logits, labels, temperature, chunk_size):
+    def forward(ctx, logits, labels, temperature, chunk_size, with_entropy):
         n = logits.shape[0]
         out = torch.empty(n, dtype=torch.float32, device=logits.device)
         lse = torch.empty(n, dtype=torch.float32, device=logits.device)
+        # The entropy as a by-product (a stat, no gradient): lse - sum(p * z) from the same chunk.
+        ent = torch.empty(n if with_entropy else 0, dtype=torch.float32, device=logits.device)
         for s in range(0, n, chunk_size):
-            z = logits[s : s + chunk_size].float() / temperature
+            z = _tempered(logits[s : s + chunk_size], temperature)
             lse_c = torch.logsumexp(z, dim=-1)
             lse[s : s + chunk_size] = lse_c
             out[s : s + chunk_size] = z.gather(-1, labels[s : s + chunk_size, None]).squeeze(-1) - lse_c
+            if with_entropy:
+                p = torch.exp(z - lse_c[:, None])
+                # nansum: a -inf logit has p = 0 and contributes 0 (0 * -inf is NaN).
+                ent[s : s + chunk_size] = lse_c - (p * z).nansum(-1)
         ctx.save_for_backward(logits, labels, lse)
         ctx.temperature = temperature
         ctx.chunk_size = chunk_size
-        return out
+        ctx.mark_non_differentiable(ent)
+        return out, ent
 
     @staticmethod
-    def backward(ctx, grad_out):
+    def backward(ctx, grad_out, _grad_ent):
         logits, labels, lse = ctx.saved_tensors
         T, chunk = ctx.temperature, ctx.chunk_size
         grad = torch.empty_like(logits)
         grad_out = grad_out.float()
         for s in range(0, logits.shape[0], chunk):
-            z = logits[s : s + chunk].float() / T
-            g = grad_out[s : s + chunk]
+            z = _tempered(logits[s : s + chunk], T)
+            g = grad_out[s : s + chunk] if T == 1.0 else grad_out[s : s + chunk] / T
             gz = torch.exp(z - lse[s : s + chunk, None]).mul_(-g[:, None])
             gz.scatter_add_(-1, labels[s : s + chunk, None], g[:, None])
-            grad[s : s + chunk] = (gz / T).to(logits.dtype)
-        return grad, None, None, None
+            grad[s : s + chunk] = gz  # copies (and casts) into the logits' dtype
+        return grad, None, None, None, None
+
+
+def _tempered(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    """``logits / T`` in float32; no copy for float32 logits at T = 1."""
+    z = logits.float()
+    return z if temperature == 1.0 else z / temperature
 
 
 def gather_logprobs(
@@ -90,11 +103,29 @@ def gather_logprobs(
     if chunk_size is not None:
         if chunk_size < 1:
             raise ValueError(f"chunk_size must be >= 1 (or None), got {chunk_size}")
-        out = _ChunkedLogprob.apply(flat_logits, flat_labels, float(temperature), int(chunk_size))
+        out, _ = _ChunkedLogprob.apply(flat_logits, flat_labels, float(temperature), int(chunk_size), False)
     else:
         logp = torch.log_softmax(flat_logits.float() / temperature, dim=-1)
         out = logp.gather(-1, flat_labels[:, None]).squeeze(-1)
     return out.reshape(lead)
+
+
+def gather_logprobs_entropy_stat(
+    logits: torch.Tensor, labels: torch.Tensor, temperature: float = 1.0, chunk_size: int = 1024
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``gather_logprobs(..., chunk_size)`` and, without a gradient, the entropy of each row.
+
+    The entropy comes from the same chunked pass (the softmax is at hand), for stats:
+    cheaper than a separate ``token_entropy``. For an entropy *bonus* (with gradient)
+    use ``gather_logprobs_entropy``.
+    """
+    _check(logits, labels, temperature)
+    if chunk_size < 1:
+        raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
+    lead = labels.shape
+    out, ent = _ChunkedLogprob.apply(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1).long(),
+                                     float(temperature), int(chunk_size), True)
+    return out.reshape(lead), ent.reshape(lead)
 
 
 def gather_logprobs_entropy(

@@ -26,7 +26,7 @@ from typing import Any, Literal
 
 import torch
 
-from arealite.algo.logprob import gather_logprobs, gather_logprobs_entropy, token_entropy
+from arealite.algo.logprob import gather_logprobs_entropy, gather_logprobs_entropy_stat
 
 __all__ = [
     "LossAggMode",
@@ -298,9 +298,7 @@ def ppo_actor_loss(
         logp, entropy = gather_logprobs_entropy(logits, mb["labels"], temperature)
     else:
         # Entropy only as a stat: the memory-lean paths, no [T, V] float32 activations kept.
-        logp = gather_logprobs(logits, mb["labels"], temperature, chunk_size=_CHUNK)
-        with torch.no_grad():
-            entropy = token_entropy(logits.detach(), temperature, chunk_size=_CHUNK)
+        logp, entropy = gather_logprobs_entropy_stat(logits, mb["labels"], temperature, chunk_size=_CHUNK)
 
     if prox is None and prox_from_forward:
         prox = logp.detach()
