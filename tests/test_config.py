@@ -23,7 +23,7 @@ from arealite.config import (
     parse_override_value,
 )
 from arealite.config.docs import REGENERATE, render_reference
-from arealite.config.loader import _section_model
+from arealite.config.loader import _model_at, _section_model
 
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLE = REPO / "examples" / "configs" / "default.yaml"
@@ -126,6 +126,9 @@ def test_malformed_config_names_field_and_value(tmp_path, text, overrides, path,
     hits = [line for line in lines if line.startswith(path + " ") or line.startswith(path + ":")]
     assert hits, f"no problem names {path!r}:\n{err}"
     assert any(value in line for line in hits), f"{value!r} missing from {hits}"
+    # ... and says what is allowed, not only that something is wrong.
+    rules = ("must", "allowed", "is not", "e.g.", "set the value", "invalid YAML", "cannot parse", "empty name")
+    assert any(r in line for line in hits for r in rules), f"no rule stated in {hits}"
     # The exception message is the same lines, one per problem, under a header.
     assert str(err).splitlines()[1:] == [f"  {line}" for line in lines]
 
@@ -308,6 +311,34 @@ def test_cross_field_errors_reported_together():
         "actor.optimizer.warmup_steps",
     ])
     assert "e.g. 4 or 6" in str(err)  # the nearest valid batch sizes
+
+
+def test_field_and_cross_field_errors_in_one_round():
+    # One invalid field does not hide a rule broken by two valid ones...
+    err = errors_of(None, [
+        "algorithm.eps_clip=0", "rollout.consumer_batch_size=3", "launch.n_trainer_procs=2",
+    ])
+    assert sorted(p.path for p in err.problems) == ["algorithm.eps_clip", "rollout.consumer_batch_size"]
+    # ... and a rule that involves the invalid field waits until that field is fixed.
+    err = errors_of(None, ["rollout.consumer_batch_size=3", "launch.n_trainer_procs=zero"])
+    assert [p.path for p in err.problems] == ["launch.n_trainer_procs"]
+
+
+def test_every_field_is_documented_and_every_section_forbids_unknown_keys():
+    seen = set()
+
+    def walk(model, prefix):
+        assert model.model_config.get("extra") == "forbid", f"{prefix or 'the root'} accepts unknown keys"
+        for name, field in model.model_fields.items():
+            path = f"{prefix}.{name}" if prefix else name
+            seen.add(path)
+            assert (field.description or "").strip(), f"{path} has no docstring"
+            section = _model_at(path.split("."))
+            if section is not None:
+                walk(section, path)
+
+    walk(ArealiteConfig, "")
+    assert len(seen) > 100  # the walk reached the leaves
 
 
 def test_grpo_with_one_sample_is_allowed():

@@ -116,7 +116,8 @@ def render_reference() -> str:
     lines += [
         "## Rules across fields",
         "",
-        "Checked after every field is valid, all reported together:",
+        "Checked together with the field rules, all reported in one round (a rule that involves a field "
+        "whose own value is invalid waits until that value is fixed):",
         "",
         *[f"- {_cell(inspect.getdoc(check) or check.__name__)}" for check in CROSS_FIELD_CHECKS],
         "- Path checks (`python -m arealite.config check`, `load_config(..., check_paths=True)`, "

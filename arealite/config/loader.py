@@ -13,6 +13,7 @@ files and in override values, and duplicate keys are an error.
 from __future__ import annotations
 
 import argparse
+import copy
 import difflib
 import math
 import os
@@ -324,7 +325,10 @@ def _check_override_path(parts: list[str]) -> tuple[str, str] | None:
         here = ".".join(parts[: i + 1])
         if _is_mapping_field(annotation) and len(rest) == 1:
             return None  # one entry of a mapping field, e.g. launch.trainer_env.NAME
-        return ".".join(parts), f"{here} is a value, not a section: it has no key {'.'.join(rest)!r}"
+        return ".".join(parts), (
+            f"{here} is a value, not a section: it has no key {'.'.join(rest)!r}; "
+            f"set the value itself ({here}=...)"
+        )
     return None
 
 
@@ -444,6 +448,8 @@ def _validation_problems(err: ValidationError, sources: Mapping[str, str]) -> li
             parent = _model_at(str_loc[:-1])
             if parent is not None:
                 msg = _unknown_key_message(parent, ".".join(str_loc[:-1]), str_loc[-1])
+        elif kind in ("list_type", "tuple_type", "set_type"):
+            msg = "must be a list, written [a, b] ([] for none)"
         elif kind in ("model_type", "model_attributes_type", "dict_type"):
             section = _model_at(str_loc)
             if section is not None:
@@ -506,6 +512,10 @@ def load_config(
         values = _raw_path_values(raw, invalid) if check_paths else None
         if values is not None:
             problems += [p._replace(source=_source_of(p.path, sources)) for p in _path_problems(values)]
+        problems += [
+            p._replace(source=p.source or _source_of(p.path, sources))
+            for p in _cross_field_problems_around(raw, invalid)
+        ]
         raise ConfigError(problems, origin) from None
     problems += [
         p._replace(source=p.source or _source_of(p.path, sources))
@@ -671,6 +681,37 @@ def _raw_path_values(raw: Any, invalid: set[str]) -> dict[str, Any] | None:
             return None
         values[dotted] = value
     return values
+
+
+def _cross_field_problems_around(raw: Any, invalid: set[str]) -> list[ConfigProblem]:
+    """Cross-field problems of a config whose fields are not all valid, so that one round reports both.
+
+    Each invalid value is put back to its default; a rule whose message or
+    path names an invalid field is left out (it would judge a value the user
+    did not write).
+    """
+    if not isinstance(raw, dict) or "<config>" in invalid:
+        return []
+    patched = copy.deepcopy(raw)
+    for path in invalid:
+        node, keys = patched, path.split("[")[0].split(".")
+        for key in keys[:-1]:
+            if not isinstance(node.get(key), dict):
+                break
+            node = node[key]
+        else:
+            node.pop(keys[-1], None)
+            continue
+        node.pop(key, None)  # the walk stopped at a value that is not a section: drop that
+    try:
+        cfg = ArealiteConfig.model_validate(patched)
+    except ValidationError:
+        return []
+    names = {p.split("[")[0] for p in invalid}
+    return [
+        p for check in CROSS_FIELD_CHECKS for p in check(cfg)
+        if not any(n == p.path or n in p.message for n in names)
+    ]
 
 
 def config_problems(cfg: ArealiteConfig, *, check_paths: bool = True) -> list[ConfigProblem]:

@@ -98,7 +98,10 @@ class LaunchConfig(Section):
     def _env_names(cls, v: dict[str, str]) -> dict[str, str]:
         for name in v:
             if not re.match(r"^[A-Za-z_][A-Za-z0-9_]*$", name):
-                raise ValueError(f"{name!r} is not a valid environment variable name")
+                raise ValueError(
+                    f"{name!r} is not a valid environment variable name "
+                    "(letters, digits and '_', not starting with a digit)"
+                )
         return v
 
 
