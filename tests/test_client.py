@@ -398,9 +398,10 @@ async def test_abort_resume_is_seamless_with_two_versions(fakes):
         task = asyncio.create_task(eng.agenerate(req(n_prompt=4, max_new=40)))
         await asyncio.sleep(0.06)  # some tokens are out
         await eng.pause_generation()  # the weight update begins: in-flight request aborts
-        while len(f.generate_payloads) < 2:  # the client resubmits; the paused server holds it
+        while not eng.stats()["aborts"]:
             await asyncio.sleep(0.01)
         await eng.update_weight_version(1)
+        assert len(f.generate_payloads) == 1  # the client holds the resubmission until continue
         await eng.continue_generation()
         c = await asyncio.wait_for(task, 5)
     k = c.output_versions.count(0)
@@ -420,6 +421,21 @@ async def test_abort_ending_on_eos_is_finished(fakes):
     async with RemoteSGLangEngine([f.addr], cfg(), eos_token_ids=[EOS]) as eng:
         c = await eng.agenerate(req(max_new=10))
     assert c.finish_reason == "stop" and c.output_ids == [tok(5), EOS] and len(f.generate_payloads) == 1
+
+
+@pytest.mark.parametrize("ignore_eos,resumed", [(False, False), (True, True)])
+async def test_abort_ending_on_a_stop_token_follows_sglang(fakes, ignore_eos, resumed):
+    # SGLang checks stop_token_ids only without ignore_eos (Req.check_finished), so an
+    # uninterrupted generation with ignore_eos runs on past a stop token: so does a resumed one.
+    (f,) = await fakes(1)
+    f.actions = ["abort_eos"]
+    async with RemoteSGLangEngine([f.addr], cfg()) as eng:
+        r = req(max_new=10)
+        r.sampling = r.sampling.replace(stop_token_ids=[EOS], ignore_eos=ignore_eos)
+        c = await eng.agenerate(r)
+    assert len(f.generate_payloads) == (2 if resumed else 1)
+    assert c.output_ids[:2] == [tok(5), EOS] and c.n_interruptions == 1
+    assert (c.finish_reason, len(c.output_ids)) == (("length", 10) if resumed else ("stop", 2))
 
 
 async def test_empty_abort_retries_without_spending_retry_budget(fakes):
@@ -445,6 +461,41 @@ async def test_client_pause_gate_holds_submissions(fakes):
     assert len(c.output_ids) == 8
 
 
+async def test_client_holds_requests_during_its_pause_beyond_the_request_timeout(fakes):
+    (f,) = await fakes(1, token_delay=0.005)
+    # A weight update (0.8 s) longer than the request timeout (0.3 s) is no fault.
+    async with RemoteSGLangEngine([f.addr], cfg(request_timeout_s=0.3), unhealthy_after=1) as eng:
+        running = asyncio.create_task(eng.agenerate(req(max_new=30)))
+        await asyncio.sleep(0.05)
+        await eng.pause_generation()
+        new = asyncio.create_task(eng.agenerate(req(max_new=4)))
+        await asyncio.sleep(0.8)
+        assert len(f.generate_payloads) == 1, "nothing is sent to a server this client paused"
+        assert eng.stats()["aborts"] == 1 and not running.done() and not new.done()
+        await eng.continue_generation()
+        c, c_new = await asyncio.wait_for(asyncio.gather(running, new), 3)
+        st = eng.stats()
+    assert c.n_interruptions == 1 and c.output_ids == [tok(5 + i) for i in range(30)]
+    assert c_new.n_interruptions == 0 and len(c_new.output_ids) == 4
+    assert st["timeouts"] == st["retries"] == st["failed"] == 0 and eng.healthy_servers == [f.addr]
+
+
+async def test_pause_without_continue_fails_requests_after_max_pause_s(fakes):
+    (f,) = await fakes(1)
+    async with RemoteSGLangEngine([f.addr], cfg(), max_pause_s=0.3) as eng:
+        await eng.pause_generation()  # ... and the weight update dies before continue
+        t0 = time.monotonic()
+        with pytest.raises(GenerationError) as ei:
+            await eng.agenerate(req())
+        assert 0.25 <= time.monotonic() - t0 < 2
+        assert f.addr in str(ei.value) and "max_pause_s=0.3" in str(ei.value)
+        assert f.generate_payloads == [] and eng.stats()["failed"] == 1
+        await eng.continue_generation()
+        assert len((await eng.agenerate(req())).output_ids) == 8
+    with pytest.raises(ValueError, match="max_pause_s"):
+        RemoteSGLangEngine([f.addr], max_pause_s=0)
+
+
 # ---------------------------------------------------- routing and limits
 
 
@@ -463,6 +514,30 @@ async def test_affinity_keeps_a_group_on_one_server_and_moves_when_it_dies(fakes
         eng.mark_unhealthy(owner, "test")
         moved = [await eng.agenerate(req(affinity_key="g0")) for _ in range(3)]
         assert len({c.server for c in moved}) == 1 and moved[0].server != owner
+
+
+@pytest.mark.parametrize("how", ["marked_unhealthy", "timeouts"])
+async def test_requests_queued_for_a_server_that_leaves_move_at_once(fakes, how):
+    a, b = await fakes(2)
+    a.always = "hang"
+    timeout = 30.0 if how == "marked_unhealthy" else 1.0
+    async with RemoteSGLangEngine([a.addr, b.addr], cfg(request_timeout_s=timeout, max_inflight_per_server=1),
+                                  unhealthy_after=1) as eng:
+        t0 = time.monotonic()
+        # One group: all three go to a (round-robin starts there), two wait for its only slot.
+        tasks = [asyncio.create_task(eng.agenerate(req(affinity_key="g"))) for _ in range(3)]
+        while not a.generate_payloads:
+            await asyncio.sleep(0.01)
+        if how == "marked_unhealthy":
+            eng.mark_unhealthy(a.addr, "operator said so")
+        comps = await asyncio.wait_for(asyncio.gather(*tasks), 10)
+        elapsed = time.monotonic() - t0
+        st = eng.stats()
+    assert all(c.server == b.addr and len(c.output_ids) == 8 for c in comps)
+    assert len(a.generate_payloads) == 1, "only the request in flight reached the server that left"
+    # Marked: well below one timeout. Timed out: the one in flight waits its timeout, no one else.
+    assert elapsed < (3.0 if how == "marked_unhealthy" else 1.8 * timeout)
+    assert st["retries"] == 1 and st["failed"] == 0  # the queued ones spent no retry
 
 
 async def test_inflight_bound_per_server(fakes):

@@ -8,12 +8,15 @@ apart) and hides what goes wrong on the way:
   share ``affinity_key`` (the samples of a group, the turns of a conversation)
   go to the same server, so its prefix cache is reused. If that server leaves
   the rotation, the key moves to another one.
-- **Back-pressure**: at most ``max_inflight_per_server`` requests per server.
+- **Back-pressure**: at most ``max_inflight_per_server`` requests per server;
+  the others queue for a slot (and move at once if the server leaves the rotation).
 - **Interruptible generation**: a weight update pauses the servers, which
   return in-flight requests with finish reason ``abort`` and their partial
   output. The client resubmits prompt + partial output with a lower
   ``max_new_tokens``; every token keeps the ``weight_version`` of the response
-  segment that produced it, so the completion is seamless.
+  segment that produced it, so the completion is seamless. While a pause issued
+  through this client lasts, the client itself holds resubmissions and new
+  submissions (rather than the paused server, against their request timeout).
 - **Faults**: timeouts, connection errors, HTTP 5xx and malformed responses are
   retried with exponential backoff on another healthy server; a server that
   fails several times in a row leaves the rotation until a ``/health`` probe
@@ -181,7 +184,8 @@ def _normalize_addr(addr: Any) -> tuple[str, str]:
 
 
 class _Attempt:
-    """An HTTP attempt in flight; eviction cancels its task so it can move elsewhere."""
+    """An HTTP attempt, queued for a slot or in flight; eviction cancels its task so it
+    can move elsewhere."""
 
     __slots__ = ("task", "evicted")
 
@@ -234,7 +238,9 @@ class RemoteSGLangEngine:
     ``eos_token_ids`` (optional) are treated as stop tokens when an aborted
     segment ends on one. A server leaves the rotation after
     ``unhealthy_after`` consecutive failures and is probed every
-    ``health_probe_interval_s`` seconds to come back.
+    ``health_probe_interval_s`` seconds to come back. Requests held by
+    ``pause_generation`` fail once the pause has lasted ``max_pause_s`` seconds
+    without ``continue_generation`` (a weight update that died half-way).
     """
 
     def __init__(
@@ -246,6 +252,7 @@ class RemoteSGLangEngine:
         eos_token_ids: Iterable[int] = (),
         unhealthy_after: int = 3,
         health_probe_interval_s: float = 5.0,
+        max_pause_s: float = 3600.0,
     ):
         if isinstance(addrs, str):
             addrs = [a for a in addrs.split(",") if a.strip()]
@@ -253,6 +260,8 @@ class RemoteSGLangEngine:
             raise ValueError("RemoteSGLangEngine needs at least one server address 'host:port'")
         if unhealthy_after < 1:
             raise ValueError(f"unhealthy_after={unhealthy_after} must be >= 1")
+        if not max_pause_s > 0:
+            raise ValueError(f"max_pause_s={max_pause_s} must be > 0 (seconds)")
         self.config = config if config is not None else RolloutConfig()
         self._api_key = api_key
         self._servers: list[_Server] = []
@@ -273,6 +282,12 @@ class RemoteSGLangEngine:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._gate = asyncio.Event()  # the client's own pause gate (set = running)
         self._gate.set()
+        # Cleared by pause_generation, set by continue_generation: while clear, requests
+        # wait here, so that the time a weight update takes is no request's timeout.
+        self._servers_running = asyncio.Event()
+        self._servers_running.set()
+        self._paused_at = 0.0
+        self._max_pause_s = float(max_pause_s)
         self._affinity: OrderedDict[Any, str] = OrderedDict()
         self._rr = 0
         self._n_unhealthy = 0
@@ -350,7 +365,7 @@ class RemoteSGLangEngine:
         return out
 
     def mark_unhealthy(self, addr: str, reason: str) -> None:
-        """Take a server out of rotation; its in-flight requests move to other servers."""
+        """Take a server out of rotation; its in-flight and queued requests move to other servers."""
         self._take_out(self._server(addr), reason)
 
     def server_info(self, addr: str) -> dict[str, Any]:
@@ -543,6 +558,8 @@ class RemoteSGLangEngine:
         while True:
             if not self._gate.is_set():
                 await self._gate.wait()
+            if not self._servers_running.is_set():
+                await self._wait_for_continue(req.rid, server)
             if server is None or not server.healthy:
                 # Sync fast path when everyone is healthy; the async path probes.
                 server = None if self._n_unhealthy else self._choose(req.affinity_key, tried)
@@ -569,7 +586,7 @@ class RemoteSGLangEngine:
                 }
             segment += 1
             try:
-                ids, lps, finish, version = await self._generate_once(server, payload)
+                result = await self._generate_once(server, payload)
             except _AttemptFailure as e:
                 self._record_failure(server, e)
                 errors.append(f"{server.addr}/generate: {e}")
@@ -591,7 +608,13 @@ class RemoteSGLangEngine:
                 counters["bad_requests"] += 1
                 counters["failed"] += 1
                 raise
+            if result is None:
+                # Not sent: the server left the rotation, or generation was paused, while the
+                # request waited for a slot. No failed attempt; the loop re-routes or waits.
+                segment -= 1
+                continue
 
+            ids, lps, finish, version = result
             if server.consecutive_failures:
                 server.consecutive_failures = 0
             server.n_ok += 1
@@ -608,6 +631,8 @@ class RemoteSGLangEngine:
             if len(out_ids) >= budget:
                 finish = "length"
                 break
+            # The server stopped short of checking the last token. SGLang's check skips
+            # stop_token_ids as well as EOS under ignore_eos (Req.check_finished), so do we.
             if ids and not sp.ignore_eos and (ids[-1] in self._eos_ids or ids[-1] in sp.stop_token_ids):
                 finish = "stop"
                 break
@@ -643,8 +668,12 @@ class RemoteSGLangEngine:
 
     async def _generate_once(
         self, server: _Server, payload: dict[str, Any]
-    ) -> tuple[list[int], list[float], str, int]:
-        """One POST /generate; returns (ids, logprobs, finish reason, version)."""
+    ) -> tuple[list[int], list[float], str, int] | None:
+        """One POST /generate; returns (ids, logprobs, finish reason, version).
+
+        Returns None without sending when, by the time the request has a slot on
+        ``server``, the server left the rotation or generation is paused.
+        """
         session = self._session or self._ensure_session()
         try:
             body = _dumps(payload)
@@ -653,39 +682,64 @@ class RemoteSGLangEngine:
                 f"request {payload['rid']}: GenerationRequest.input_ids must hold Python ints "
                 f"(convert with .tolist()): {e}"
             ) from None
-        async with server.sem:
-            att = _Attempt(asyncio.current_task())
-            server.attempts.add(att)
-            server.inflight += 1
-            try:
-                if server.pool is not None:
-                    status, raw = await server.pool.post("/generate", body, self.config.request_timeout_s)
-                else:
-                    async with session.post(
-                        server.base_url + "/generate", data=body, headers=_JSON_HEADERS,
-                        timeout=self._req_timeout,
-                    ) as resp:
-                        raw = await resp.read()
-                        status = resp.status
-            except asyncio.CancelledError:
-                # Our own eviction (mark_unhealthy) rather than the caller cancelling?
-                if att.evicted is not None and att.task is not None and att.task.uncancel() == 0:
-                    raise _AttemptFailure("evicted", f"server left the rotation ({att.evicted})") from None
-                raise
-            except TimeoutError:
-                raise _AttemptFailure(
-                    "timeout", f"no answer within request_timeout_s={self.config.request_timeout_s:g}s"
-                ) from None
-            except (aiohttp.ClientError, HttpConnectionError, HttpProtocolError) as e:
-                raise _AttemptFailure("connection", _describe(e)) from None
-            finally:
-                server.inflight -= 1
-                server.attempts.discard(att)
+        # Registered while queued for a slot too, so that taking the server out wakes it.
+        att = _Attempt(asyncio.current_task())
+        server.attempts.add(att)
+        sent = False
+        try:
+            async with server.sem:
+                if not server.healthy or not self._servers_running.is_set():
+                    return None
+                sent = True
+                server.inflight += 1
+                try:
+                    if server.pool is not None:
+                        status, raw = await server.pool.post("/generate", body, self.config.request_timeout_s)
+                    else:
+                        async with session.post(
+                            server.base_url + "/generate", data=body, headers=_JSON_HEADERS,
+                            timeout=self._req_timeout,
+                        ) as resp:
+                            raw = await resp.read()
+                            status = resp.status
+                finally:
+                    server.inflight -= 1
+        except asyncio.CancelledError:
+            # Our own eviction (_take_out) rather than the caller cancelling?
+            if att.evicted is not None and att.task is not None and att.task.uncancel() == 0:
+                if not sent:
+                    return None
+                raise _AttemptFailure("evicted", f"server left the rotation ({att.evicted})") from None
+            raise
+        except TimeoutError:
+            raise _AttemptFailure(
+                "timeout", f"no answer within request_timeout_s={self.config.request_timeout_s:g}s"
+            ) from None
+        except (aiohttp.ClientError, HttpConnectionError, HttpProtocolError) as e:
+            raise _AttemptFailure("connection", _describe(e)) from None
+        finally:
+            server.attempts.discard(att)
         if status != 200:
             if status >= 500 or status in _RETRYABLE_4XX:
                 raise _AttemptFailure("http_5xx", f"HTTP {status}: {_snippet(raw)}")
             raise BadRequestError(server.addr, "/generate", status, _error_message(raw))
         return self._parse_generate(raw)
+
+    async def _wait_for_continue(self, rid: str, server: _Server | None) -> None:
+        """Hold a (re)submission until ``continue_generation``, at most ``max_pause_s``
+        after ``pause_generation``."""
+        left = self._paused_at + self._max_pause_s - time.monotonic()
+        try:
+            await asyncio.wait_for(self._servers_running.wait(), max(left, 0.0))
+        except TimeoutError:
+            self._counters["failed"] += 1
+            where = server.addr if server is not None else ", ".join(self.healthy_servers)
+            raise GenerationError(
+                f"request {rid}: inference server(s) {where} paused by pause_generation "
+                f"{time.monotonic() - self._paused_at:.0f}s ago and not continued within "
+                f"max_pause_s={self._max_pause_s:g}s; did the weight update fail before "
+                "continue_generation?"
+            ) from None
 
     def _parse_generate(self, raw: bytes) -> tuple[list[int], list[float], str, int]:
         try:
@@ -935,12 +989,24 @@ class RemoteSGLangEngine:
                 logger.warning("%s missed %s; it stays out of rotation", s.addr, why)
 
     async def pause_generation(self) -> dict[str, Any]:
-        """Pause every server: in-flight requests return with finish reason ``abort``."""
+        """Pause every server: in-flight requests return with finish reason ``abort``.
+
+        Until ``continue_generation``, their resubmissions and new requests wait in
+        this client (at most ``max_pause_s``), not on the servers.
+        """
+        if self._servers_running.is_set():
+            self._paused_at = time.monotonic()
+            self._servers_running.clear()
         return await self._admin("/pause_generation", {"mode": "abort"})
 
     async def continue_generation(self) -> dict[str, Any]:
-        """Resume generation on every server after ``pause_generation``."""
-        return await self._admin("/continue_generation", {})
+        """Resume generation on every server after ``pause_generation``; held requests go out."""
+        try:
+            return await self._admin("/continue_generation", {})
+        finally:
+            # Even after a failure: a server still paused holds its requests, as without the
+            # client's pause, and the fault handling moves them.
+            self._servers_running.set()
 
     async def flush_cache(self) -> dict[str, Any]:
         """Drop every server's prefix (KV) cache."""
