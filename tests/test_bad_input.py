@@ -368,6 +368,8 @@ STATE_ROUTES = [
     ("/abort_request", {"rid": "x", "abort_all": True}),
     ("/flush_cache", {}),
     ("/update_weights_from_disk", {"model_path": "/tmp", "weight_version": "99"}),
+    ("/update_weights_from_shm", {"path": "/dev/shm/w", "names": ["w"], "dtypes": ["float32"], "shapes": [[1]],
+                                  "offsets": [0], "weight_version": "99"}),
     ("/init_weights_update_group", {"master_address": "127.0.0.1", "master_port": 1, "rank_offset": 1,
                                     "world_size": 2, "group_name": "g", "backend": "gloo"}),
     ("/update_weights_from_distributed", {"names": ["w"], "dtypes": ["float32"], "shapes": [[1]], "group_name": "g"}),
@@ -399,6 +401,20 @@ def test_refused_requests_change_nothing(server):
     t0 = time.monotonic()
     status, out = http(server, "/generate", {"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 4}}, key=KEY)
     assert status == 200 and len(out["output_ids"]) <= 4 and time.monotonic() - t0 < 10
+
+
+@pytest.mark.parametrize("auth", [None, "Bearer wrong-key"], ids=["none", "wrong"])
+def test_generate_refuses_without_the_key_and_generates_nothing(server, auth):
+    def generated() -> int:
+        return http(server, "/get_server_info", key=KEY)[1]["internal_states"][0]["generated_tokens"]
+
+    before = generated()
+    headers = {"Authorization": auth} if auth else {}
+    body = {"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 4, "ignore_eos": True}}
+    status, resp = http(server, "/generate", body, headers=headers)
+    assert status == 401, resp
+    assert "output_ids" not in str(resp) and KEY not in str(resp)
+    assert generated() == before
 
 
 def test_key_as_query_parameter_is_not_accepted(server):

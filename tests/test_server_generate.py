@@ -150,9 +150,16 @@ async def test_stop_token_ids_end_generation_with_matched(server, http):
     stop = free["output_ids"][4]
     cut = free["output_ids"].index(stop) + 1
     out = await post(http, server, "/generate", {"input_ids": p, "sampling_params": {
+        "max_new_tokens": 12, "temperature": 0, "stop_token_ids": [stop]}})
+    if out["meta_info"]["finish_reason"]["matched"] == stop:
+        assert out["output_ids"] == free["output_ids"][:cut]
+    else:  # the model's EOS came first
+        assert len(out["output_ids"]) < cut
+    # As SGLang: ignore_eos turns stop_token_ids off too.
+    kept = await post(http, server, "/generate", {"input_ids": p, "sampling_params": {
         "max_new_tokens": 12, "temperature": 0, "ignore_eos": True, "stop_token_ids": [stop]}})
-    assert out["output_ids"] == free["output_ids"][:cut]
-    assert out["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop}
+    assert kept["output_ids"] == free["output_ids"]
+    assert kept["meta_info"]["finish_reason"] == {"type": "length", "length": 12}
 
 
 async def test_text_input_returns_text(server, http, tiny_model_dir):
@@ -202,6 +209,16 @@ async def test_info_routes_and_weight_version(server, http):
     out = await post(http, server, "/generate", {"input_ids": [5, 6], "sampling_params": {"max_new_tokens": 2}})
     minfo = await (await http.get(server.url + "/get_model_info")).json()
     assert info["weight_version"] == out["meta_info"]["weight_version"] == minfo["weight_version"] == "v7"
+
+
+async def test_get_weights_by_name_returns_the_first_rows(server, http, hf_model):
+    # SGLang's shape: tensor.tolist()[:truncate_size], i.e. rows of a 2-D weight.
+    state = hf_model.state_dict()
+    for name, n in (("model.layers.0.mlp.up_proj.weight", 3), ("model.norm.weight", 5), ("lm_head.weight", 2)):
+        got = await post(http, server, "/get_weights_by_name", {"name": name, "truncate_size": n})
+        assert torch.equal(torch.tensor(got), state[name][:n]), name
+    whole = await post(http, server, "/get_weights_by_name", {"name": "model.norm.weight", "truncate_size": 10**6})
+    assert torch.equal(torch.tensor(whole), state["model.norm.weight"])
 
 
 BAD_GENERATE = [

@@ -93,9 +93,12 @@ def max_logprob_error(model, prompt, out, temperature=1.0):
 
 async def test_api_key_is_required_except_for_health(server):
     async with aiohttp.ClientSession() as anon:
-        assert (await anon.get(server.url + "/health")).status == 200
-        for path in ("/get_server_info", "/health_generate"):
-            assert (await anon.get(server.url + path)).status == 401
+        # As SGLang: every path starting with /health is a probe that needs no key.
+        for path in ("/health", "/health_generate"):
+            assert (await anon.get(server.url + path)).status == 200
+        assert (await anon.get(server.url + "/get_server_info")).status == 401
+        for path in ("/update_weights_from_disk", "/update_weight_version", "/get_weights_by_name"):
+            assert (await anon.post(server.url + path, json={})).status == 401
         r = await anon.post(server.url + "/generate", json={"input_ids": [1]})
         assert r.status == 401
         r = await anon.post(server.url + "/generate", json={"input_ids": [1]},
@@ -165,6 +168,47 @@ async def test_pause_update_from_disk_continue(server, http, tiny_model_dir, see
     assert info["weight_version"] == "1" and info["model_path"] == str(seed1_dir)
 
 
+async def test_bad_checkpoint_from_disk_is_refused_and_keeps_the_old_weights(server, http, seed1_dir, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    good = load_file(str(seed1_dir / "model.safetensors"))
+    probes = ["model.embed_tokens.weight", "model.norm.weight", "model.layers.0.mlp.up_proj.weight"]
+
+    async def server_weights() -> dict[str, list]:
+        return {n: await post(http, server, "/get_weights_by_name", {"name": n, "truncate_size": 4}) for n in probes}
+
+    async def load(name: str, tensors: dict[str, torch.Tensor], status=200) -> dict:
+        d = tmp_path / name
+        shutil.copytree(seed1_dir, d)
+        save_file(tensors, str(d / "model.safetensors"), metadata={"format": "pt"})
+        return await post(http, server, "/update_weights_from_disk", {"model_path": str(d), "weight_version": name},
+                          status=status)
+
+    before = await server_weights()
+    version = (await (await http.get(server.url + "/get_server_info")).json())["weight_version"]
+    # Every other tensor differs from what the server holds: a partial copy would show.
+    shifted = {n: t + 0.5 for n, t in good.items()}
+    up = "model.layers.0.mlp.up_proj.weight"
+    bad_cases = [
+        ("shape", {**shifted, up: shifted[up][:-1]}, [up, "shape"]),
+        ("extra", {**shifted, "model.extra.weight": torch.zeros(3)}, ["model.extra.weight", "not a weight"]),
+        ("dtype", {**shifted, "model.norm.weight": shifted["model.norm.weight"].to(torch.int32)},
+         ["model.norm.weight", "torch.int32", str(good["model.norm.weight"].dtype)]),
+    ]
+    for case, tensors, needles in bad_cases:
+        bad = await load(case, tensors, status=400)
+        assert bad["success"] is False and all(x in bad["message"] for x in needles), (case, bad)
+        assert await server_weights() == before, case
+    info = await (await http.get(server.url + "/get_server_info")).json()
+    assert info["weight_version"] == version
+
+    # Another floating dtype is cast to the server's on load (SGLang does the same).
+    res = await load("float64", {n: t.double() for n, t in good.items()})
+    assert res["success"] is True, res
+    for n, values in (await server_weights()).items():
+        assert torch.equal(torch.tensor(values), good[n][:4].float()), n
+
+
 class Trainer:
     """Rank 0 of the weight-update group, as the trainer would be."""
 
@@ -228,7 +272,7 @@ async def test_update_weights_from_distributed(server, http, seed1_dir):
     for n in (b1[0], b1[-1], b2[0], b2[-1], "lm_head.weight"):
         src = new["model.embed_tokens.weight" if n == "lm_head.weight" else n]
         got = await post(http, server, "/get_weights_by_name", {"name": n, "truncate_size": 16})
-        assert torch.allclose(torch.tensor(got), src.flatten()[:16]), n
+        assert torch.allclose(torch.tensor(got), src[:16]), n
     updated = load_hf(seed1_dir, new)
     prompt = list(range(30, 40))
     out = await post(http, server, "/generate", {"input_ids": prompt, "return_logprob": True, "sampling_params": {
@@ -248,7 +292,7 @@ async def test_update_weights_from_distributed(server, http, seed1_dir):
                      status=400)
     assert bad["success"] is False and "model.no_such.weight" in bad["message"]
     got = await post(http, server, "/get_weights_by_name", {"name": target, "truncate_size": 8})
-    assert torch.allclose(torch.tensor(got), new[target].flatten()[:8])
+    assert torch.allclose(torch.tensor(got), new[target][:8])
     info = await (await http.get(server.url + "/get_server_info")).json()
     assert info["weight_version"] == "3"
 
@@ -256,7 +300,7 @@ async def test_update_weights_from_distributed(server, http, seed1_dir):
     ok = await push(http, server, trainer, [target], [final], version="4")
     assert ok["success"] is True
     got = await post(http, server, "/get_weights_by_name", {"name": target, "truncate_size": 8})
-    assert torch.allclose(torch.tensor(got), final.flatten()[:8])
+    assert torch.allclose(torch.tensor(got), final[:8])
 
     # A new-style begin/end bracket holds admission, like a pause.
     await post(http, server, "/begin_weight_update", {})

@@ -102,7 +102,7 @@ def client(server, loop_runner):
 
 def _server_tensor(run, client, name: str, n: int = 100_000) -> torch.Tensor:
     (values,) = run(client.get_weights_by_name(name, n)).values()
-    return torch.tensor(values, dtype=torch.float32)
+    return torch.tensor(values, dtype=torch.float32).flatten()
 
 
 def _assert_server_has(run, client, state: dict[str, torch.Tensor]) -> None:

@@ -119,7 +119,7 @@ def _post(addr: str, route: str, body: dict, key: str | None = KEY) -> tuple[int
 def _server_tensor(addr: str, name: str) -> torch.Tensor:
     status, values = _post(addr, "/get_weights_by_name", {"name": name, "truncate_size": 10**6})
     assert status == 200, values
-    return torch.tensor(values, dtype=torch.float32)
+    return torch.tensor(values, dtype=torch.float32).flatten()
 
 
 def _greedy(run, client, prompt: list[int], n: int = 8) -> tuple[list[int], set[int]]:

@@ -488,7 +488,9 @@ class EmbeddedServer:
             raise RequestError(f"{route}: truncate_size must be >= 1, got {n}")
         if name not in self.state:
             raise RequestError(f"{route}: {name!r} is not a weight of this model")
-        values = await self.runner.call(lambda: self.state[name].detach().flatten()[:n].float().cpu().tolist())
+        # As SGLang: the first `n` rows (of a 1-D tensor, the first `n` values), as nested lists.
+        t = torch.atleast_1d(self.state[name].detach())
+        values = await self.runner.call(lambda: t[:n].float().cpu().tolist())
         return web.json_response(values)
 
     async def update_weight_version(self, request: web.Request) -> web.Response:
@@ -538,7 +540,8 @@ def _make_middleware(api_key: str | None):
 
     @web.middleware
     async def middleware(request: web.Request, handler):
-        if expected is not None and request.path != "/health":
+        # As SGLang: the health probes (every path starting with /health) need no key.
+        if expected is not None and not request.path.startswith("/health"):
             got = request.headers.get("Authorization", "").encode()
             if not hmac.compare_digest(got, expected):
                 return _error("unauthorized: send 'Authorization: Bearer <api key>'", status=401)

@@ -22,7 +22,7 @@ class ServerArgs:
     random_seed: int = 0
     """Seeds the shared sampling generator (requests without ``sampling_seed``)."""
     api_key: str | None = None
-    """When set, every route except ``/health`` needs ``Authorization: Bearer <key>``."""
+    """When set, every route except the ``/health*`` probes needs ``Authorization: Bearer <key>``."""
     max_batch_size: int = 64
     """Most sequences decoded together; further requests queue."""
     context_length: int | None = None
@@ -57,7 +57,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, default=30000)
     p.add_argument("--dtype", default="auto", choices=DTYPES)
     p.add_argument("--random-seed", type=int, default=0)
-    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on every route but /health")
+    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on every route but /health*")
     p.add_argument("--max-batch-size", "--max-running-requests", dest="max_batch_size", type=int, default=64)
     p.add_argument("--context-length", type=int, default=None)
     p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))

@@ -108,9 +108,9 @@ class ModelRunner:
         if inp.sampling.sampling_seed is not None:
             gen = torch.Generator(device=self.device)
             gen.manual_seed(inp.sampling.sampling_seed)
-        stop = set(inp.sampling.stop_token_ids)
-        if not inp.sampling.ignore_eos:
-            stop |= self.eos_ids
+        # As SGLang's Req.check_finished: ignore_eos turns off every token stop,
+        # stop_token_ids included; only max_new_tokens (or an abort) ends the sequence.
+        stop = set() if inp.sampling.ignore_eos else set(inp.sampling.stop_token_ids) | self.eos_ids
         seq = Sequence(inp=inp, future=loop.create_future(), loop=loop, stop_ids=frozenset(stop), generator=gen)
         with self._cv:
             if self._stop:

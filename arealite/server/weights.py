@@ -2,7 +2,8 @@
 
 Every update is all-or-nothing: the new tensors are checked (names, shapes,
 dtypes) and fully received before any of them is copied into the model, so a
-bad update leaves the old weights serving.
+bad update leaves the old weights serving. Only a disk checkpoint may differ in
+dtype, and only float from float: it is cast to the model's dtype, as SGLang does.
 
 Process-group protocol (as SGLang's, see docs/internals.md): trainer rank 0
 hosts a ``TCPStore``; every server joins a group built over
@@ -126,12 +127,21 @@ def read_hf_dir(model_path: str) -> dict[str, torch.Tensor]:
 
 
 def check_full_checkpoint(state: dict[str, torch.Tensor], tensors: dict[str, torch.Tensor]) -> str | None:
-    """Why ``tensors`` is not a complete, matching checkpoint of the model, or None."""
+    """Why ``tensors`` is not a complete, matching checkpoint of the model, or None.
+
+    As in SGLang, a floating-point tensor may have another floating-point dtype
+    than the model's (the trainer writes its fp32 master weights; a bf16 server
+    casts them on load); any other dtype difference is refused.
+    """
     for name, t in tensors.items():
         if name not in state:
             return f"tensor {name!r} of the checkpoint is not a weight of this model"
-        if tuple(t.shape) != tuple(state[name].shape):
-            return f"tensor {name!r}: shape {list(t.shape)} does not match the model's {list(state[name].shape)}"
+        want = state[name]
+        if tuple(t.shape) != tuple(want.shape):
+            return f"tensor {name!r}: shape {list(t.shape)} does not match the model's {list(want.shape)}"
+        if t.dtype != want.dtype and not (t.dtype.is_floating_point and want.dtype.is_floating_point):
+            return (f"tensor {name!r}: dtype {t.dtype} does not match the model's {want.dtype} "
+                    "(only floating-point tensors are cast on load)")
     by_ptr: dict[int, list[str]] = {}
     for name, t in state.items():
         by_ptr.setdefault(t.data_ptr(), []).append(name)

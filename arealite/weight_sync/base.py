@@ -179,9 +179,8 @@ class ReadbackSample:
 
     The sample is drawn anew each version (seeded by it), so successive updates
     check different tensors. What is kept is what `get_weights_by_name`
-    returns: the first `VERIFY_TRUNCATE` rows (SGLang) of which the embedded server
-    returns the first `VERIFY_TRUNCATE` values; both are prefixes of
-    ``t[:VERIFY_TRUNCATE].flatten()``.
+    returns: the first `VERIFY_TRUNCATE` rows (SGLang and the embedded server),
+    compared flattened as ``t[:VERIFY_TRUNCATE].flatten()``.
     """
 
     def __init__(self, k: int, version: int):
