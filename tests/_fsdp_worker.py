@@ -3,8 +3,10 @@
 ``run(model_dir, out_dir)`` trains a few steps on a fixed global batch (each
 rank takes its own slice of rows; ranks get deliberately unequal work so that
 dummy micro-batches are exercised), saves a sharded checkpoint, takes one more
-step, reloads and retakes it, computes log-probs and exports a HF directory.
-Rank r writes ``result_rank{r}.pt``; tests/test_fsdp_dist.py compares worlds.
+step, reloads and retakes it, computes log-probs and exports a HF directory,
+then takes a PPO step with each sequence-mean loss aggregation (the ranks hold 5
+and 3 sequences, so a rank-local mean would show). Every process runs on the
+CPU (gloo), also on a GPU machine. Rank r writes ``result_rank{r}.pt``; tests/test_fsdp_dist.py compares worlds.
 
     torchrun --nproc_per_node 2 tests/_fsdp_worker.py MODEL_DIR OUT_DIR
 """
@@ -19,7 +21,8 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from arealite.config.schema import ActorConfig  # noqa: E402
+from arealite.algo.actor import PPOActor  # noqa: E402
+from arealite.config.schema import ActorConfig, AlgorithmConfig  # noqa: E402
 from arealite.engine.fsdp import FSDPEngine  # noqa: E402
 
 GLOBAL_B = 8
@@ -68,14 +71,15 @@ def run(model_dir: str, out_dir: str) -> None:
     cfg.optimizer.lr_scheduler = "cosine"
     cfg.optimizer.total_steps = 6
     cfg.optimizer.gradient_clipping = 0.5
-    engine = FSDPEngine(cfg).initialize()
+    engine = FSDPEngine(cfg, device="cpu").initialize()
     rank, world = engine.rank, engine.world_size
-    batch = global_batch(engine.hf_config.vocab_size)
     if world == 2:
         rows = slice(0, SPLIT) if rank == 0 else slice(SPLIT, GLOBAL_B)
-        batch = {k: v[rows] for k, v in batch.items()}
-    elif world != 1:
+    elif world == 1:
+        rows = slice(0, GLOBAL_B)
+    else:
         raise SystemExit("this scenario runs with 1 or 2 processes")
+    batch = {k: v[rows] for k, v in global_batch(engine.hf_config.vocab_size).items()}
 
     stats = [engine.train_batch(batch, token_mean_ce, n_loss_tokens) for _ in range(3)]
     ckpt = out / "ckpt"
@@ -88,9 +92,18 @@ def run(model_dir: str, out_dir: str) -> None:
     restored_3 = full_weights(engine)
     redo = engine.train_batch(batch, token_mean_ce, n_loss_tokens)
     redone_4 = full_weights(engine)
+    lr_redone = engine.optimizer.param_groups[0]["lr"]
     logp = engine.forward(batch, label_logprobs)
     engine.export_hf(out / "hf")
     engine.set_version(7)
+
+    # The real PPO loss, behaviour log-probs = the current ones, a different advantage per sequence.
+    advantages = torch.linspace(-1.0, 1.0, GLOBAL_B)[rows, None] * batch["loss_mask"]
+    ppo = {**batch, "logprobs": logp, "advantages": advantages}
+    seq_mean = {}
+    for mode in ("seq-mean-token-mean", "seq-mean-token-sum"):
+        actor = PPOActor(AlgorithmConfig(loss_agg_mode=mode, loss_agg_constant=16.0), engine, temperature=1.0)
+        seq_mean[mode] = engine.train_batch(ppo, actor.loss_fn(), actor.loss_weight_fn())
     torch.save(
         {
             "world": world,
@@ -100,9 +113,11 @@ def run(model_dir: str, out_dir: str) -> None:
             "restored_3": restored_3,
             "redone_4": redone_4,
             "lr_after_4": lr_after_4,
-            "lr_redone": engine.optimizer.param_groups[0]["lr"],
+            "lr_redone": lr_redone,
             "logp": logp,
-            "rows": (0, SPLIT) if world == 2 and rank == 0 else (SPLIT, GLOBAL_B) if world == 2 else (0, GLOBAL_B),
+            "seq_mean": seq_mean,
+            "after_seq_mean": full_weights(engine),
+            "rows": (rows.start, rows.stop),
         },
         out / f"result_rank{rank}.pt",
     )

@@ -20,8 +20,9 @@ fsdp = pytest.importorskip("arealite.engine.fsdp")
 def engines(micro_model_dir):
     cfg = ActorConfig(model_path=str(micro_model_dir), mb_max_tokens=24,
                       optimizer=OptimizerConfig(lr=2e-3, weight_decay=0.0))
-    actor_engine = fsdp.FSDPEngine(cfg).initialize(total_steps=10)
-    ref_engine = fsdp.FSDPEngine(cfg, frozen=True).initialize()
+    # On the CPU even on a GPU machine: the checks compare with a CPU forward.
+    actor_engine = fsdp.FSDPEngine(cfg, device="cpu").initialize(total_steps=10)
+    ref_engine = fsdp.FSDPEngine(cfg, frozen=True, device="cpu").initialize()
     yield actor_engine, ref_engine
     ref_engine.destroy()
     actor_engine.destroy()  # created the process group: destroys it last

@@ -1,18 +1,23 @@
 """FSDPEngine in one process (a world of one it creates itself), against plain HF PyTorch.
 
+Every engine here runs on the CPU (``device="cpu"``, gloo), GPU or not, so the
+comparisons with CPU references are exact; the CUDA path has its own ``gpu`` test.
 Multi-process equality, sharded resume and export under torchrun: test_fsdp_dist.py.
 """
 
 from __future__ import annotations
 
+import json
 import math
+import random
+import shutil
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
 from arealite.config.schema import ActorConfig
-from arealite.engine.fsdp import FSDPEngine
+from arealite.engine.fsdp import FSDPEngine, compute_dtype
 from arealite.engine.lr_schedule import lr_factor
 
 
@@ -74,7 +79,7 @@ def make_engine(micro_model_dir):
         cfg = ActorConfig(model_path=str(micro_model_dir), mb_max_tokens=opt.pop("mb_max_tokens", 24))
         for k, v in opt.items():
             setattr(cfg.optimizer, k, v)
-        e = FSDPEngine(cfg, frozen=frozen).initialize()
+        e = FSDPEngine(cfg, frozen=frozen, device="cpu").initialize()
         engines.append(e)
         return e
 
@@ -92,6 +97,7 @@ def test_packed_microbatches_equal_padded_loss_and_gradients(make_engine, micro_
     # Gradients stay on the parameters until the next step: read them after the token-mean step.
     stats = engine.train_batch(batch, token_mean_ce, n_tokens)
     assert stats["n_mbs"] >= 3  # the budget of 24 tokens forces several packed micro-batches
+    assert stats["n_tokens_computed"] == stats["n_tokens"]  # packing computes no padding
     grads = full_grads(engine)
 
     ref, logp, mask = hf_padded(micro_model_dir, batch)
@@ -218,7 +224,7 @@ def test_save_load_continue_equals_uninterrupted(micro_model_dir, tmp_path):
     def engine():
         cfg = ActorConfig(model_path=str(micro_model_dir), mb_max_tokens=24)
         cfg.optimizer.lr, cfg.optimizer.lr_scheduler, cfg.optimizer.total_steps = 1e-2, "cosine", 5
-        return FSDPEngine(cfg).initialize()
+        return FSDPEngine(cfg, device="cpu").initialize()
 
     a = engine()
     batch = make_batch(a.hf_config.vocab_size, LENGTHS)
@@ -226,8 +232,7 @@ def test_save_load_continue_equals_uninterrupted(micro_model_dir, tmp_path):
         a.train_batch(batch, token_mean_ce, n_tokens)
     a.set_version(2)
     a.save(tmp_path / "ckpt")
-    torch.manual_seed(123)  # RNG is restored by load
-    expected_rand = torch.rand(3)
+    rng_at_save = torch.get_rng_state(), random.getstate()
     losses_a = [a.train_batch(batch, token_mean_ce, n_tokens)["loss"] for _ in range(2)]
     weights_a = {n: t.clone() for b in a.named_weight_buckets(1 << 20) for n, t in b}
     lr_a = a.optimizer.param_groups[0]["lr"]
@@ -235,7 +240,9 @@ def test_save_load_continue_equals_uninterrupted(micro_model_dir, tmp_path):
 
     b = engine()
     torch.manual_seed(123)
+    random.seed(123)
     b.load(tmp_path / "ckpt")
+    assert torch.equal(torch.get_rng_state(), rng_at_save[0]) and random.getstate() == rng_at_save[1]
     assert b.get_version() == 2 and b.step_count == 2
     losses_b = [b.train_batch(batch, token_mean_ce, n_tokens)["loss"] for _ in range(2)]
     weights_b = {n: t for bk in b.named_weight_buckets(1 << 20) for n, t in bk}
@@ -243,7 +250,6 @@ def test_save_load_continue_equals_uninterrupted(micro_model_dir, tmp_path):
     assert all(torch.equal(weights_a[n], weights_b[n]) for n in weights_a)
     assert b.optimizer.param_groups[0]["lr"] == lr_a < 1e-2
     b.destroy()
-    assert not torch.equal(expected_rand, torch.rand(3))  # sanity: the RNG moved on
 
 
 def test_bad_inputs_fail_with_clear_errors(make_engine, tmp_path):
@@ -262,6 +268,8 @@ def test_bad_inputs_fail_with_clear_errors(make_engine, tmp_path):
         engine.load(tmp_path / "nothing")
     with pytest.raises(ValueError, match="model_path"):
         FSDPEngine(ActorConfig())
+    with pytest.raises(ValueError, match="device='gpu'"):
+        FSDPEngine(engine.config, device="gpu")
 
 
 def test_gradient_checkpointing_and_bf16_options(micro_model_dir):
@@ -272,7 +280,7 @@ def test_gradient_checkpointing_and_bf16_options(micro_model_dir):
         cfg = ActorConfig(model_path=str(micro_model_dir), mb_max_tokens=24, **opts)
         cfg.optimizer.gradient_clipping = 0.0
         cfg.optimizer.lr = 1e-2
-        e = FSDPEngine(cfg).initialize()
+        e = FSDPEngine(cfg, device="cpu").initialize()
         try:
             batch = TensorDict(make_batch(e.hf_config.vocab_size, LENGTHS), batch_size=[len(LENGTHS)])
             losses = [e.train_batch(batch, token_mean_ce, n_tokens)["loss"]]
@@ -280,29 +288,58 @@ def test_gradient_checkpointing_and_bf16_options(micro_model_dir):
             losses += [e.train_batch(batch, token_mean_ce, n_tokens)["loss"] for _ in range(2)]
             dtypes = {p.dtype for p in e.model.parameters()}
             assert e.model.is_activation_checkpointing == opts.get("gradient_checkpointing", False)
-            return losses, g, dtypes
+            return losses, g, (e.dtype, dtypes)
         finally:
             e.destroy()
 
-    plain_losses, plain_grads, _ = grads_with()
+    plain_losses, plain_grads, (plain_dtype, _) = grads_with()
+    assert plain_dtype == torch.float32  # dtype `auto` on the CPU
     ckpt_losses, ckpt_grads, _ = grads_with(gradient_checkpointing=True)
     assert ckpt_losses == pytest.approx(plain_losses, abs=1e-6)
     for n, g in plain_grads.items():
         assert (ckpt_grads[n] - g).abs().max().item() <= 1e-6, n
     bf16_losses, _, dtypes = grads_with(dtype="bfloat16")
-    assert dtypes == {torch.float32}
+    assert dtypes == (torch.bfloat16, {torch.float32})
     assert bf16_losses[0] == pytest.approx(plain_losses[0], abs=5e-2)  # bf16 rounding only
     assert bf16_losses[-1] < bf16_losses[0]
 
 
+def test_auto_dtype_is_bf16_on_cuda_and_fp32_on_cpu():
+    assert compute_dtype("auto", "cuda") == torch.bfloat16
+    assert compute_dtype("auto", "cpu") == torch.float32
+    assert compute_dtype("bfloat16", "cpu") == torch.bfloat16
+    assert compute_dtype("float32", "cuda") == torch.float32
+
+
+def test_dropout_is_off_in_forward_and_training(micro_model_dir, tmp_path):
+    """A model configured with dropout scores deterministically, and the training forward
+    (where the PPO loss takes its proximal log-probs) scores exactly as forward() does."""
+    model_dir = tmp_path / "with_dropout"
+    shutil.copytree(micro_model_dir, model_dir)
+    hf_config = json.loads((model_dir / "config.json").read_text())
+    hf_config["attention_dropout"] = 0.5
+    (model_dir / "config.json").write_text(json.dumps(hf_config))
+    engine = FSDPEngine(ActorConfig(model_path=str(model_dir), mb_max_tokens=24), device="cpu").initialize()
+    try:
+        batch = make_batch(engine.hf_config.vocab_size, LENGTHS, seed=3)
+        logp = engine.forward(batch, label_logp)
+        assert torch.equal(engine.forward(batch, label_logp), logp)
+        assert engine.model.training  # forward restored the mode
+        stats = engine.train_batch(batch, token_mean_ce, n_tokens)
+        assert abs(stats["loss"] + logp[batch["loss_mask"]].mean().item()) <= 1e-5
+        assert engine.hf_config.attention_dropout == 0.5  # the config export_hf writes is the user's
+    finally:
+        engine.destroy()
+
+
 @pytest.mark.gpu
 def test_cuda_bf16_training_and_forward(micro_model_dir):
-    """CUDA path: NCCL group, bf16 compute with fp32 reduction and fp32 master weights."""
-    cfg = ActorConfig(model_path=str(micro_model_dir), dtype="bfloat16", mb_max_tokens=24)
+    """CUDA path: NCCL group, bf16 compute (dtype `auto`) with fp32 reduction and fp32 master weights."""
+    cfg = ActorConfig(model_path=str(micro_model_dir), mb_max_tokens=24)
     cfg.optimizer.lr = 1e-2
     engine = FSDPEngine(cfg).initialize()
     try:
-        assert engine.device.type == "cuda"
+        assert engine.device.type == "cuda" and engine.dtype == torch.bfloat16
         batch = make_batch(engine.hf_config.vocab_size, LENGTHS)
         losses = [engine.train_batch(batch, token_mean_ce, n_tokens)["loss"] for _ in range(4)]
         assert losses[-1] < losses[0]

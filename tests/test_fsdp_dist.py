@@ -3,7 +3,8 @@
 The scenario lives in tests/_fsdp_worker.py: a few steps on one global batch
 (rank 0 gets long sequences, rank 1 short ones, so rank 1 runs dummy
 micro-batches), a sharded checkpoint, reload and retake of a step, log-probs,
-and a Hugging Face export.
+a Hugging Face export, and PPO steps with sequence-mean loss aggregation. All on
+the CPU (gloo), also on a GPU machine.
 """
 
 from __future__ import annotations
@@ -76,6 +77,24 @@ def test_two_ranks_match_one_process(two_rank_results, one_rank_results):
     # Log-probs of each rank's rows equal the 1-process log-probs of the same rows.
     logp_2 = torch.cat([r0["logp"], r1["logp"]])
     assert (logp_2 - single["logp"]).abs().max().item() <= 1e-5
+
+
+@pytest.mark.slow
+def test_two_ranks_match_one_process_with_sequence_mean_ppo_loss(two_rank_results, one_rank_results):
+    """Rank 0 holds 5 long sequences in 5 micro-batches, rank 1 3 short ones (and dummies):
+    the step must still minimise the mean over all 8 sequences, as one process does."""
+    _, (r0, r1) = two_rank_results
+    single = one_rank_results
+    assert set(single["seq_mean"]) == {"seq-mean-token-mean", "seq-mean-token-sum"}
+    for mode, s1 in single["seq_mean"].items():
+        s2 = r0["seq_mean"][mode]
+        assert s2["n_seqs"] == s1["n_seqs"] == 8, mode
+        assert s2["n_tokens_computed"] > s2["n_tokens"] == s1["n_tokens_computed"], mode  # rank 1 ran dummies
+        assert abs(s2["loss"] - s1["loss"]) <= 1e-5, mode
+        assert abs(s2["grad_norm"] - s1["grad_norm"]) <= 1e-5, mode
+    assert _max_diff(r0["after_seq_mean"], r1["after_seq_mean"]) == 0.0
+    assert _max_diff(r0["after_seq_mean"], single["after_seq_mean"]) <= 1e-5
+    assert _max_diff(single["after_seq_mean"], single["redone_4"]) > 1e-6  # the PPO steps moved the weights
 
 
 @pytest.mark.slow

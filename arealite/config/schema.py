@@ -128,7 +128,7 @@ class ServerConfig(Section):
     base_port: int = Field(0, ge=0, le=65535)
     """First port to try (0 = pick free ports)."""
     api_key: str | None = Field(None, min_length=1)
-    """If set, every request must carry `Authorization: Bearer <api_key>`; never logged."""
+    """If set, every request except the `/health*` probes must carry `Authorization: Bearer <api_key>`; never logged."""
     random_seed: int | None = None
     """Server sampling seed (None = `experiment.seed`)."""
     max_batch_size: int = Field(64, ge=1)
@@ -227,8 +227,9 @@ class OptimizerConfig(Section):
 class ActorConfig(Section):
     model_path: str = ""
     """Hugging Face model directory to train (config.json, safetensors, tokenizer)."""
-    dtype: Literal["float32", "bfloat16"] = "float32"
-    """Parameter dtype during compute; on CUDA bf16 params reduce in fp32."""
+    dtype: Literal["auto", "float32", "bfloat16"] = "auto"
+    """Compute dtype of the parameters; `auto` = bfloat16 on CUDA, float32 on CPU. Master
+    weights, optimizer state and the gradient reduction over ranks stay float32."""
     optimizer: OptimizerConfig = Field(default_factory=OptimizerConfig)
     """Optimizer and LR schedule."""
     mb_max_tokens: int = Field(8192, ge=1)

@@ -8,6 +8,10 @@ It knows nothing of PPO or GRPO: the algorithm lives in ``arealite.algo``.
 Launch under ``torchrun`` (one process per GPU; gloo processes on CPU), or in a
 plain process: ``initialize()`` then creates a world of one.
 
+Dropout is off, in training as in ``forward``: the PPO loss takes the proximal
+log-probs from the training forward itself (``arealite.algo.actor``), so that
+forward must score tokens exactly as ``forward`` and the inference servers do.
+
 Layout of the data it is given and of the micro-batches it hands to loss
 functions (``mb``): see docs/internals.md and ``arealite.engine.packing``.
 
@@ -21,6 +25,7 @@ transformers 5, and a block-diagonal mask costs T x T per micro-batch.)
 
 from __future__ import annotations
 
+import copy
 import logging
 import math
 import os
@@ -43,7 +48,7 @@ from arealite.engine.packing import (
     unpack,
 )
 from arealite.utils.buckets import buckets_of
-from arealite.utils.dist import default_backend, init_default_group
+from arealite.utils.dist import default_backend, init_default_group, resolve_device_type
 
 logger = logging.getLogger(__name__)
 
@@ -61,13 +66,18 @@ class FSDPEngine:
 
     ``frozen=True`` builds a reference model: no optimizer, eval mode, no
     gradients; only ``forward`` (and weight export) is available.
+    ``device``: ``auto`` (CUDA and NCCL when available), ``cpu`` (gloo, even on
+    a GPU machine) or ``cuda``.
     """
 
-    def __init__(self, config: ActorConfig, frozen: bool = False):
+    def __init__(self, config: ActorConfig, frozen: bool = False, device: str = "auto"):
         if not config.model_path:
             raise ValueError("actor.model_path is empty; set it to a Hugging Face model directory")
+        if device not in ("auto", "cpu", "cuda"):
+            raise ValueError(f"FSDPEngine device={device!r} is not one of auto, cpu, cuda")
         self.config = config
         self.frozen = frozen
+        self._device_choice = device
         self.model: torch.nn.Module | None = None
         self.optimizer: torch.optim.Optimizer | None = None
         self.lr_scheduler = None
@@ -75,6 +85,7 @@ class FSDPEngine:
         self.rank = 0
         self.world_size = 1
         self.device = torch.device("cpu")
+        self.dtype = torch.float32  # compute dtype, resolved from actor.dtype by initialize()
         self._owns_group = False
         self._version = 0
         self._step = 0  # optimizer steps taken (skipped steps excluded)
@@ -99,19 +110,27 @@ class FSDPEngine:
             raise FileNotFoundError(
                 f"actor.model_path={str(path)!r} has no config.json; it must be a Hugging Face model directory"
             )
-        backend = default_backend()
+        device_type = resolve_device_type(self._device_choice)
+        backend = default_backend(device_type)
         self._owns_group = init_default_group(backend)
+        if dist.get_backend() != backend:
+            raise ValueError(
+                f"FSDPEngine(device={self._device_choice!r}) computes on {device_type}, which needs a {backend} "
+                f"process group, but the existing default group is {dist.get_backend()}"
+            )
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
-        device_type = "cuda" if dist.get_backend() == "nccl" else "cpu"
         if device_type == "cuda":
             self.device = torch.device("cuda", torch.cuda.current_device())
         self.mesh = init_device_mesh(device_type, (self.world_size,), mesh_dim_names=("dp",))
+        self.dtype = compute_dtype(self.config.dtype, device_type)
 
         self.hf_config = AutoConfig.from_pretrained(path)
         self._pad_id = int(self.hf_config.pad_token_id or 0)
         # Master weights are fp32 always; `dtype` only sets the compute dtype.
+        # `hf_config` stays as the user wrote it (export_hf saves it); the model gets a dropout-free copy.
         model = AutoModelForCausalLM.from_pretrained(
-            path, dtype=torch.float32, attn_implementation=register_varlen_attention()
+            path, config=_without_dropout(self.hf_config), dtype=torch.float32,
+            attn_implementation=register_varlen_attention(),
         )
         model.config.use_cache = False
         if self.config.gradient_checkpointing and not self.frozen:
@@ -124,9 +143,9 @@ class FSDPEngine:
 
         # With one rank a shard is the whole tensor: re-gathering it for backward is pure copying.
         kwargs: dict[str, Any] = {"mesh": self.mesh, "reshard_after_forward": self.world_size > 1}
-        if self.config.dtype == "bfloat16":
-            # bf16 compute, fp32 gradient reduction: the sum over ranks keeps its precision.
-            kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        if self.dtype != torch.float32:
+            # Low-precision compute, fp32 gradient reduction: the sum over ranks keeps its precision.
+            kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=self.dtype, reduce_dtype=torch.float32)
         if self.config.cpu_offload:
             if device_type == "cpu":
                 logger.info("actor.cpu_offload has no effect on CPU: parameters already live there")
@@ -162,7 +181,7 @@ class FSDPEngine:
             )
         logger.info(
             "FSDPEngine ready: rank %d/%d on %s, %d decoder layers sharded, dtype=%s, frozen=%s",
-            self.rank, self.world_size, device_type, len(layers), self.config.dtype, self.frozen,
+            self.rank, self.world_size, device_type, len(layers), self.dtype, self.frozen,
         )
         return self
 
@@ -264,8 +283,11 @@ class FSDPEngine:
         all micro-batches of all ranks) times the world size, which cancels
         FSDP's averaging of gradients over ranks: the step minimises exactly
         the global weighted mean. A non-finite gradient norm skips the update.
-        Returns ``grad_norm, lr, loss, n_tokens, n_seqs, n_mbs, skipped`` and the
-        weighted mean of each stat the loss put in ``mb["_stats"]``.
+        Returns ``grad_norm, lr, loss, n_tokens, n_tokens_computed, n_seqs,
+        n_mbs, skipped`` and the weighted mean of each stat the loss put in
+        ``mb["_stats"]``. ``n_tokens`` counts real tokens, ``n_tokens_computed``
+        the tokens the forward passes ran (packing adds no padding; a dummy
+        micro-batch runs one token); both are sums over ranks.
         """
         self._require(train=True)
         data = self._as_dict(batch)
@@ -274,13 +296,21 @@ class FSDPEngine:
         for mb, _ in plan:
             weights.append(0.0 if mb is None else _as_weight(loss_weight_fn(mb)))
         totals = torch.tensor(
-            [sum(weights), sum(i.total_tokens for _, i in plan if i), sum(len(i.rows) for _, i in plan if i)],
+            [
+                sum(weights),
+                sum(i.total_tokens for _, i in plan if i),
+                sum(i.total_tokens if i else 1 for _, i in plan),
+                sum(len(i.rows) for _, i in plan if i),
+            ],
             dtype=torch.float64, device=self.device,
         )
         dist.all_reduce(totals)
-        total_weight, n_tokens, n_seqs = (float(x) for x in totals.tolist())
+        total_weight, n_tokens, n_computed, n_seqs = (float(x) for x in totals.tolist())
         lr = self.optimizer.param_groups[0]["lr"]
-        base = {"lr": lr, "n_tokens": n_tokens, "n_seqs": n_seqs, "n_mbs": float(len(plan))}
+        base = {
+            "lr": lr, "n_tokens": n_tokens, "n_tokens_computed": n_computed, "n_seqs": n_seqs,
+            "n_mbs": float(len(plan)),
+        }
 
         self.optimizer.zero_grad(set_to_none=True)
         if total_weight <= 0:
@@ -371,16 +401,22 @@ class FSDPEngine:
         ``post_hook(logits [T, V], mb) -> [T]`` scores ``labels``; the value of
         ``labels[t]`` lands at the position of that token, so ``out[b, j]``
         belongs to ``input_ids[b, j]`` and position 0 of each row is 0.
+        Runs in eval mode (the model's mode is restored after).
         """
         self._require()
         data = self._as_dict(batch)
         out = torch.zeros(data["input_ids"].shape, dtype=out_dtype)
-        for mb, index in self._plan(data):
-            logits = self._logits(mb)
-            if mb is None:
-                continue
-            values = post_hook(logits, mb)
-            unpack(values.detach().to("cpu"), index, out)
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            for mb, index in self._plan(data):
+                logits = self._logits(mb)
+                if mb is None:
+                    continue
+                values = post_hook(logits, mb)
+                unpack(values.detach().to("cpu"), index, out)
+        finally:
+            self.model.train(was_training)
         return out.to(data["input_ids"].device)
 
     # ------------------------------------------------------------ checkpoints
@@ -513,6 +549,28 @@ class FSDPEngine:
                 yield name, (t.full_tensor() if hasattr(t, "full_tensor") else t)
 
         yield from buckets_of(full_weights(), bucket_bytes)
+
+
+def compute_dtype(name: str, device_type: str) -> torch.dtype:
+    """The compute dtype ``actor.dtype`` means on ``device_type``: ``auto`` is bf16 on CUDA, fp32 on CPU."""
+    if name == "auto":
+        return torch.bfloat16 if device_type == "cuda" else torch.float32
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16}[name]
+
+
+def _without_dropout(hf_config: Any) -> Any:
+    """A copy of a HF model config with every dropout probability set to 0.
+
+    Architectures name them differently (``attention_dropout``, ``hidden_dropout``,
+    ``resid_pdrop``, ...) and read them at construction, some as ``nn.Dropout``
+    modules and some as floats passed to the attention function; zeroing them in
+    the config covers both.
+    """
+    config = copy.deepcopy(hf_config)
+    for key, value in config.to_dict().items():
+        if ("dropout" in key or "pdrop" in key) and isinstance(value, float):
+            setattr(config, key, 0.0)
+    return config
 
 
 def _decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:

@@ -13,9 +13,27 @@ import torch.distributed as dist
 logger = logging.getLogger(__name__)
 
 
-def default_backend() -> str:
-    """``nccl`` when CUDA is available, else ``gloo``."""
-    return "nccl" if torch.cuda.is_available() else "gloo"
+def resolve_device_type(device: str = "auto") -> str:
+    """The device type a trainer process computes on, ``cuda`` or ``cpu``.
+
+    ``auto`` follows the default process group if one exists (NCCL: cuda,
+    gloo: cpu), else takes CUDA when available. ``cpu`` keeps a process on the
+    CPU (and gloo) even on a GPU machine.
+    """
+    if device == "auto":
+        if dist.is_initialized():
+            return "cuda" if dist.get_backend() == "nccl" else "cpu"
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if device not in ("cpu", "cuda"):
+        raise ValueError(f"device={device!r} is not one of auto, cpu, cuda")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device='cuda' but no CUDA device is available; use 'cpu' or 'auto'")
+    return device
+
+
+def default_backend(device_type: str | None = None) -> str:
+    """``nccl`` for ``cuda``, ``gloo`` for ``cpu`` (None: the device ``resolve_device_type`` picks)."""
+    return "nccl" if (device_type or resolve_device_type()) == "cuda" else "gloo"
 
 
 def free_port(host: str = "127.0.0.1") -> int:
