@@ -1,6 +1,7 @@
-"""Checkpoint and recovery of a killed run: atomic checkpoints, recover.mode, and exact
-per-prompt accounting across kills (SIGKILL inside a checkpoint write, and from outside
-at a random moment) of the real launcher + torchrun trainer + embedded server.
+"""Checkpoint and recovery of a killed run: atomic checkpoints, recover.mode, checkpoints
+by steps and by seconds, and exact per-prompt accounting across kills (SIGKILL before,
+during and after a checkpoint write, and from outside at a random moment) of the real
+launcher + torchrun trainer + embedded server.
 """
 
 from __future__ import annotations
@@ -13,11 +14,13 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.request
 from pathlib import Path
+from typing import Iterator
 
 import pytest
 
-from conftest import REPO
+from conftest import REPO, free_port
 
 from arealite.config.schema import RecoverConfig, RolloutConfig, SaverConfig
 from arealite.data.dataset import StatefulDataLoader
@@ -185,6 +188,21 @@ def test_recover_modes(parts, tmp_path):
     assert _ckpt(root, mode="required").maybe_resume(parts.engine, parts.controller, parts.loader) == 2
 
 
+def test_checkpoints_by_seconds(parts, tmp_path):
+    """saver.freq_secs: due once that many seconds have passed since the start or the last save
+    (a real clock: the Checkpointer takes none from outside)."""
+    root = tmp_path / "ckpt"
+    ck = Checkpointer(root, SaverConfig(freq_secs=1.0), RecoverConfig())
+    assert not ck.due(1)
+    time.sleep(1.0)
+    assert ck.due(2)
+    assert ck.maybe_save(2, parts.engine, parts.controller, parts.loader) == root / "step_2"
+    assert not ck.due(3), "the clock starts again at every save"
+    assert ck.maybe_save(3, parts.engine, parts.controller, parts.loader) is None
+    both = Checkpointer(root, SaverConfig(freq_steps=4, freq_secs=3600), RecoverConfig())
+    assert both.due(4) and not both.due(5), "with freq_steps set too, either one makes a save due"
+
+
 _KILL_SCRIPT = r"""
 import sys
 sys.path.insert(0, sys.argv[3])
@@ -216,6 +234,7 @@ def test_killed_inside_a_checkpoint_write(micro_model_dir, tmp_path, fault, late
 # ------------------------------------------------ the real run: kill it, re-run it
 
 STEPS, BATCH, N_PROMPTS, ETA = 16, 8, 64, 2  # 8 steps per epoch: two epochs
+FREQ = 2  # saver.freq_steps
 
 
 @pytest.fixture(scope="module")
@@ -236,15 +255,50 @@ def _args(demo_dir: Path, runs: Path, *overrides: str) -> list[str]:
         f"actor.model_path={demo_dir / 'model'}", f"data.train_path={demo_dir / 'train.jsonl'}",
         "data.eval_path=null", "evaluation.freq_steps=null", "evaluation.max_prompts=null",
         "launch.n_trainer_procs=2", f"rollout.consumer_batch_size={BATCH}", "generation.n_samples=2",
-        f"rollout.max_head_offpolicyness={ETA}", "saver.freq_steps=2", "saver.keep_last=2",
+        f"rollout.max_head_offpolicyness={ETA}", f"saver.freq_steps={FREQ}", "saver.keep_last=2",
         "saver.export_hf_at_end=false", f"data.max_train_steps={STEPS}", "stats.progress_bar=false",
         "stats.plot=false", *overrides,
     ]
 
 
-def _launch(demo_dir: Path, runs: Path, log: Path, fault: str = "") -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "arealite.launcher.local", "examples/rlvr/train.py", *_args(demo_dir, runs)]
-    env = _env(AREALITE_FAULT=fault) if fault else _env()
+@pytest.fixture(scope="module")
+def demo_server(demo_dir, tmp_path_factory) -> Iterator[str]:
+    """One embedded server, started as the launcher starts it, that outlives every killed
+    trainer (as servers do on a cluster); the runs use it with ``launch.n_servers=0``.
+    It saves a server start (a third of a launch) per run."""
+    from arealite.config.loader import load_config
+    from arealite.launcher.server_cmd import server_command
+
+    cfg = load_config(REPO / "examples/reverse_digits/config.yaml", [f"actor.model_path={demo_dir / 'model'}"],
+                      check_paths=False)
+    port = free_port()
+    addr = f"{cfg.server.host}:{port}"
+    log = tmp_path_factory.mktemp("server") / "server.log"
+    proc = subprocess.Popen(server_command(cfg, port), cwd=REPO, env=_env(), stdout=open(log, "wb"),
+                            stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not _healthy(addr):
+            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
+            time.sleep(0.2)
+        yield addr
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(10)
+
+
+def _healthy(addr: str) -> bool:
+    try:
+        with urllib.request.urlopen(f"http://{addr}/health", timeout=1) as r:
+            return r.status == 200
+    except OSError:
+        return False
+
+
+def _launch(demo_dir: Path, runs: Path, log: Path, server: str, fault: str = "") -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "arealite.launcher.local", "examples/rlvr/train.py",
+           *_args(demo_dir, runs, "launch.n_servers=0")]
+    env = _env(AREALITE_SERVER_ADDRS=server, AREALITE_FAULT=fault)  # an empty AREALITE_FAULT: no fault
     return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=open(log, "w"), stderr=subprocess.STDOUT)
 
 
@@ -265,67 +319,95 @@ def _run_records(stats: Path, run_index: int = -1) -> list[dict]:
 
 
 @pytest.mark.slow
-def test_killed_runs_resume_and_train_every_prompt_exactly_once(demo_dir, tmp_path):
+def test_killed_runs_resume_and_train_every_prompt_exactly_once(demo_dir, demo_server, tmp_path):
     runs = tmp_path / "runs"
     run = runs / "reverse_digits" / "recovery"
     stats, ckpts = run / "stats.jsonl", run / "checkpoints"
     seed = int(os.environ.get("AREALITE_TEST_SEED", time.time_ns() % 10_000))
     rng = random.Random(seed)
-    why = f"(random seed {seed}; AREALITE_TEST_SEED={seed} repeats it)"
+
+    # Killed by itself (rank 0, the one that renames) before, during and after writing a
+    # checkpoint, each at a random checkpoint step, each run resuming before the next one's
+    # kill point: (AREALITE_FAULT, the step the next run resumes from, the checkpoints left).
+    before = rng.choice([2 * FREQ, 3 * FREQ])
+    during = rng.choice([before, before + FREQ])
+    after = rng.choice([during, during + FREQ])
+    faults = [
+        # its stats record written, its checkpoint not: resumes from the one before
+        (f"step:{before}", before - FREQ, [before - 2 * FREQ, before - FREQ]),
+        # every rank's shards on disk, not renamed: step_N.tmp, which does not count
+        (f"ckpt_write:{during}", during - FREQ, [during - 2 * FREQ, during - FREQ, f"{during}.tmp"]),
+        # renamed, the old ones not yet pruned: it counts
+        (f"ckpt_renamed:{after}", after, [after - 2 * FREQ, after - FREQ, after]),
+    ]
+    # Then SIGKILLed from outside at a random moment after a random step.
+    target = rng.randint(after + 1, after + 2 * FREQ)
+    why = (f"(kills at {[f for f, _, _ in faults]}, then after step {target}; random seed {seed}: "
+           f"AREALITE_TEST_SEED={seed} repeats it)")
+    print(why)
+
+    def trainer_log() -> str:
+        return (run / "logs" / "trainer.log").read_text()
 
     def out(log: Path) -> str:
-        return log.read_text()[-3000:] + (run / "logs" / "trainer.log").read_text()[-3000:]
+        return log.read_text()[-3000:] + trainer_log()[-3000:]
 
-    # 1. Killed by itself in the middle of writing checkpoint 6 (shards on disk, not renamed).
-    log1 = tmp_path / "run1.log"
-    p = _launch(demo_dir, runs, log1, fault="ckpt_write:6")
-    assert p.wait(300) != 0, out(log1)
-    assert {d.name for d in ckpts.iterdir()} == {"step_2", "step_4", "step_6.tmp"}, out(log1)
+    def check_resumed(log: Path, step: int | None) -> None:
+        if step is not None:  # None: the first run, which starts fresh
+            assert f"resumed from {ckpts / f'step_{step}'} (step {step})" in log.read_text(), f"{out(log)} {why}"
 
-    # 2. The same command resumes from step 4; SIGKILL its trainer workers at a random moment.
-    log2 = tmp_path / "run2.log"
-    p = _launch(demo_dir, runs, log2)
-    target = rng.randint(5, 12)
+    resume_at = None
+    for i, (fault, next_resume_at, left) in enumerate(faults):
+        log = tmp_path / f"run{i}.log"
+        p = _launch(demo_dir, runs, log, demo_server, fault=fault)
+        assert p.wait(300) != 0, f"{out(log)} {why}"
+        check_resumed(log, resume_at)
+        assert f"kills itself at {fault}" in trainer_log(), f"{out(log)} {why}"
+        assert {d.name for d in ckpts.iterdir()} == {f"step_{s}" for s in left if s != 0}, f"{out(log)} {why}"
+        resume_at = next_resume_at
+
+    log = tmp_path / "run_sigkill.log"
+    p = _launch(demo_dir, runs, log, demo_server)
     try:
         deadline = time.monotonic() + 300
         while time.monotonic() < deadline and p.poll() is None:
             # Only this run's steps count: until it writes its start record, the records on
-            # disk are the first run's, which already went past some of the targets.
-            done = [r["step"] for r in _run_records(stats, run_index=1) if accounting.IDS in r]
+            # disk are the previous run's, which may already have gone past the target.
+            done = [r["step"] for r in _run_records(stats, run_index=len(faults)) if accounting.IDS in r]
             if done and max(done) >= target:
                 break
             time.sleep(0.02)
         time.sleep(rng.uniform(0.0, 0.3))  # somewhere before, during or after the next checkpoint
         workers = trainer_workers(p.pid)
-        assert workers, f"no trainer workers found {why}\n" + out(log2)
+        assert workers, f"no trainer workers found {why}\n" + out(log)
         for pid in workers:
             os.kill(pid, signal.SIGKILL)
-        assert p.wait(120) != 0, f"the run was not killed {why}\n" + out(log2)
+        assert p.wait(120) != 0, f"the run was not killed {why}\n" + out(log)
     finally:
         if p.poll() is None:
             p.kill()
-    assert "resumed from" in log2.read_text() and "step_4" in log2.read_text(), out(log2)
-    killed_at = max(r["step"] for r in _run_records(stats) if accounting.IDS in r)
+    check_resumed(log, resume_at)
 
-    # 3. The same command again: it finishes.
-    log3 = tmp_path / "run3.log"
-    p = _launch(demo_dir, runs, log3)
-    assert p.wait(300) == 0, out(log3)
-    assert "resumed from" in log3.read_text(), out(log3)
+    # The same command again: it finishes.
+    log = tmp_path / "run_last.log"
+    p = _launch(demo_dir, runs, log, demo_server)
+    assert p.wait(300) == 0, f"{out(log)} {why}"
+    assert "resumed from" in log.read_text(), out(log)
 
     acc = prompt_accounting(stats, expected_ids=range(N_PROMPTS))
-    assert acc.runs == 3 and acc.finished and acc.steps == list(range(1, STEPS + 1)), why
+    assert acc.runs == len(faults) + 2 and acc.finished and acc.steps == list(range(1, STEPS + 1)), why
     for ep, rep in acc.epochs.items():
         assert rep.duplicated == [], f"epoch {ep}: prompts trained more than once: {rep.duplicated} {why}"
     for ep in (0, 1):  # 16 steps x 8 prompts: both epochs handed out, every prompt exactly once
         rep = acc.epochs[ep]
         assert rep.handed_out and rep.exact and rep.dropped == [], f"epoch {ep}: {rep} {why}"
     assert sum(r.trained for r in acc.epochs.values()) == STEPS * BATCH
-    # Work was really re-done, and the staleness bound held everywhere, right after each resume too.
+    # Work was really re-done, and the staleness bound held in every run, from its first step
+    # after the resume on.
     all_steps = [json.loads(line) for line in stats.read_text().splitlines() if accounting.IDS in line]
-    assert len(all_steps) > STEPS, f"nothing was re-done (killed at step {killed_at}) {why}"
+    assert len(all_steps) > STEPS, f"nothing was re-done {why}"
     for r in all_steps:
-        assert r["rollout/staleness_max"] <= ETA and len(r[accounting.IDS]) == BATCH, r
+        assert r["rollout/staleness_max"] <= ETA and len(r[accounting.IDS]) == BATCH, f"{r} {why}"
     assert {d.name for d in ckpts.iterdir()} == {"step_14", "step_16"}  # no .tmp/.trash left
 
 

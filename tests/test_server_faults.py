@@ -6,8 +6,8 @@ or hangs (SIGSTOP) is dropped and the run goes on with the others.
 - generation: requests to a hung server time out and complete on the other one;
 - launcher: a dying server is logged and the run continues; the last one (or any, with
   `launch.on_server_death=stop`) stops it with exit 3;
-- end to end: the demo's training script loses one of two servers mid-run and still
-  trains every step on the full number of trajectories.
+- end to end: the demo's training script loses one of two servers mid-run, with requests
+  in flight on it, and still trains every prompt of the epoch exactly once.
 """
 
 from __future__ import annotations
@@ -32,6 +32,8 @@ from arealite.api.types import GenerationRequest, SamplingParams
 from arealite.config.schema import RolloutConfig, WeightSyncConfig
 from arealite.engine.sglang_remote import RemoteSGLangEngine
 from arealite.launcher.local import ExitCode
+from arealite.utils import accounting
+from arealite.utils.accounting import prompt_accounting
 from arealite.weight_sync import DiskWeightSync, DistributedWeightSync, StateDictSource, WeightSyncError
 from conftest import REPO, free_port, perturbed_weights
 
@@ -120,7 +122,7 @@ def _assert_server_has(run, addr: str, state: dict[str, torch.Tensor]) -> None:
         req = urllib.request.Request(f"http://{addr}/get_weights_by_name", data=body,
                                      headers={"Content-Type": "application/json"})
         with urllib.request.urlopen(req, timeout=10) as r:
-            got = torch.tensor(json.loads(r.read()), dtype=torch.float32)
+            got = torch.tensor(json.loads(r.read()), dtype=torch.float32).flatten()
         assert torch.equal(got, t.flatten().float()), f"{name} differs on {addr}"
 
 
@@ -419,14 +421,21 @@ def demo_dir(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("demo")
     subprocess.run(
         [sys.executable, "examples/reverse_digits/prepare.py", "--out", str(out), "--size", "micro",
-         "--n-train", "64", "--n-eval", "8", "--warmup-steps", "5", "--batch-size", "8"],
+         "--n-train", "32", "--n-eval", "8", "--warmup-steps", "5", "--batch-size", "8"],
         cwd=REPO, env=_env(), check=True, timeout=300, capture_output=True)
     return out
 
 
+def _requests_on(addr: str) -> int:
+    """Requests running or waiting on an embedded server (its /get_server_info)."""
+    with urllib.request.urlopen(f"http://{addr}/get_server_info", timeout=5) as r:
+        state = json.loads(r.read())["internal_states"][0]
+    return state["num_running_reqs"] + state["num_waiting_reqs"]
+
+
 @pytest.mark.slow
 def test_training_survives_losing_one_of_two_servers(demo_dir, tmp_path):
-    steps = 8
+    steps = 8  # 4 prompts a step, 32 prompts: one whole epoch
     run_dir = tmp_path / "runs" / "reverse_digits" / "faults"
     stats = run_dir / "stats.jsonl"
     run = _Launch(
@@ -445,8 +454,15 @@ def test_training_survives_losing_one_of_two_servers(demo_dir, tmp_path):
                                           for line in stats.read_text().splitlines()) >= n
 
         run.wait_for(lambda: trained(2), "second training step", 300)
-        victim = run.pid_of("server1")
-        os.killpg(victim, signal.SIGKILL)
+        addr = re.search(r"started server1 \(pid \d+\) on (\S+);", run.err()).group(1)
+        # Freeze the victim (pause_generation in place) so that the requests sent to it
+        # cannot finish before it dies: it is killed with requests in flight. (A weight
+        # update in between thaws it; it is then killed with what it runs by then.)
+        urllib.request.urlopen(urllib.request.Request(
+            f"http://{addr}/pause_generation", data=json.dumps({"mode": "in_place"}).encode(),
+            headers={"Content-Type": "application/json"}), timeout=5).close()
+        run.wait_for(lambda: _requests_on(addr) > 0, "requests on server1", 60)
+        os.killpg(run.pid_of("server1"), signal.SIGKILL)
         code = run.wait(400)
         err = run.err()
         assert code == ExitCode.OK, err[-4000:] + (run_dir / "logs" / "trainer.log").read_text()[-4000:]
@@ -457,9 +473,23 @@ def test_training_survives_losing_one_of_two_servers(demo_dir, tmp_path):
     assert [r["step"] for r in per_step] == list(range(1, steps + 1))
     # 4 groups x 4 samples per step: no trajectory lost or duplicated by the failover
     assert all(r["rollout/n_trajectories"] == 16 for r in per_step), per_step
+    # Per prompt: the whole epoch trained, each prompt once; none dropped, no episode failed.
+    acc = prompt_accounting(stats, expected_ids=range(32))
+    epoch = acc.epochs[0]
+    assert acc.finished and epoch.handed_out and epoch.exact and epoch.trained == 32, epoch
+    assert all(not rep.dropped and not rep.duplicated for rep in acc.epochs.values()), acc.epochs
+    assert all(r[accounting.DROPPED_IDS] == [] for r in per_step), per_step
+    assert per_step[-1]["controller/failed"] == 0, per_step[-1]
     assert "the run goes on without server1" in err
-    addr = re.search(r"started server1 \(pid \d+\) on (\S+);", err).group(1)
+    # The victim's requests failed on it and were completed on the other server: the client's
+    # counters in stats.jsonl and its warnings in the trainer log both say so.
+    last = per_step[-1]
+    assert last["client/connection_errors"] + last["client/evicted"] > 0, last
+    assert last["client/retries"] > 0 and last["client/marked_unhealthy"] >= 1, last
+    assert last["client/n_healthy"] == 1, last
     trainer_log = (run_dir / "logs" / "trainer.log").read_text()
+    failed_over = [line for line in trainer_log.splitlines() if f"{addr}/generate failed" in line]
+    assert failed_over, "requests in flight on the dead server failed over to the other one"
     dropped = [line for line in trainer_log.splitlines() if addr in line and "dropped" in line]
     assert dropped, "the trainer logs that the dead server was dropped"
     assert "trainer finished (1 server(s) died on the way: server1)" in err

@@ -35,6 +35,10 @@ from arealite.weight_sync import make_weight_sync
 from arealite.workflow.rlvr import RLVRWorkflow
 
 
+CLIENT_COUNTS = ("requests", "retries", "timeouts", "connection_errors", "http_5xx", "malformed",
+                 "evicted", "interrupted_requests", "marked_unhealthy", "recovered")
+
+
 def main(argv: list[str]) -> None:
     cfg = parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s: %(message)s")
@@ -129,7 +133,9 @@ def main(argv: list[str]) -> None:
         })
         cstats = controller.stats()
         stats.update({f"controller/{k}": float(v) for k, v in cstats.items() if isinstance(v, (int, float))})
-        stats = reduce_stats(stats)
+        client_stats = client.stats()  # retries, failures by cause, servers out of rotation (summed over ranks)
+        stats.update({f"client/{k}": float(client_stats[k]) for k in (*CLIENT_COUNTS, "n_healthy")})
+        stats = reduce_stats(stats, sum_keys=[f"client/{k}" for k in CLIENT_COUNTS])
         stats["rollout/epoch"] = min(stats[accounting.EPOCHS], default=-1)
         if cfg.evaluation.freq_steps and (step + 1) % cfg.evaluation.freq_steps == 0 and step + 1 < total_steps:
             stats.update(evaluate(controller, eval_items, eval_workflow))
