@@ -478,11 +478,11 @@ def test_config_reference_is_up_to_date():
         assert f"`{dotted}`" in committed
 
 
-def _cli(*args: str) -> subprocess.CompletedProcess:
+def _cli(*args: str, cwd: Path = REPO) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")}
     return subprocess.run(
         [sys.executable, "-m", "arealite.config", *args],
-        cwd=REPO, env=env, capture_output=True, text=True, timeout=60,
+        cwd=cwd, env=env, capture_output=True, text=True, timeout=60,
     )
 
 
@@ -519,7 +519,8 @@ def test_cli_check(tmp_path):
     assert ok.returncode == 0, ok.stderr
     assert ok.stdout.startswith("OK:")
 
-    bad = _cli("check", str(EXAMPLE), "rollout.consumer_batch_size=0")
+    # Run where the example's relative paths name nothing (the demo may have built runs/demo here).
+    bad = _cli("check", str(EXAMPLE), "rollout.consumer_batch_size=0", cwd=tmp_path)
     assert bad.returncode == 1
     assert "rollout.consumer_batch_size = 0" in bad.stderr
     assert "actor.model_path = 'runs/demo/model'" in bad.stderr  # path checks are on
