@@ -694,15 +694,11 @@ def _cross_field_problems_around(raw: Any, invalid: set[str]) -> list[ConfigProb
         return []
     patched = copy.deepcopy(raw)
     for path in invalid:
+        # Drop the value: down the sections as far as they go, then the key there.
         node, keys = patched, path.split("[")[0].split(".")
-        for key in keys[:-1]:
-            if not isinstance(node.get(key), dict):
-                break
-            node = node[key]
-        else:
-            node.pop(keys[-1], None)
-            continue
-        node.pop(key, None)  # the walk stopped at a value that is not a section: drop that
+        while len(keys) > 1 and isinstance(node.get(keys[0]), dict):
+            node = node[keys.pop(0)]
+        node.pop(keys[0], None)
     try:
         cfg = ArealiteConfig.model_validate(patched)
     except ValidationError:
