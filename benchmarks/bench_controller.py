@@ -136,20 +136,27 @@ async def raw_loop(url: str, items: list[dict], concurrency: int) -> tuple[float
         return time.perf_counter() - t0, time.process_time() - c0
 
 
-def controller_run(url: str, items: list[dict], concurrency: int, tokenizer, batch: int = 64) -> dict:
-    """Drive ``items`` through controller + RLVRWorkflow with prepare_batch, as fast as it goes."""
+def start_controller(url: str, items: list[dict], concurrency: int, tokenizer, batch: int,
+                     queue_size: int = 4096, eta: int = 10**6):
+    """A started controller, an RLVRWorkflow (n=1, 1 new token, trivial reward) and a loader over ``items``."""
     from arealite.config.schema import GenerationConfig, RolloutConfig
     from arealite.data.dataset import StatefulDataLoader
     from arealite.engine.sglang_remote import RemoteSGLangEngine
     from arealite.rollout.controller import RolloutController
     from arealite.workflow.rlvr import RLVRWorkflow
 
-    rc = RolloutConfig(max_concurrent_rollouts=concurrency, consumer_batch_size=batch, queue_size=4096,
-                       max_head_offpolicyness=10**6, reward_workers=8)
+    rc = RolloutConfig(max_concurrent_rollouts=concurrency, consumer_batch_size=batch, queue_size=queue_size,
+                       max_head_offpolicyness=eta, reward_workers=8)
     wf = RLVRWorkflow(trivial_reward, GenerationConfig(n_samples=1, max_new_tokens=1), tokenizer, rc)
     loader = StatefulDataLoader(items, batch_size=batch, shuffle=False)
-    steps = len(items) // batch
     ctl = RolloutController(RemoteSGLangEngine([url], rc), rc).start(init_timeout=30)
+    return ctl, wf, loader
+
+
+def controller_run(url: str, items: list[dict], concurrency: int, tokenizer, batch: int = 64) -> dict:
+    """Drive ``items`` through controller + RLVRWorkflow with prepare_batch, as fast as it goes."""
+    ctl, wf, loader = start_controller(url, items, concurrency, tokenizer, batch)
+    steps = len(items) // batch
     try:
         t0, c0 = time.perf_counter(), time.process_time()
         for step in range(steps):
@@ -197,21 +204,11 @@ def slow_trainer_run(url: str, items: list[dict], concurrency: int, tokenizer, s
     and updates the weights: ``pause()``, 0.1 ``step_s``, ``set_version(v + 1)``, ``resume()``.
     RSS is sampled after every step; a ``Watchdog`` ends the run if no batch comes for ``stall_s``.
     """
-    from arealite.config.schema import GenerationConfig, RolloutConfig
-    from arealite.data.dataset import StatefulDataLoader
-    from arealite.engine.sglang_remote import RemoteSGLangEngine
-    from arealite.rollout.controller import RolloutController
-    from arealite.workflow.rlvr import RLVRWorkflow
-
-    rc = RolloutConfig(max_concurrent_rollouts=concurrency, consumer_batch_size=batch, queue_size=queue_size,
-                       max_head_offpolicyness=eta, reward_workers=8)
-    wf = RLVRWorkflow(trivial_reward, GenerationConfig(n_samples=1, max_new_tokens=1), tokenizer, rc)
-    loader = StatefulDataLoader(items, batch_size=batch, shuffle=False)
     steps = len(items) // batch
     rss: list[float] = []  # MB, after each step
     max_depth = 0
     watchdog = Watchdog(stall_s, lambda: f"step {len(rss)}/{steps}")
-    ctl = RolloutController(RemoteSGLangEngine([url], rc), rc).start(init_timeout=30)
+    ctl, wf, loader = start_controller(url, items, concurrency, tokenizer, batch, queue_size=queue_size, eta=eta)
     try:
         t0 = time.perf_counter()
         for step in range(steps):
