@@ -473,10 +473,13 @@ def test_training_survives_losing_one_of_two_servers(demo_dir, tmp_path):
     assert [r["step"] for r in per_step] == list(range(1, steps + 1))
     # 4 groups x 4 samples per step: no trajectory lost or duplicated by the failover
     assert all(r["rollout/n_trajectories"] == 16 for r in per_step), per_step
-    # Per prompt: the whole epoch trained, each prompt once; none dropped, no episode failed.
+    # Per prompt: every prompt of the epoch trained once or still in flight when the run ended
+    # (groups finish out of order, and the failover delays some: later prompts may fill the
+    # last batch); none missing, none twice, none dropped, no episode failed.
     acc = prompt_accounting(stats, expected_ids=range(32))
     epoch = acc.epochs[0]
-    assert acc.finished and epoch.handed_out and epoch.exact and epoch.trained == 32, epoch
+    assert acc.finished and epoch.handed_out and epoch.exact, epoch
+    assert epoch.trained + len(epoch.unfinished) == 32, epoch
     assert all(not rep.dropped and not rep.duplicated for rep in acc.epochs.values()), acc.epochs
     assert all(r[accounting.DROPPED_IDS] == [] for r in per_step), per_step
     assert per_step[-1]["controller/failed"] == 0, per_step[-1]
