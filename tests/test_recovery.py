@@ -14,7 +14,6 @@ import signal
 import subprocess
 import sys
 import time
-import urllib.request
 from pathlib import Path
 from typing import Iterator
 
@@ -24,6 +23,7 @@ from conftest import REPO, free_port
 
 from arealite.config.schema import RecoverConfig, RolloutConfig, SaverConfig
 from arealite.data.dataset import StatefulDataLoader
+from arealite.server.process import ServerProcess
 from arealite.utils import accounting
 from arealite.utils.accounting import EpochItem, EpochTagged, prompt_accounting
 from arealite.utils.checkpoint import Checkpointer, complete_checkpoints, fault_point
@@ -263,36 +263,12 @@ def _args(demo_dir: Path, runs: Path, *overrides: str) -> list[str]:
 
 @pytest.fixture(scope="module")
 def demo_server(demo_dir, tmp_path_factory) -> Iterator[str]:
-    """One embedded server, started as the launcher starts it, that outlives every killed
-    trainer (as servers do on a cluster); the runs use it with ``launch.n_servers=0``.
-    It saves a server start (a third of a launch) per run."""
-    from arealite.config.loader import load_config
-    from arealite.launcher.server_cmd import server_command
-
-    cfg = load_config(REPO / "examples/reverse_digits/config.yaml", [f"actor.model_path={demo_dir / 'model'}"],
-                      check_paths=False)
-    port = free_port()
-    addr = f"{cfg.server.host}:{port}"
+    """One embedded server that outlives every killed trainer (as servers do on a cluster);
+    the runs use it with ``launch.n_servers=0``. It saves a server start (a third of a
+    launch) per run."""
     log = tmp_path_factory.mktemp("server") / "server.log"
-    proc = subprocess.Popen(server_command(cfg, port), cwd=REPO, env=_env(), stdout=open(log, "wb"),
-                            stderr=subprocess.STDOUT, start_new_session=True)
-    try:
-        deadline = time.monotonic() + 120
-        while not _healthy(addr):
-            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
-            time.sleep(0.2)
-        yield addr
-    finally:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait(10)
-
-
-def _healthy(addr: str) -> bool:
-    try:
-        with urllib.request.urlopen(f"http://{addr}/health", timeout=1) as r:
-            return r.status == 200
-    except OSError:
-        return False
+    with ServerProcess(demo_dir / "model", free_port(), log_path=log, env=_env()) as server:
+        yield server.wait_healthy().url.removeprefix("http://")
 
 
 def _launch(demo_dir: Path, runs: Path, log: Path, server: str, fault: str = "") -> subprocess.Popen:
