@@ -34,7 +34,8 @@ from arealite.data.validate import SHOW_ROWS, validate_datasets, validate_prompt
 from arealite.engine.sglang_remote import RemoteSGLangEngine
 from arealite.rollout.controller import RolloutController, WorkflowError
 from arealite.workflow.base import RolloutWorkflow
-from arealite.workflow.rlvr import RLVRWorkflow, encode_prompt
+from arealite.workflow.common import encode_prompt
+from arealite.workflow.rlvr import RLVRWorkflow
 
 from conftest import REPO, free_port
 

@@ -28,7 +28,7 @@ from arealite.utils import accounting
 from arealite.utils.accounting import EpochItem, EpochTagged, prompt_accounting
 from arealite.utils.checkpoint import Checkpointer, complete_checkpoints, fault_point
 from arealite.utils.procs import trainer_workers
-from arealite.workflow.rlvr import item_fields
+from arealite.workflow.common import item_fields
 
 
 def _env(**extra: str) -> dict[str, str]:

@@ -198,6 +198,61 @@ def test_multi_turn_bad_arguments(tok):
         MultiTurnWorkflow(None, gcfg(), tok)
 
 
+# ------------------------------------------------------- built from a run's config
+
+
+async def scripted_env(item, text, ids, turn):
+    return StepResult(0.25 * (turn + 1), done=turn == 1, feedback="more")
+
+
+def test_builtin_workflows_build_by_keyword_as_config_does(tok):
+    """The constructor convention: ``Workflow(*, tokenizer, generation, rollout, reward_fn, **workflow_kwargs)``."""
+    rc = RolloutConfig(on_reward_error="reject", reward_timeout_s=3)
+    wf = RLVRWorkflow(tokenizer=tok, generation=gcfg(3), rollout=rc, reward_fn=math_reward, prompt_key="q")
+    assert (wf.generation.n_samples, wf.prompt_key, wf.scorer.reject_on_error) == (3, "q", True)
+    mt = MultiTurnWorkflow(tokenizer=tok, generation=gcfg(2), rollout=rc, reward_fn=math_reward, max_turns=4)
+    assert (mt.generation.n_samples, mt.max_turns, mt.scorer.runner.timeout_s) == (2, 4, 3)
+
+
+async def test_builtin_workflows_from_config(tok):
+    from arealite.config.schema import ArealiteConfig
+
+    cfg = ArealiteConfig(generation={"n_samples": 2, "max_new_tokens": 8},
+                         rollout={"on_reward_error": "reject"},
+                         data={"prompt_key": "question", "apply_chat_template": True,
+                               "reward_fn": "arealite.reward.math:math_reward"})
+    wf = RLVRWorkflow.from_config(cfg, tok)
+    assert (wf.prompt_key, wf.apply_chat_template, wf.reward_fn, wf.generation.n_samples) == ("question", True, math_reward, 2)
+    eng = ScriptedEngine(tok, ["#### 2"])
+    td = await wf.arun_episode(eng, {"question": "1+1?", "answer": 2})
+    assert td["rewards"].tolist() == [1.0, 1.0]
+    mt = MultiTurnWorkflow.from_config(cfg, tok, max_turns=2)
+    assert (mt.max_turns, mt.turn_discount, mt.prompt_key, mt.reward_fn) == (2, 0.9, "question", math_reward)
+    # an environment named in YAML as module:function
+    mt = MultiTurnWorkflow.from_config(cfg, tok, env=f"{__name__}:scripted_env", per_step=True)
+    assert mt.env is scripted_env and mt.reward_fn is None
+    td = await mt.arun_episode(ScriptedEngine(tok, ["a"]), {"question": "go"})
+    assert td["rewards"].tolist() == [0.25, 0.5, 0.25, 0.5] and td["step_id"].tolist() == [0, 1, 0, 1]
+
+
+def test_modules_keep_to_their_rooms():
+    """types knows no workflow; multi-turn does not import RLVR; the workflow base holds no thread pool."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys\n"
+        "import arealite.api.types\n"
+        "assert not [m for m in sys.modules if m.startswith('arealite.workflow')], 'types imports workflow'\n"
+        "import arealite.workflow.multi_turn\n"
+        "assert 'arealite.workflow.rlvr' not in sys.modules, 'multi_turn imports rlvr'\n"
+        "import arealite.workflow.base as base\n"
+        "assert 'RewardRunner' not in vars(base) and 'threading' not in vars(base)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+
+
 # ------------------------------------------------- trajectory schema and builders
 
 
@@ -266,77 +321,6 @@ def test_group_builder_matches_rows_padded_and_stacked():
     assert same["attention_mask"].all() and same["input_ids"].tolist() == [prompt + [5, 6]] * 2
     with pytest.raises(ValueError, match="2 tokens but 1 logprobs"):
         group_from_outputs(prompt, [([5, 6], [-0.5], [3, 4])], per_row)
-
-
-# ------------------------------------------------------------ reward runner
-
-
-async def test_reward_runner_many_concurrent_calls_each_get_their_own_value():
-    import threading
-
-    from arealite.workflow.base import RewardRunner
-
-    runner = RewardRunner(timeout_s=5, workers=3)
-    seen_threads = set()
-
-    def fn(x, *, scale):
-        seen_threads.add(threading.current_thread().name)
-        return x * scale
-
-    before = threading.active_count()
-    values = await asyncio.gather(*(runner(fn, i, scale=2) for i in range(300)))
-    assert values == [2.0 * i for i in range(300)]
-    assert seen_threads == {"arealite-reward"} and threading.active_count() - before <= 3
-    assert runner.abandoned_threads == 0
-
-
-async def test_reward_runner_timeout_counts_from_the_start_of_each_call():
-    from arealite.workflow.base import RewardRunner
-
-    runner = RewardRunner(timeout_s=0.4, workers=1)
-    # One worker, three calls of 0.25 s each: all succeed although the last one
-    # waits 0.5 s in the queue (longer than the timeout) before it starts.
-    t0 = time.monotonic()
-    values = await asyncio.gather(*(runner(lambda: (time.sleep(0.25), 1.0)[1]) for _ in range(3)))
-    assert values == [1.0] * 3 and time.monotonic() - t0 >= 0.7
-
-
-async def test_reward_runner_hanging_call_is_abandoned_and_later_calls_go_on():
-    import threading
-
-    from arealite.workflow.base import RewardError, RewardRunner
-
-    runner = RewardRunner(timeout_s=0.2, workers=1)
-    release = threading.Event()
-    t0 = time.monotonic()
-    hang = asyncio.ensure_future(runner(lambda: release.wait(10) and 0.0))
-    await asyncio.sleep(0)
-    quick = await asyncio.gather(*(runner(lambda i=i: float(i)) for i in range(5)))
-    assert quick == [0.0, 1.0, 2.0, 3.0, 4.0]
-    with pytest.raises(RewardError, match="did not return within 0.2s"):
-        await hang
-    assert time.monotonic() - t0 < 2 and runner.abandoned_threads == 1
-    release.set()  # the abandoned thread returns and exits; its result goes nowhere
-    assert await runner(lambda: 7) == 7.0
-
-
-async def test_reward_runner_cancelled_queued_call_never_runs():
-    import threading
-
-    from arealite.workflow.base import RewardRunner
-
-    runner = RewardRunner(timeout_s=5, workers=1)
-    gate, ran = threading.Event(), []
-    first = asyncio.ensure_future(runner(lambda: gate.wait(5) and 1.0))
-    second = asyncio.ensure_future(runner(lambda: ran.append(1) or 2.0))
-    await asyncio.sleep(0.05)
-    second.cancel()
-    await asyncio.sleep(0)
-    gate.set()
-    assert await first == 1.0
-    with pytest.raises(asyncio.CancelledError):
-        await second
-    assert await runner(lambda: 3.0) == 3.0 and ran == []
 
 
 # ---------------------------------------------------- end to end, real HTTP server
@@ -488,10 +472,34 @@ def test_validation_shortcut_for_built_groups_still_sees_later_edits(n):
         validate_trajectory(td)
 
 
+def test_mark_well_formed_is_the_builders_public_hook():
+    """Any builder may vouch for its per-token tensors; the vouch covers exactly those tensors."""
+    from arealite.api.types import PER_TOKEN_KEYS, TrajectoryError, mark_well_formed
+
+    def td():
+        t = _good_td()
+        t["logprobs"] = t["logprobs"].double()  # wrong per-token dtype: caught only if checked
+        return t
+
+    with pytest.raises(TrajectoryError, match="'logprobs' has dtype"):
+        validate_trajectory(td())
+    vouched = td()
+    assert mark_well_formed(vouched, tuple(vouched[k] for k in PER_TOKEN_KEYS)) is vouched
+    validate_trajectory(vouched)  # per-token checks skipped: the builder vouched for them
+    vouched["rewards"] = torch.tensor([float("nan"), 0.0])
+    with pytest.raises(TrajectoryError, match="NaN"):  # per-row keys are always checked
+        validate_trajectory(vouched)
+    stale = td()
+    mark_well_formed(stale, tuple(stale[k] for k in PER_TOKEN_KEYS))
+    stale["versions"] = stale["versions"].clone()  # no longer the vouched tensor
+    with pytest.raises(TrajectoryError, match="'logprobs' has dtype"):
+        validate_trajectory(stale)
+
+
 def test_fast_decode_agrees_with_the_tokenizer(tok):
     import random
 
-    from arealite.workflow.rlvr import decode, decode_many
+    from arealite.utils.tokenizer import decode, decode_many
 
     rng = random.Random(0)
     vocab = len(tok)

@@ -6,7 +6,8 @@
 - ``Completion``: what an inference engine returns for one request. It carries
   no reward and no group: the generator only generates.
 - ``TRAJECTORY_KEYS`` / ``validate_trajectory``: the flat TensorDict a workflow
-  hands the trainer (see docs/architecture.md for the schema).
+  hands the trainer (see docs/architecture.md for the schema);
+  ``mark_well_formed`` lets a trajectory builder vouch for its per-token tensors.
 """
 
 from __future__ import annotations
@@ -120,14 +121,33 @@ TRAJECTORY_KEYS: dict[str, tuple[torch.dtype, bool]] = {
 }
 
 
-_PER_TOKEN = tuple(k for k, (_, per_token) in TRAJECTORY_KEYS.items() if per_token)
+#: The per-token keys, in the order ``mark_well_formed`` takes their tensors.
+PER_TOKEN_KEYS = tuple(k for k, (_, per_token) in TRAJECTORY_KEYS.items() if per_token)
 _PER_ROW = tuple(k for k, (_, per_token) in TRAJECTORY_KEYS.items() if not per_token)
 _NO_ATTRS: dict[str, Any] = {}
 _TensorDictBase: Any = None  # imported on first use: tensordict is heavy to import
+# Where mark_well_formed keeps the vouched tensors: an instance attribute of the TensorDict.
+_WELL_FORMED = "_arealite_well_formed"
 
 
 class TrajectoryError(ValueError):
     """A workflow produced a malformed trajectory."""
+
+
+def mark_well_formed(td: Any, per_token: tuple[torch.Tensor, ...]) -> Any:
+    """Vouch that ``td``'s per-token tensors are well-formed by construction; return ``td``.
+
+    For trajectory builders on the rollout hot path (one call per group), whose
+    per-token tensors are consistent by how they are built. ``per_token`` are
+    the tensors of ``PER_TOKEN_KEYS``, in that order. ``validate_trajectory``
+    then skips its per-token checks for ``td`` as long as it still holds these
+    very tensors, not modified in place since this call; per-row keys (rewards,
+    group ids) are always checked.
+    """
+    ids, am, lm, lp, ve = per_token
+    # Version counters only grow: an unchanged sum means no tensor was written to since.
+    setattr(td, _WELL_FORMED, (per_token, ids._version + am._version + lm._version + lp._version + ve._version))
+    return td
 
 
 def validate_trajectory(td: Any, where: str = "trajectory") -> None:
@@ -152,17 +172,16 @@ def validate_trajectory(td: Any, where: str = "trajectory") -> None:
     found = getattr(td, "_tensordict", None)  # TensorDict's own key -> value dict, when it has one
     if type(found) is not dict:
         found = dict(td.items())  # one pass: TensorDict.get costs ~0.5 us per key
-    # A group from arealite.workflow.base.group_from_outputs is well-formed per token by
-    # construction: skip those checks while its five tensors are the very ones it built,
-    # unmodified in place. What the caller passed in (rewards, group id) is checked below.
-    built = getattr(td, "__dict__", _NO_ATTRS).get("_arealite_group")
+    # Vouched for by its builder (mark_well_formed): skip the per-token checks while the
+    # five tensors are the very ones it vouched for, not written to since.
+    built = getattr(td, "__dict__", _NO_ATTRS).get(_WELL_FORMED)
     keys: Any = TRAJECTORY_KEYS
     if built is not None:
-        ids, am, lm, lp, ve = built
+        (ids, am, lm, lp, ve), versions = built
         get = found.get
         if (get("input_ids") is ids and get("attention_mask") is am and get("loss_mask") is lm
                 and get("logprobs") is lp and get("versions") is ve and ids.shape[0] == B
-                and not (ids._version or am._version or lm._version or lp._version or ve._version)):
+                and ids._version + am._version + lm._version + lp._version + ve._version == versions):
             keys = _PER_ROW
         else:
             built = None

@@ -1,10 +1,15 @@
-"""Prompt datasets: JSONL loading with validation, and a stateful, rank-sharded dataloader.
+"""Prompt datasets: loading with validation, and a stateful, rank-sharded dataloader.
 
-``load_jsonl`` fails on the first bad row with its line number and field, so a
-broken dataset stops the run before any server starts. ``StatefulDataLoader``
-yields lists of items (dicts), reshuffles every epoch from ``seed + epoch``,
-gives each rank its own shard, and saves ``(epoch, index)`` so that a resumed
-run continues with exactly the next batch.
+``load_items`` reads the formats users already have, chosen by the path: a
+JSONL file (read natively, no extra dependency), a Parquet file, or a
+directory written by ``datasets.Dataset.save_to_disk`` (both through the
+``datasets`` library: ``pip install 'arealite[data]'``). Every row is checked
+the same way whatever the format, and the first bad row fails with its place
+(``file:line`` or ``file row N``) and field, so a broken dataset stops the run
+before any server starts. ``StatefulDataLoader`` yields lists of items (dicts),
+reshuffles every epoch from ``seed + epoch``, gives each rank its own shard,
+and saves ``(epoch, index)`` so that a resumed run continues with exactly the
+next batch.
 """
 
 from __future__ import annotations
@@ -13,11 +18,40 @@ import json
 import math
 import random
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import Any, Iterable, Iterator, Sequence
 
 
 class DatasetError(ValueError):
     """A dataset file or row is malformed."""
+
+
+#: What ``load_items`` reads, for messages.
+FORMATS = "a JSONL file (.jsonl), a Parquet file (.parquet) or a directory saved by datasets' save_to_disk"
+
+
+def load_items(
+    path: str | Path,
+    prompt_key: str = "prompt",
+    answer_key: str | None = "answer",
+    required_keys: Sequence[str] = (),
+    max_rows: int | None = None,
+) -> "DatasetRows":
+    """Read a dataset of prompts from ``path``, whatever its format; validate every row.
+
+    ``path`` is a Parquet file (``.parquet``), a directory saved with
+    ``Dataset.save_to_disk``, or else a JSONL file. Rows must hold
+    ``prompt_key`` (a string or a list of chat messages) and, unless
+    ``answer_key`` is None, ``answer_key`` (string or number); each gets a
+    stable ``prompt_id`` (its index unless it has one). See ``load_jsonl``.
+    """
+    path = Path(path)
+    if path.is_dir():
+        return _load_table(path, "saved dataset", prompt_key, answer_key, required_keys, max_rows)
+    if not path.exists():
+        raise DatasetError(f"dataset not found: {path} (expected {FORMATS})")
+    if path.suffix.lower() == ".parquet":
+        return _load_table(path, "Parquet", prompt_key, answer_key, required_keys, max_rows)
+    return load_jsonl(path, prompt_key, answer_key, required_keys, max_rows)
 
 
 def _check_prompt(value: Any, where: str, key: str) -> None:
@@ -35,6 +69,49 @@ def _check_prompt(value: Any, where: str, key: str) -> None:
     raise DatasetError(
         f"{where}: field '{key}' must be a non-empty string or a list of chat messages, got {type(value).__name__}"
     )
+
+
+class _RowChecker:
+    """The per-row checks every format shares; gives rows their ``prompt_id``."""
+
+    def __init__(self, prompt_key: str, answer_key: str | None, required_keys: Sequence[str]):
+        self.prompt_key, self.answer_key, self.required_keys = prompt_key, answer_key, tuple(required_keys)
+        self.seen_ids: dict[int, int] = {}
+
+    def __call__(self, row: Any, where: str, index: int) -> dict[str, Any]:
+        """Check ``row`` (the ``index``-th kept) in place and return it."""
+        prompt_key, answer_key = self.prompt_key, self.answer_key
+        if not isinstance(row, dict):
+            raise DatasetError(f"{where}: each line must be a JSON object, got {type(row).__name__}")
+        if prompt_key not in row:
+            raise DatasetError(f"{where}: missing field '{prompt_key}' (fields: {sorted(row)}); set data.prompt_key")
+        _check_prompt(row[prompt_key], where, prompt_key)
+        if answer_key is not None:
+            if answer_key not in row:
+                raise DatasetError(f"{where}: missing field '{answer_key}' (fields: {sorted(row)}); set data.answer_key")
+            ans = row[answer_key]
+            if isinstance(ans, bool) or not isinstance(ans, (str, int, float)):
+                raise DatasetError(f"{where}: field '{answer_key}' must be a string or a number, got {type(ans).__name__}")
+            if isinstance(ans, float) and not math.isfinite(ans):  # json.loads accepts NaN and Infinity
+                raise DatasetError(f"{where}: field '{answer_key}' is {ans}; it must be a finite number or a string")
+        for k in self.required_keys:
+            if k not in row:
+                raise DatasetError(f"{where}: missing required field '{k}'")
+        if "prompt_id" in row:
+            pid = row["prompt_id"]
+            if isinstance(pid, bool) or not isinstance(pid, int):
+                raise DatasetError(f"{where}: field 'prompt_id' must be an integer, got {pid!r}")
+        else:
+            row["prompt_id"] = index
+        if row["prompt_id"] in self.seen_ids:
+            raise DatasetError(
+                f"{where}: prompt_id {row['prompt_id']} already used by row {self.seen_ids[row['prompt_id']]}; "
+                "prompt ids must be unique"
+            )
+        self.seen_ids[row["prompt_id"]] = index
+        if answer_key is not None and answer_key != "answer" and "answer" not in row:
+            row["answer"] = row[answer_key]  # reward functions take `answer`
+        return row
 
 
 def load_jsonl(
@@ -56,8 +133,8 @@ def load_jsonl(
     path = Path(path)
     if not path.is_file():
         raise DatasetError(f"dataset file not found: {path}")
+    check = _RowChecker(prompt_key, answer_key, required_keys)
     rows: list[dict[str, Any]] = []
-    seen_ids: dict[int, int] = {}
     line_numbers: list[int] = []
     # Binary read, decoded per line: a bad byte is reported with its line, not as a bare UnicodeDecodeError.
     with open(path, "rb") as f:
@@ -75,61 +152,100 @@ def load_jsonl(
                 row = json.loads(line)
             except json.JSONDecodeError as e:
                 raise DatasetError(f"{where}: not valid JSON ({e.msg} at column {e.colno})") from None
-            if not isinstance(row, dict):
-                raise DatasetError(f"{where}: each line must be a JSON object, got {type(row).__name__}")
-            if prompt_key not in row:
-                raise DatasetError(f"{where}: missing field '{prompt_key}' (fields: {sorted(row)}); set data.prompt_key")
-            _check_prompt(row[prompt_key], where, prompt_key)
-            if answer_key is not None:
-                if answer_key not in row:
-                    raise DatasetError(f"{where}: missing field '{answer_key}' (fields: {sorted(row)}); set data.answer_key")
-                ans = row[answer_key]
-                if isinstance(ans, bool) or not isinstance(ans, (str, int, float)):
-                    raise DatasetError(f"{where}: field '{answer_key}' must be a string or a number, got {type(ans).__name__}")
-                if isinstance(ans, float) and not math.isfinite(ans):  # json.loads accepts NaN and Infinity
-                    raise DatasetError(f"{where}: field '{answer_key}' is {ans}; it must be a finite number or a string")
-            for k in required_keys:
-                if k not in row:
-                    raise DatasetError(f"{where}: missing required field '{k}'")
-            if "prompt_id" in row:
-                pid = row["prompt_id"]
-                if isinstance(pid, bool) or not isinstance(pid, int):
-                    raise DatasetError(f"{where}: field 'prompt_id' must be an integer, got {pid!r}")
-            else:
-                row["prompt_id"] = len(rows)
-            if row["prompt_id"] in seen_ids:
-                raise DatasetError(
-                    f"{where}: prompt_id {row['prompt_id']} already used by row {seen_ids[row['prompt_id']]}; "
-                    "prompt ids must be unique"
-                )
-            seen_ids[row["prompt_id"]] = len(rows)
-            if answer_key is not None and answer_key != "answer" and "answer" not in row:
-                row["answer"] = row[answer_key]  # reward functions take `answer`
-            rows.append(row)
+            rows.append(check(row, where, len(rows)))
             line_numbers.append(lineno)
     if not rows:
         raise DatasetError(f"{path}: the dataset is empty (no non-blank lines)")
     return DatasetRows(rows, source=str(path), line_numbers=line_numbers)
 
 
-class DatasetRows(list):
-    """The rows of a file, remembering where each came from so that later checks can name its line."""
+def _load_table(
+    path: Path,
+    kind: str,
+    prompt_key: str,
+    answer_key: str | None,
+    required_keys: Sequence[str],
+    max_rows: int | None,
+) -> "DatasetRows":
+    """A Parquet file or a ``save_to_disk`` directory: rows of an Arrow table."""
+    try:
+        import datasets
+        import pyarrow.parquet as pq
+    except ImportError:
+        raise DatasetError(
+            f"{path}: reading a {kind} dataset needs the `datasets` library; "
+            "pip install 'arealite[data]' (or use a JSONL file)"
+        ) from None
+    if kind == "Parquet":
+        # pyarrow (which datasets brings) reads it directly: datasets' from_parquet would
+        # first convert it into an Arrow cache under ~/.cache, once per trainer rank.
+        try:
+            table = pq.read_table(path)
+        except (OSError, ValueError) as e:  # pyarrow's ArrowInvalid is a ValueError
+            raise DatasetError(f"{path}: not a readable Parquet file ({e})") from None
+        columns = table.column_names
 
-    def __init__(self, rows: Sequence[Any] = (), source: str | None = None, line_numbers: Sequence[int] | None = None):
+        def read(n: int | None) -> list[dict[str, Any]]:
+            return (table if n is None else table.slice(0, n)).to_pylist()
+    else:
+        if not any((path / marker).is_file() for marker in ("state.json", "dataset_dict.json")):
+            raise DatasetError(
+                f"{path}: a directory, but not one saved by datasets' save_to_disk (no state.json); "
+                f"data paths are {FORMATS}"
+            )
+        ds = datasets.load_from_disk(str(path))
+        if isinstance(ds, datasets.DatasetDict):
+            if len(ds) != 1:
+                raise DatasetError(
+                    f"{path}: a DatasetDict with splits {sorted(ds)}; name one split's directory "
+                    f"(e.g. {path / sorted(ds)[0]})"
+                )
+            ds = next(iter(ds.values()))
+        columns = ds.column_names
+
+        def read(n: int | None) -> list[dict[str, Any]]:
+            return (ds if n is None else ds.select(range(min(n, len(ds))))).to_list()
+    for key, field in ((prompt_key, "data.prompt_key"), (answer_key, "data.answer_key"), *((k, None) for k in required_keys)):
+        if key is not None and key not in columns:
+            how = f"; set {field}" if field else ""
+            raise DatasetError(f"{path}: no column '{key}' (columns: {sorted(columns)}){how}")
+    check = _RowChecker(prompt_key, answer_key, required_keys)
+    rows = [check(_drop_nulls(row), f"{path} row {i}", i) for i, row in enumerate(read(max_rows))]
+    if not rows:
+        raise DatasetError(f"{path}: the dataset is empty (no rows)")
+    return DatasetRows(rows, source=str(path), line_numbers=range(len(rows)), unit="row")
+
+
+def _drop_nulls(row: dict[str, Any]) -> dict[str, Any]:
+    # A table has every column in every row; a null stands for a field the row does not have.
+    return {k: v for k, v in row.items() if v is not None}
+
+
+class DatasetRows(list):
+    """The rows of a file, remembering where each came from so that later checks can name it.
+
+    ``line_numbers[i]`` is row ``i``'s line in a JSONL file, or its index in a
+    table (``unit="row"``: Parquet, saved datasets).
+    """
+
+    def __init__(self, rows: Sequence[Any] = (), source: str | None = None,
+                 line_numbers: Iterable[int] | None = None, unit: str = "line"):
         super().__init__(rows)
         self.source = source
         self.line_numbers = list(line_numbers) if line_numbers is not None else None
+        self.unit = unit
 
     def __getitem__(self, index):
         if isinstance(index, slice):  # `rows[:n]` keeps the line numbers of the rows it keeps
             lines = self.line_numbers[index] if self.line_numbers is not None else None
-            return DatasetRows(super().__getitem__(index), self.source, lines)
+            return DatasetRows(super().__getitem__(index), self.source, lines, self.unit)
         return super().__getitem__(index)
 
     def where(self, i: int) -> str:
-        """``path:line`` of row ``i`` when known, else ``row i``."""
+        """``path:line`` (or ``path row N``) of row ``i`` when known, else ``row i``."""
         if self.source and self.line_numbers is not None:
-            return f"{self.source}:{self.line_numbers[i]}"
+            sep = ":" if self.unit == "line" else " row "
+            return f"{self.source}{sep}{self.line_numbers[i]}"
         return f"row {i}"
 
 

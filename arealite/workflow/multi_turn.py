@@ -22,25 +22,30 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass
-from typing import Any, Awaitable, Callable
+from typing import TYPE_CHECKING, Any, Awaitable, Callable
 
 import torch
 from tensordict import TensorDict
 
 from arealite.api.types import Completion, GenerationRequest
 from arealite.config.schema import GenerationConfig, RolloutConfig
-from arealite.workflow.base import (
-    InferenceEngine,
-    RewardError,
-    RewardRunner,
-    RolloutWorkflow,
-    new_group_id,
-    pad_and_stack,
-    trajectory_row,
+from arealite.reward import load_reward_fn
+from arealite.reward.pool import RewardError
+from arealite.utils.imports import import_callable
+from arealite.utils.tokenizer import decode
+from arealite.workflow.base import InferenceEngine, RolloutWorkflow, new_group_id, pad_and_stack, trajectory_row
+from arealite.workflow.common import (
+    RewardFn,
+    RewardScorer,
+    encode_prompt,
+    item_fields,
+    sampling_from_config,
+    user_turn_piece,
 )
-from arealite.workflow.rlvr import RewardFn, decode, encode_prompt, item_fields, sampling_from_config
+from arealite.workflow.registry import builtin_workflow
 
-_SENTINEL = "\u2063AREALITE_SENTINEL\u2063"
+if TYPE_CHECKING:
+    from arealite.config.schema import ArealiteConfig
 
 
 @dataclass
@@ -56,20 +61,23 @@ class StepResult:
 Environment = Callable[[dict[str, Any], str, list[int], int], Awaitable[StepResult]]
 
 
+@builtin_workflow("multi_turn")
 class MultiTurnWorkflow(RolloutWorkflow):
-    """Up to ``max_turns`` model turns per conversation; ``gconfig.n_samples`` conversations per group.
+    """Up to ``max_turns`` model turns per conversation; ``generation.n_samples`` conversations per group.
 
     Without an ``env``, the default environment scores each answer with
     ``reward_fn``; an answer scoring ``>= success_reward`` ends the
     conversation, any other gets ``feedback`` as the next user turn.
+    Built from a run's config by ``from_config`` (``rollout.workflow: multi_turn``,
+    its settings in ``rollout.workflow_kwargs``), or by keyword.
     """
 
     def __init__(
         self,
         reward_fn: RewardFn | None,
-        gconfig: GenerationConfig,
+        generation: GenerationConfig,
         tokenizer: Any,
-        rollout_config: RolloutConfig | None = None,
+        rollout: RolloutConfig | None = None,
         *,
         max_turns: int = 3,
         turn_discount: float = 0.9,
@@ -87,11 +95,11 @@ class MultiTurnWorkflow(RolloutWorkflow):
             raise ValueError("give either reward_fn (default environment) or env")
         if getattr(tokenizer, "chat_template", None) is None:
             raise ValueError("MultiTurnWorkflow needs a tokenizer with a chat template (tokenizer.chat_template is None)")
-        rc = rollout_config or RolloutConfig()
+        rollout = rollout or RolloutConfig()
         self.reward_fn = reward_fn
-        self.gconfig = gconfig
+        self.generation = generation
         self.tokenizer = tokenizer
-        self.sampling = sampling_from_config(gconfig, tokenizer)
+        self.sampling = sampling_from_config(generation, tokenizer)
         self.max_turns = max_turns
         self.turn_discount = turn_discount
         self.feedback = feedback
@@ -99,42 +107,51 @@ class MultiTurnWorkflow(RolloutWorkflow):
         self.env = env
         self.per_step = per_step
         self.prompt_key = prompt_key
-        self.on_reward_error = rc.on_reward_error
-        self.rewards = RewardRunner(rc.reward_timeout_s, rc.reward_workers)
-        self.counters = {"reward_errors": 0, "reward_rejected_groups": 0, "turns": 0}
+        self.scorer = RewardScorer(reward_fn, rollout) if reward_fn is not None else None
+        self.counters = {"reward_rejected_groups": 0, "turns": 0}
+
+    @classmethod
+    def from_config(
+        cls,
+        cfg: "ArealiteConfig",
+        tokenizer: Any,
+        *,
+        max_turns: int | None = None,
+        turn_discount: float | None = None,
+        feedback: str | None = None,
+        success_reward: float | None = None,
+        env: str | Environment | None = None,
+        per_step: bool | None = None,
+    ) -> "MultiTurnWorkflow":
+        """The workflow of a run: ``generation``, ``rollout``, the reward function and prompt
+        key from ``data``, and the keyword arguments (``rollout.workflow_kwargs``; one left
+        out keeps the constructor's default). ``env`` may be ``module:function``."""
+        if isinstance(env, str):
+            env = import_callable(env, "rollout.workflow_kwargs.env")
+        given = {"max_turns": max_turns, "turn_discount": turn_discount, "feedback": feedback,
+                 "success_reward": success_reward, "env": env, "per_step": per_step}
+        reward_fn = load_reward_fn(cfg.data.reward_fn) if env is None else None
+        return cls(reward_fn, cfg.generation, tokenizer, cfg.rollout, prompt_key=cfg.data.prompt_key,
+                   **{k: v for k, v in given.items() if v is not None})
 
     def stats(self) -> dict[str, int]:
-        return {**self.counters, "reward_abandoned_threads": self.rewards.abandoned_threads}
+        return {**self.counters, **(self.scorer.stats() if self.scorer is not None else
+                                    {"reward_errors": 0, "reward_abandoned_threads": 0})}
 
     # -- token pieces of the chat template ---------------------------------
     def user_turn_piece(self, text: str) -> list[int]:
-        """Tokens that close the assistant turn, add a user turn ``text`` and open the next assistant turn.
-
-        Cut from a rendered conversation after a sentinel assistant message, so
-        templates that add a default system prompt still give the right piece.
-        """
-        msgs = [
-            {"role": "user", "content": "x"},
-            {"role": "assistant", "content": _SENTINEL},
-            {"role": "user", "content": text},
-        ]
-        rendered = self.tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
-        if _SENTINEL not in rendered:
-            raise ValueError("the chat template drops assistant content; cannot cut turn pieces from it")
-        return list(self.tokenizer.encode(rendered.split(_SENTINEL, 1)[1], add_special_tokens=False))
+        """Tokens that close the assistant turn, add a user turn ``text`` and open the next
+        assistant turn (``arealite.workflow.common.user_turn_piece``)."""
+        return user_turn_piece(self.tokenizer, text)
 
     async def _default_env(
         self, item: dict[str, Any], completion: str, completion_ids: list[int], turn: int, prompt_ids: list[int]
     ) -> StepResult:
         prompt = item.get(self.prompt_key, "")
         prompt = prompt if isinstance(prompt, str) else str(prompt)
-        try:
-            r = await self.rewards(self.reward_fn, prompt, completion, prompt_ids, completion_ids, **item_fields(item))
-        except RewardError:
-            self.counters["reward_errors"] += 1
-            if self.on_reward_error == "reject":
-                raise
-            r = 0.0
+        r = await self.scorer(prompt, completion, prompt_ids, completion_ids, item_fields(item))
+        if r is None:  # rollout.on_reward_error=reject: the whole group goes
+            raise RewardError(f"reward function failed on item {item.get('prompt_id', '?')}")
         done = r >= self.success_reward
         return StepResult(r, done, None if done else self.feedback)
 
@@ -161,10 +178,8 @@ class MultiTurnWorkflow(RolloutWorkflow):
                 break
             if res.feedback is None:
                 raise ValueError(f"environment returned done=False without feedback at turn {turn}")
-            piece = self.user_turn_piece(res.feedback)
             # The model may already have closed its turn with the template's end token.
-            if out and piece and out[-1] == piece[0]:
-                piece = piece[1:]
+            piece = user_turn_piece(self.tokenizer, res.feedback, after=out)
             pieces.append((piece, None, None))
             ids.extend(piece)
         return pieces, steps
@@ -174,7 +189,7 @@ class MultiTurnWorkflow(RolloutWorkflow):
         gid = new_group_id()
         try:
             convs = await asyncio.gather(
-                *(self._conversation(engine, item, prompt_ids, f"group-{gid}") for _ in range(self.gconfig.n_samples))
+                *(self._conversation(engine, item, prompt_ids, f"group-{gid}") for _ in range(self.generation.n_samples))
             )
         except RewardError:
             self.counters["reward_rejected_groups"] += 1

@@ -1,0 +1,134 @@
+"""Workflows named in config: ``rollout.workflow`` is a built-in short name or ``module:Class``.
+
+A built-in is a `RolloutWorkflow` subclass under ``arealite/workflow/`` decorated with
+``@builtin_workflow("name")``: that one line is all it takes to make it nameable, and the
+list of allowed names is read from the decorated classes themselves.
+
+How a workflow is built from config (`build_workflow`):
+
+- a class with a ``from_config(cfg, tokenizer, **workflow_kwargs)`` classmethod is built
+  by it;
+- any other class gets, by parameter name, whichever of the run's pieces its constructor
+  asks for (`INJECTED`: ``config``, ``tokenizer``, ``generation``, ``rollout``, ``data``,
+  ``reward_fn``), plus ``rollout.workflow_kwargs``.
+
+The evaluation copy is built the same way from a config whose ``generation`` samples
+greedily, once per prompt (`eval_config`).
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import pkgutil
+from typing import TYPE_CHECKING, Any, Callable, TypeVar
+
+from arealite.utils.imports import import_callable, is_import_spec
+
+if TYPE_CHECKING:
+    from arealite.config.schema import ArealiteConfig
+    from arealite.workflow.base import RolloutWorkflow
+
+#: Constructor parameters filled from the run itself, not from ``rollout.workflow_kwargs``.
+INJECTED = ("config", "tokenizer", "generation", "rollout", "data", "reward_fn")
+
+_BUILTIN: dict[str, type] = {}
+_T = TypeVar("_T", bound=type)
+
+
+def builtin_workflow(name: str) -> Callable[[_T], _T]:
+    """Class decorator: make a workflow nameable in config as ``rollout.workflow: <name>``."""
+
+    def register(cls: _T) -> _T:
+        if name in _BUILTIN and _BUILTIN[name] is not cls:
+            raise ValueError(f"two built-in workflows are named {name!r}: {_BUILTIN[name].__qualname__} "
+                             f"and {cls.__qualname__}")
+        _BUILTIN[name] = cls
+        return cls
+
+    return register
+
+
+def builtin_workflows() -> dict[str, type]:
+    """Every built-in workflow by short name (imports the modules of this package once)."""
+    import arealite.workflow as package
+
+    for mod in pkgutil.iter_modules(package.__path__):
+        importlib.import_module(f"{package.__name__}.{mod.name}")
+    return dict(_BUILTIN)
+
+
+def resolve_workflow_class(spec: str) -> type:
+    """The workflow class `spec` names; raises ValueError saying what is allowed."""
+    builtins = builtin_workflows()
+    if spec in builtins:
+        return builtins[spec]
+    if not is_import_spec(spec):
+        raise ValueError(f"is neither a built-in workflow ({', '.join(sorted(builtins))}) nor "
+                         "'module:Class' of your own RolloutWorkflow")
+    try:
+        cls = import_callable(spec, "workflow")
+    except (ImportError, AttributeError, TypeError) as e:
+        raise ValueError(str(e)) from None
+    if not (inspect.isclass(cls) and callable(getattr(cls, "arun_episode", None))):
+        raise ValueError(f"{spec!r} is not a class with an `async arun_episode(engine, item)` method "
+                         "(subclass arealite.workflow.base.RolloutWorkflow)")
+    return cls
+
+
+def _signature(cls: type) -> tuple[inspect.Signature, set[str]]:
+    """The signature users' kwargs are checked against, and the parameters filled by us."""
+    factory = getattr(cls, "from_config", None)
+    if factory is not None:
+        params = list(inspect.signature(factory).parameters.values())[2:]  # cfg, tokenizer
+        return inspect.Signature(params), set()
+    return inspect.signature(cls), set(INJECTED)
+
+
+def workflow_kwargs_problems(cls: type, kwargs: dict[str, Any]) -> list[tuple[str, str]]:
+    """(key, reason) for every ``rollout.workflow_kwargs`` entry the class cannot take,
+    and for every required parameter nobody provides."""
+    sig, injected = _signature(cls)
+    params = sig.parameters
+    takes_any = any(p.kind is p.VAR_KEYWORD for p in params.values())
+    named = {n for n, p in params.items() if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+    allowed = sorted(named - injected)
+    out = []
+    for key in kwargs:
+        if key in injected and key in named:
+            out.append((key, f"is filled by arealite itself for {cls.__name__}; remove it"))
+        elif key not in named and not takes_any:
+            out.append((key, f"is not a parameter of {cls.__name__} (it takes: {', '.join(allowed) or 'none'})"))
+    for name, p in params.items():
+        required = p.default is p.empty and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
+        if required and name not in injected and name not in kwargs:
+            out.append((name, f"is a required parameter of {cls.__name__}: set rollout.workflow_kwargs.{name}"))
+    return out
+
+
+def eval_config(cfg: "ArealiteConfig") -> "ArealiteConfig":
+    """`cfg` with greedy, one-sample generation (evaluation's per-call override)."""
+    gen = cfg.generation.model_copy(update={
+        "n_samples": 1, "greedy": True,
+        "max_new_tokens": cfg.evaluation.max_new_tokens or cfg.generation.max_new_tokens})
+    return cfg.model_copy(update={"generation": gen})
+
+
+def build_workflow(cfg: "ArealiteConfig", tokenizer: Any, *, evaluation: bool = False) -> "RolloutWorkflow":
+    """Build ``rollout.workflow`` with ``rollout.workflow_kwargs`` (the evaluation copy if asked)."""
+    from arealite.reward import load_reward_fn
+
+    cls = resolve_workflow_class(cfg.rollout.workflow)
+    kwargs = dict(cfg.rollout.workflow_kwargs)
+    problems = workflow_kwargs_problems(cls, kwargs)
+    if problems:
+        raise ValueError("; ".join(f"rollout.workflow_kwargs.{k} {why}" for k, why in problems))
+    run_cfg = eval_config(cfg) if evaluation else cfg
+    if getattr(cls, "from_config", None) is not None:
+        return cls.from_config(run_cfg, tokenizer, **kwargs)
+    pieces = {"config": run_cfg, "tokenizer": tokenizer, "generation": run_cfg.generation,
+              "rollout": run_cfg.rollout, "data": run_cfg.data}
+    params = inspect.signature(cls).parameters
+    if "reward_fn" in params:
+        pieces["reward_fn"] = load_reward_fn(cfg.data.reward_fn)
+    return cls(**{k: v for k, v in pieces.items() if k in params}, **kwargs)
