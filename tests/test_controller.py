@@ -449,7 +449,7 @@ def test_gil_switch_interval_is_set_while_running_and_restored():
 
 
 async def test_reward_workers_run_torch_single_threaded():
-    from arealite.workflow.base import RewardRunner
+    from arealite.reward.pool import RewardRunner
 
     runner = RewardRunner(timeout_s=5, workers=2)
     assert await runner(lambda: float(torch.get_num_threads())) == 1.0

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import pytest
+import torch
 from hypothesis import given, settings, strategies as st
 
-from arealite.rollout.staleness import StalenessManager
+from arealite.rollout.staleness import StalenessManager, trajectory_staleness
 
 
 def admit_all(sm: StalenessManager, queued: int) -> int:
@@ -109,3 +110,19 @@ def test_admitting_past_the_bound_is_an_error():
     sm.on_submit()
     with pytest.raises(RuntimeError, match="staleness bound"):
         sm.on_submit()
+
+
+def test_trajectory_staleness_is_version_minus_oldest_produced_token():
+    # Prompt tokens carry -1 and are not the policy's; a partial rollout mixes versions.
+    versions = torch.tensor([
+        [-1, -1, 3, 3, 4],   # oldest produced token: 3
+        [-1, 5, 5, -1, -1],  # 5: newer than the trainer (it lags the servers for a moment) -> 0
+        [-1, -1, -1, -1, -1],  # no produced token -> 0
+        [-1, 0, 1, 2, 4],    # 0
+    ])
+    loss_mask = versions >= 0
+    got = trajectory_staleness(versions, loss_mask, version=4)
+    assert got.dtype == torch.int64 and got.tolist() == [1, 0, 0, 4]
+    # Only the loss mask decides which tokens count, whatever their version.
+    assert trajectory_staleness(versions, torch.zeros_like(loss_mask), 4).tolist() == [0, 0, 0, 0]
+    assert trajectory_staleness(torch.zeros(2, 0, dtype=torch.long), torch.zeros(2, 0, dtype=torch.bool), 1).tolist() == [0, 0]

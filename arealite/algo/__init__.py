@@ -2,20 +2,29 @@
 
 from arealite.algo.actor import PPOActor, logprob_hook, split_minibatches
 from arealite.algo.advantage import (
+    ADVANTAGE_ESTIMATORS,
+    AdvantageEstimator,
+    advantage_estimator,
     broadcast_to_tokens,
     group_advantages,
     normalize_advantages,
+    resolve_advantage_estimator,
     stepwise_advantages,
     transform_rewards,
 )
 from arealite.algo.logprob import gather_logprobs, gather_logprobs_entropy, token_entropy
 from arealite.algo.loss import (
+    POLICY_LOSSES,
+    PolicyLoss,
     aggregate_loss,
     kl_penalty,
     loss_weight,
     masked_mean,
+    policy_loss,
     ppo_actor_loss,
+    ppo_clip_loss,
     ppo_policy_loss,
+    resolve_policy_loss,
 )
 from arealite.algo.sft import build_sft_batch, sft_loss_fn, sft_loss_weight
 
@@ -23,6 +32,10 @@ __all__ = [
     "PPOActor",
     "logprob_hook",
     "split_minibatches",
+    "ADVANTAGE_ESTIMATORS",
+    "AdvantageEstimator",
+    "advantage_estimator",
+    "resolve_advantage_estimator",
     "broadcast_to_tokens",
     "group_advantages",
     "normalize_advantages",
@@ -35,7 +48,12 @@ __all__ = [
     "kl_penalty",
     "loss_weight",
     "masked_mean",
+    "POLICY_LOSSES",
+    "PolicyLoss",
+    "policy_loss",
+    "resolve_policy_loss",
     "ppo_actor_loss",
+    "ppo_clip_loss",
     "ppo_policy_loss",
     "build_sft_batch",
     "sft_loss_fn",

@@ -10,9 +10,11 @@ The training script calls, per step::
 With one mini-batch the proximal policy is the training forward itself (the
 weights before the update), so decoupled PPO needs no separate forward pass.
 
-The engine (``FSDPEngine`` or any object with ``forward(batch, post_hook)`` and
-``train_batch(batch, loss_fn, loss_weight_fn)``, see docs/internals.md) knows
-nothing of PPO; this class builds the hook, the loss and its weight.
+The engine (a ``TrainEngine``, arealite/api/engine.py: ``FSDPEngine`` or any
+object with ``forward(batch, post_hook)`` and ``train_batch(batch, loss_fn,
+loss_weight_fn)``, see docs/internals.md) knows nothing of PPO; this class builds
+the hook, the loss and its weight. The advantage estimator and the policy loss
+are the ones the config names (``algorithm.adv_estimator``, ``algorithm.policy_loss``).
 """
 
 from __future__ import annotations
@@ -27,11 +29,13 @@ from arealite.algo.advantage import (
     broadcast_to_tokens,
     group_advantages,
     normalize_advantages,
+    resolve_advantage_estimator,
     stepwise_advantages,
     transform_rewards,
 )
 from arealite.algo.logprob import gather_logprobs
-from arealite.algo.loss import loss_weight, masked_mean, ppo_actor_loss
+from arealite.algo.loss import bind_policy_loss, loss_weight, masked_mean, ppo_actor_loss, resolve_policy_loss
+from arealite.api.engine import TrainEngine
 from arealite.config.schema import AlgorithmConfig
 
 __all__ = ["PPOActor", "split_minibatches", "logprob_hook"]
@@ -78,14 +82,15 @@ class PPOActor:
     ``temperature`` must be the rollout sampling temperature (log-probs are
     recomputed as ``log_softmax(logits / T)``, like the server's).
     ``max_new_tokens`` is the default length normaliser of ``seq-mean-token-sum``.
+    ``ref_engine`` (a frozen engine) scores the reference log-probs of the KL term.
     """
 
     def __init__(
         self,
         config: AlgorithmConfig,
-        engine: Any,
+        engine: TrainEngine,
         temperature: float,
-        ref_engine: Any | None = None,
+        ref_engine: TrainEngine | None = None,
         max_new_tokens: int | None = None,
     ):
         if not (isinstance(temperature, (int, float)) and temperature > 0):
@@ -103,6 +108,9 @@ class PPOActor:
                 "set algorithm.loss_agg_constant or pass max_new_tokens to PPOActor"
             )
         self.config = config
+        # Resolved once, so that a bad name fails here rather than at the first step.
+        self.adv_estimator = resolve_advantage_estimator(config.adv_estimator)
+        self.policy_loss = resolve_policy_loss(config.policy_loss)
         self.engine = engine
         self.ref_engine = ref_engine
         self.temperature = float(temperature)
@@ -119,7 +127,7 @@ class PPOActor:
         """
         return self.config.use_decoupled_loss and self.config.n_minibatches > 1
 
-    def compute_logp(self, batch: TensorDictBase, engine: Any | None = None) -> torch.Tensor:
+    def compute_logp(self, batch: TensorDictBase, engine: TrainEngine | None = None) -> torch.Tensor:
         """Log-probs ``[B, L]`` of the batch's tokens under the engine's current weights.
 
         Same layout as the trajectory's ``logprobs`` (``out[b, j]`` scores
@@ -132,9 +140,9 @@ class PPOActor:
     def compute_advantages(self, batch: TensorDictBase) -> TensorDictBase:
         """Add ``batch["advantages"] [B, L]`` (0 outside ``loss_mask``); returns the batch.
 
-        rewards -> ``transform_rewards`` -> group advantages (step-wise when the
-        batch has ``traj_id`` and ``step_id``) -> tokens on ``loss_mask`` ->
-        optional batch whitening. Stats go to ``self.adv_stats``.
+        rewards -> ``transform_rewards`` -> ``algorithm.adv_estimator`` per group
+        (step-wise when the batch has ``traj_id`` and ``step_id``) -> tokens on
+        ``loss_mask`` -> optional batch whitening. Stats go to ``self.adv_stats``.
         """
         cfg = self.config
         for key in ("rewards", "loss_mask"):
@@ -156,10 +164,10 @@ class PPOActor:
                 raise KeyError("a batch with 'traj_id' (multi-step runs) also needs 'step_id' [B]")
             seq_adv = stepwise_advantages(
                 rewards, group_id, batch["traj_id"], batch["step_id"],
-                cfg.adv_estimator, cfg.stepwise_divide_by_steps,
+                self.adv_estimator, cfg.stepwise_divide_by_steps,
             )
         else:
-            seq_adv = group_advantages(rewards, group_id, cfg.adv_estimator)
+            seq_adv = group_advantages(rewards, group_id, self.adv_estimator)
         mask = batch["loss_mask"].bool()
         adv = broadcast_to_tokens(seq_adv, mask)
         if cfg.adv_norm == "batch":
@@ -180,16 +188,14 @@ class PPOActor:
 
     # --------------------------------------------------------------------- update
     def loss_fn(self):
-        """The ``(logits, mb) -> scalar`` loss for ``engine.train_batch``, bound to the config."""
+        """The ``(logits, mb) -> scalar`` loss for ``engine.train_batch``, bound to the config:
+        ``algorithm.policy_loss`` plus the KL and entropy terms, aggregated."""
         cfg = self.config
         return functools.partial(
             ppo_actor_loss,
             temperature=self.temperature,
-            eps_clip=cfg.eps_clip,
-            eps_clip_high=cfg.eps_clip_high,
-            c_clip=cfg.c_clip,
+            policy_loss=bind_policy_loss(self.policy_loss, cfg),
             use_decoupled_loss=cfg.use_decoupled_loss,
-            behav_imp_weight_cap=cfg.behav_imp_weight_cap,
             kl_coef=cfg.kl_coef,
             kl_estimator=cfg.kl_estimator,
             entropy_coef=cfg.entropy_coef,

@@ -1,7 +1,8 @@
 """Rewards to advantages: pure functions of tensors.
 
 A *group* is the set of trajectories sampled from one prompt; it is given by a
-``group_id [B]`` tensor whose rows need not be contiguous. The estimators:
+``group_id [B]`` tensor whose rows need not be contiguous. The built-in
+estimators (``algorithm.adv_estimator``):
 
 - ``grpo``: ``(r - mean_g) / (std_g + eps)`` (std with Bessel's correction, as
   in DeepSeekMath / TRL);
@@ -13,7 +14,12 @@ A *group* is the set of trajectories sampled from one prompt; it is given by a
 
 Defined cases: a group of one sample, and a group whose rewards are all equal,
 carry no learning signal and get advantage exactly 0 (never NaN) for every
-estimator but ``none``.
+built-in but ``none``.
+
+Your own estimator is any function with the `AdvantageEstimator` signature,
+named in config as ``algorithm.adv_estimator: mypkg.module:my_estimator``. A
+new built-in is one function in this file under ``@advantage_estimator("name")``;
+the config accepts the names registered here (`ADVANTAGE_ESTIMATORS`).
 
 Multi-step trajectories (an agent run split into one training row per step)
 use ``stepwise_advantages``: the advantage is computed per *run* from its final
@@ -22,12 +28,17 @@ step's reward and broadcast to all the run's steps.
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Callable, NamedTuple
 
 import torch
 
+from arealite.algo.named import register_into, resolve_named
+
 __all__ = [
-    "AdvEstimator",
+    "ADVANTAGE_ESTIMATORS",
+    "AdvantageEstimator",
+    "advantage_estimator",
+    "resolve_advantage_estimator",
     "transform_rewards",
     "group_advantages",
     "stepwise_advantages",
@@ -35,8 +46,38 @@ __all__ = [
     "broadcast_to_tokens",
 ]
 
-AdvEstimator = Literal["grpo", "drgrpo", "rloo", "none"]
-_ESTIMATORS = ("grpo", "drgrpo", "rloo", "none")
+#: An advantage estimator: ``fn(rewards, group_id) -> advantages``.
+#:
+#: - ``rewards``: float32 ``[B]``, one per trajectory, already transformed by
+#:   ``algorithm.reward_scale/reward_bias/reward_clip`` and finite;
+#: - ``group_id``: int64 ``[B]``; the samples of one prompt share it (rows of a
+#:   group need not be contiguous);
+#: - returns float ``[B]``, finite: one advantage per trajectory. It is then put
+#:   on every token of the trajectory's ``loss_mask`` (and whitened over the
+#:   batch with ``algorithm.adv_norm: batch``).
+#:
+#: It must be a pure function of its arguments (no in-place change to them).
+AdvantageEstimator = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+#: The built-in estimators by short name; `advantage_estimator` fills it.
+ADVANTAGE_ESTIMATORS: dict[str, AdvantageEstimator] = {}
+
+#: Added to the group std by ``grpo`` (a group's std can be tiny but not 0: equal rewards get 0 first).
+_STD_EPS = 1e-6
+
+
+def advantage_estimator(name: str) -> Callable[[AdvantageEstimator], AdvantageEstimator]:
+    """Decorator: register a built-in estimator under ``name`` (``algorithm.adv_estimator: <name>``)."""
+    return register_into(ADVANTAGE_ESTIMATORS, name, "advantage estimator")
+
+
+def resolve_advantage_estimator(spec: str | AdvantageEstimator) -> AdvantageEstimator:
+    """The estimator ``spec`` names: a built-in short name, ``module:function``, or a callable itself.
+
+    Raises ``ValueError`` naming the value and the allowed names.
+    """
+    return resolve_named(spec, ADVANTAGE_ESTIMATORS, "advantage estimator", "algorithm.adv_estimator", 2,
+                         "fn(rewards, group_id) -> advantages")
 
 
 def _check_1d(name: str, t: torch.Tensor, n: int | None = None) -> None:
@@ -67,44 +108,82 @@ def _segments(ids: torch.Tensor) -> tuple[torch.Tensor, int]:
     return inv, uniq.numel()
 
 
+class _Groups(NamedTuple):
+    """Per-row group statistics the built-in estimators share (float64, so that the mean of
+    equal rewards leaves no rounding crumbs)."""
+
+    centered: torch.Tensor  # r - mean of its group
+    size: torch.Tensor  # the size of its group
+    var: torch.Tensor  # the Bessel-corrected variance of its group
+    no_signal: torch.Tensor  # its group has one sample or equal rewards
+
+    @classmethod
+    def of(cls, rewards: torch.Tensor, group_id: torch.Tensor) -> "_Groups":
+        r = rewards.double()
+        seg, n_groups = _segments(group_id)
+        zeros = torch.zeros(n_groups, dtype=torch.float64, device=r.device)
+        count = zeros.index_add(0, seg, torch.ones_like(r))
+        centered = r - (zeros.index_add(0, seg, r) / count)[seg]
+        var = zeros.index_add(0, seg, centered * centered) / (count - 1).clamp(min=1)
+        gmax = zeros.scatter_reduce(0, seg, r, "amax", include_self=False)
+        gmin = zeros.scatter_reduce(0, seg, r, "amin", include_self=False)
+        return cls(centered, count[seg], var[seg], (gmax == gmin)[seg])
+
+    def finish(self, adv: torch.Tensor) -> torch.Tensor:
+        """0 where the group carries no signal, as float32."""
+        return torch.where(self.no_signal, torch.zeros_like(adv), adv).float()
+
+
+@advantage_estimator("grpo")
+def grpo_advantages(rewards: torch.Tensor, group_id: torch.Tensor) -> torch.Tensor:
+    """GRPO: the reward standardised within its group, ``(r - mean_g) / (std_g + eps)``."""
+    g = _Groups.of(rewards, group_id)
+    return g.finish(g.centered / (g.var.sqrt() + _STD_EPS))
+
+
+@advantage_estimator("drgrpo")
+def drgrpo_advantages(rewards: torch.Tensor, group_id: torch.Tensor) -> torch.Tensor:
+    """Dr.GRPO: the reward minus its group's mean (no division by the std)."""
+    g = _Groups.of(rewards, group_id)
+    return g.finish(g.centered)
+
+
+@advantage_estimator("rloo")
+def rloo_advantages(rewards: torch.Tensor, group_id: torch.Tensor) -> torch.Tensor:
+    """RLOO: the reward minus the mean of the other samples of its group."""
+    g = _Groups.of(rewards, group_id)
+    return g.finish(g.centered * g.size / (g.size - 1).clamp(min=1))
+
+
+@advantage_estimator("none")
+def raw_reward_advantages(rewards: torch.Tensor, group_id: torch.Tensor) -> torch.Tensor:
+    """No baseline: the (transformed) reward itself."""
+    return rewards.float().clone()
+
+
 def group_advantages(
     rewards: torch.Tensor,
     group_id: torch.Tensor,
-    estimator: AdvEstimator = "grpo",
-    eps: float = 1e-6,
+    estimator: str | AdvantageEstimator = "grpo",
 ) -> torch.Tensor:
-    """Per-trajectory advantages ``[B]`` from rewards ``[B]`` and their ``group_id [B]``."""
-    if estimator not in _ESTIMATORS:
-        raise ValueError(f"unknown advantage estimator {estimator!r}; choose one of {_ESTIMATORS}")
+    """Per-trajectory advantages ``[B]`` from rewards ``[B]`` and their ``group_id [B]``.
+
+    ``estimator``: a built-in name, ``module:function``, or an `AdvantageEstimator`.
+    """
+    fn = resolve_advantage_estimator(estimator)
     _check_1d("rewards", rewards)
     _check_1d("group_id", group_id, rewards.shape[0])
     if rewards.shape[0] == 0:
         return rewards.float().clone()
     if not torch.isfinite(rewards).all():
         raise ValueError("'rewards' holds NaN or inf; fix the reward function before training")
-    if estimator == "none":
-        return rewards.float().clone()
-
-    # float64 so that the mean of equal rewards does not leave rounding crumbs.
-    r = rewards.double()
-    seg, n_groups = _segments(group_id)
-    zeros = torch.zeros(n_groups, dtype=torch.float64, device=r.device)
-    count = zeros.index_add(0, seg, torch.ones_like(r))
-    mean = zeros.index_add(0, seg, r) / count
-    centered = r - mean[seg]
-    gmax = zeros.scatter_reduce(0, seg, r, "amax", include_self=False)
-    gmin = zeros.scatter_reduce(0, seg, r, "amin", include_self=False)
-    no_signal = (gmax == gmin)[seg]  # also every group of size 1
-    n = count[seg]
-
-    if estimator == "grpo":
-        var = zeros.index_add(0, seg, centered * centered) / (count - 1).clamp(min=1)
-        adv = centered / (var.sqrt()[seg] + eps)
-    elif estimator == "drgrpo":
-        adv = centered
-    else:  # rloo
-        adv = centered * n / (n - 1).clamp(min=1)
-    adv = torch.where(no_signal, torch.zeros_like(adv), adv)
+    adv = fn(rewards.float(), group_id)
+    if not isinstance(adv, torch.Tensor) or tuple(adv.shape) != tuple(rewards.shape):
+        got = tuple(adv.shape) if isinstance(adv, torch.Tensor) else type(adv).__name__
+        raise ValueError(f"advantage estimator {getattr(fn, '__qualname__', fn)!r} returned {got}; "
+                         f"it must return a tensor of shape {tuple(rewards.shape)} (one value per trajectory)")
+    if not torch.isfinite(adv).all():
+        raise ValueError(f"advantage estimator {getattr(fn, '__qualname__', fn)!r} returned NaN or inf")
     return adv.float()
 
 
@@ -113,9 +192,8 @@ def stepwise_advantages(
     group_id: torch.Tensor,
     traj_id: torch.Tensor,
     step_id: torch.Tensor,
-    estimator: AdvEstimator = "grpo",
+    estimator: str | AdvantageEstimator = "grpo",
     divide_by_steps: bool = False,
-    eps: float = 1e-6,
 ) -> torch.Tensor:
     """Advantages ``[B]`` for multi-step runs, one row per step.
 
@@ -155,7 +233,7 @@ def stepwise_advantages(
     final_rows = is_final.nonzero().squeeze(-1)
     final_of_run = torch.empty(n_runs, dtype=torch.long, device=tseg.device)
     final_of_run[tseg[final_rows]] = final_rows
-    run_adv = group_advantages(rewards[final_of_run], group_id[final_of_run], estimator, eps)
+    run_adv = group_advantages(rewards[final_of_run], group_id[final_of_run], estimator)
     adv = run_adv[tseg]
     if divide_by_steps:
         n_steps = torch.zeros(n_runs, dtype=torch.float32, device=tseg.device).index_add(

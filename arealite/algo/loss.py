@@ -18,19 +18,37 @@ All tensors of one call share a shape: ``[T]`` packed tokens (then sequences
 come from ``cu_seqlens``) or ``[B, L]`` rows. Values outside ``loss_mask`` are
 never used, so garbage there (e.g. the 0 behaviour log-prob of a prompt token)
 can neither overflow ``exp`` nor leak a NaN into the gradient.
+
+The policy term is named in config (``algorithm.policy_loss``): a built-in short
+name, or ``module:function`` of your own with the `PolicyLoss` signature. A new
+built-in is one function in this file under ``@policy_loss("name")``; the config
+accepts the names registered here (`POLICY_LOSSES`). KL and entropy terms and
+the aggregation to one scalar are added around it by ``ppo_actor_loss``.
 """
 
 from __future__ import annotations
 
-from typing import Any, Literal
+import functools
+from typing import TYPE_CHECKING, Any, Callable, Literal, Optional
 
 import torch
 
 from arealite.algo.logprob import gather_logprobs_entropy, gather_logprobs_entropy_stat
+from arealite.algo.named import register_into, resolve_named
+
+if TYPE_CHECKING:
+    from arealite.config.schema import AlgorithmConfig
 
 __all__ = [
     "LossAggMode",
     "KLEstimator",
+    "POLICY_LOSSES",
+    "PolicyLoss",
+    "BoundPolicyLoss",
+    "policy_loss",
+    "resolve_policy_loss",
+    "bind_policy_loss",
+    "ppo_clip_loss",
     "ppo_policy_loss",
     "kl_penalty",
     "aggregate_loss",
@@ -45,6 +63,69 @@ _AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum")
 #: Rows of logits in float32 at once when no gradient flows through the entropy.
 _CHUNK = 1024
 
+#: A policy loss: ``fn(logp, prox_logp, advantages, loss_mask, behav_logp, config) -> (token_loss, stats)``.
+#:
+#: All tensors share one shape, ``[T]`` (the packed tokens of a micro-batch):
+#:
+#: - ``logp``: float32 log-probs of the sampled tokens under the weights being trained (with gradient);
+#: - ``prox_logp``: the old policy's log-probs, detached: the proximal policy's when it was
+#:   recomputed (decoupled PPO), else the behaviour policy's;
+#: - ``advantages``: float32, 0 outside ``loss_mask``;
+#: - ``loss_mask``: bool, the tokens the policy produced;
+#: - ``behav_logp``: the behaviour (inference server) log-probs when the decoupled loss applies
+#:   (``algorithm.use_decoupled_loss`` and a proximal policy), else ``None``;
+#: - ``config``: the run's ``AlgorithmConfig`` (``eps_clip``, ``c_clip``, ``behav_imp_weight_cap``, ...).
+#:
+#: Returns the per-token loss (same shape, 0 outside ``loss_mask``; the caller aggregates it with
+#: ``algorithm.loss_agg_mode`` and adds the KL and entropy terms) and a dict of 0-dim tensor
+#: stats, logged as weighted means over micro-batches (a key ending in ``_max`` as a maximum).
+PolicyLoss = Callable[
+    [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, Optional[torch.Tensor], "AlgorithmConfig"],
+    tuple[torch.Tensor, dict[str, torch.Tensor]],
+]
+#: A `PolicyLoss` with its config bound: ``fn(logp, prox_logp, advantages, loss_mask, behav_logp)``.
+BoundPolicyLoss = Callable[
+    [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, Optional[torch.Tensor]],
+    tuple[torch.Tensor, dict[str, torch.Tensor]],
+]
+
+#: The built-in policy losses by short name; `policy_loss` fills it.
+POLICY_LOSSES: dict[str, PolicyLoss] = {}
+
+
+def policy_loss(name: str) -> Callable[[PolicyLoss], PolicyLoss]:
+    """Decorator: register a built-in policy loss under ``name`` (``algorithm.policy_loss: <name>``)."""
+    return register_into(POLICY_LOSSES, name, "policy loss")
+
+
+def resolve_policy_loss(spec: str | PolicyLoss) -> PolicyLoss:
+    """The policy loss ``spec`` names: a built-in short name, ``module:function``, or a callable itself.
+
+    Raises ``ValueError`` naming the value and the allowed names.
+    """
+    return resolve_named(spec, POLICY_LOSSES, "policy loss", "algorithm.policy_loss", 6,
+                         "fn(logp, prox_logp, advantages, loss_mask, behav_logp, config) -> (token_loss, stats)")
+
+
+def bind_policy_loss(fn: PolicyLoss, config: "AlgorithmConfig") -> BoundPolicyLoss:
+    """``fn`` with ``config`` bound, its output checked (what ``ppo_actor_loss`` calls)."""
+    return functools.partial(_call_policy_loss, fn, config)
+
+
+def _call_policy_loss(fn: PolicyLoss, config: "AlgorithmConfig", logp: torch.Tensor, prox_logp: torch.Tensor,
+                      advantages: torch.Tensor, loss_mask: torch.Tensor, behav_logp: torch.Tensor | None,
+                      ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    out = fn(logp, prox_logp, advantages, loss_mask, behav_logp, config)
+    name = getattr(fn, "__qualname__", repr(fn))
+    if not (isinstance(out, tuple) and len(out) == 2 and isinstance(out[1], dict)):
+        raise TypeError(f"policy loss {name} must return (token_loss, stats dict), got {type(out).__name__}")
+    token_loss = out[0]
+    if not isinstance(token_loss, torch.Tensor) or token_loss.shape != logp.shape:
+        got = tuple(token_loss.shape) if isinstance(token_loss, torch.Tensor) else type(token_loss).__name__
+        raise ValueError(f"policy loss {name} returned a token loss of shape {got}; "
+                         f"it must be per token, shape {tuple(logp.shape)}")
+    return out
+
 
 def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """Mean of ``x`` on ``mask`` (0 when the mask is empty, never NaN)."""
@@ -57,6 +138,43 @@ def _masked_max(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     if not mask.any():
         return torch.zeros((), dtype=x.dtype, device=x.device)
     return x[mask].max()
+
+
+def _check_ppo_args(
+    shapes: dict[str, tuple[int, ...]],
+    eps_clip: float,
+    eps_high: float,
+    eps_clip_high: float | None,
+    c_clip: float | None,
+    behav_imp_weight_cap: float | None,
+) -> None:
+    if len(set(shapes.values())) != 1:
+        raise ValueError(f"ppo_policy_loss needs tensors of one shape, got {shapes}")
+    if eps_clip <= 0:
+        raise ValueError(f"eps_clip must be > 0, got {eps_clip}")
+    if eps_high <= 0:
+        raise ValueError(f"eps_clip_high must be > 0 (or None), got {eps_clip_high}")
+    if c_clip is not None and c_clip <= 1:
+        raise ValueError(f"c_clip (dual clip) must be > 1 (or None to disable), got {c_clip}")
+    if behav_imp_weight_cap is not None and behav_imp_weight_cap <= 1:
+        raise ValueError(f"behav_imp_weight_cap must be > 1 (or None), got {behav_imp_weight_cap}")
+
+
+def _behaviour_weight(
+    mask: torch.Tensor, prox: torch.Tensor, behav_logp: torch.Tensor, cap: float | None,
+    stats: dict[str, torch.Tensor],
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Decoupled PPO's behaviour importance weight: ``(tokens kept under the cap, weight on them)``."""
+    zero = torch.zeros((), dtype=torch.float32, device=prox.device)
+    behav_log_w = torch.where(mask, prox - behav_logp.detach().float(), zero)
+    w = torch.exp(behav_log_w)
+    keep = mask & (w <= cap) if cap is not None else mask
+    stats["imp_weight_mean"] = masked_mean(w, mask)
+    stats["imp_weight_max"] = _masked_max(w, mask)
+    stats["imp_weight_capped_frac"] = masked_mean((mask & ~keep).float(), mask)
+    stats["approx_kl_behav"] = masked_mean(-behav_log_w, mask)  # k1 of KL(behav || prox)
+    # Zero the weight before multiplying: inf * 0 in the backward would be NaN.
+    return keep, torch.where(keep, w, zero)
 
 
 def ppo_policy_loss(
@@ -87,44 +205,23 @@ def ppo_policy_loss(
               (("logp", logp), ("prox_logp", prox_logp), ("advantages", advantages), ("loss_mask", loss_mask))}
     if behav_logp is not None:
         shapes["behav_logp"] = tuple(behav_logp.shape)
-    if len(set(shapes.values())) != 1:
-        raise ValueError(f"ppo_policy_loss needs tensors of one shape, got {shapes}")
-    if eps_clip <= 0:
-        raise ValueError(f"eps_clip must be > 0, got {eps_clip}")
     eps_high = eps_clip if eps_clip_high is None else eps_clip_high
-    if eps_high <= 0:
-        raise ValueError(f"eps_clip_high must be > 0 (or None), got {eps_clip_high}")
-    if c_clip is not None and c_clip <= 1:
-        raise ValueError(f"c_clip (dual clip) must be > 1 (or None to disable), got {c_clip}")
-    if behav_imp_weight_cap is not None and behav_imp_weight_cap <= 1:
-        raise ValueError(f"behav_imp_weight_cap must be > 1 (or None), got {behav_imp_weight_cap}")
+    _check_ppo_args(shapes, eps_clip, eps_high, eps_clip_high, c_clip, behav_imp_weight_cap)
 
     mask = loss_mask.bool()
     zero = torch.zeros((), dtype=torch.float32, device=logp.device)
     adv = torch.where(mask, advantages.float(), zero)
     prox = prox_logp.detach().float()
     stats: dict[str, torch.Tensor] = {}
-
     # Tokens kept in the loss: loss tokens whose behaviour weight is within the cap.
-    keep = mask
-    w_kept = None
+    keep, w_kept = mask, None
     if behav_logp is not None:
-        behav_log_w = torch.where(mask, prox - behav_logp.detach().float(), zero)
-        w = torch.exp(behav_log_w)
-        if behav_imp_weight_cap is not None:
-            keep = mask & (w <= behav_imp_weight_cap)
-        # Zero the weight before multiplying: inf * 0 in the backward would be NaN.
-        w_kept = torch.where(keep, w, zero)
-        stats["imp_weight_mean"] = masked_mean(w, mask)
-        stats["imp_weight_max"] = _masked_max(w, mask)
-        stats["imp_weight_capped_frac"] = masked_mean((mask & ~keep).float(), mask)
-        stats["approx_kl_behav"] = masked_mean(-behav_log_w, mask)  # k1 of KL(behav || prox)
+        keep, w_kept = _behaviour_weight(mask, prox, behav_logp, behav_imp_weight_cap, stats)
 
     log_ratio = torch.where(mask, logp.float() - prox, zero)
     ratio = torch.exp(log_ratio)
-    clipped_ratio = ratio.clamp(1.0 - eps_clip, 1.0 + eps_high)
     pg_unclipped = -adv * ratio
-    pg_clipped = -adv * clipped_ratio
+    pg_clipped = -adv * ratio.clamp(1.0 - eps_clip, 1.0 + eps_high)
     pg = torch.maximum(pg_unclipped, pg_clipped)
     # Clip fractions are over all loss tokens, counting the kept tokens whose clip is active.
     clip_used = (pg_clipped > pg_unclipped) & keep
@@ -143,8 +240,25 @@ def ppo_policy_loss(
     stats["approx_kl_prox"] = masked_mean(-log_ratio.detach(), mask)  # k1 of KL(prox || current)
     if w_kept is not None:
         pg = pg * w_kept
-    token_loss = torch.where(keep, pg, zero)
-    return token_loss, stats
+    return torch.where(keep, pg, zero), stats
+
+
+@policy_loss("ppo")
+def ppo_clip_loss(
+    logp: torch.Tensor,
+    prox_logp: torch.Tensor,
+    advantages: torch.Tensor,
+    loss_mask: torch.Tensor,
+    behav_logp: torch.Tensor | None,
+    config: "AlgorithmConfig",
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """PPO's clipped surrogate (``ppo_policy_loss``) with ``algorithm.eps_clip``, ``eps_clip_high``,
+    ``c_clip`` and, for the decoupled loss, ``behav_imp_weight_cap``."""
+    return ppo_policy_loss(
+        logp, prox_logp, advantages, loss_mask,
+        eps_clip=config.eps_clip, eps_clip_high=config.eps_clip_high, c_clip=config.c_clip,
+        behav_logp=behav_logp, behav_imp_weight_cap=config.behav_imp_weight_cap,
+    )
 
 
 def kl_penalty(
@@ -255,6 +369,39 @@ def loss_weight(
     return float((counts > 0).sum())
 
 
+def _ppo_term(logp: torch.Tensor, prox_logp: torch.Tensor, advantages: torch.Tensor, loss_mask: torch.Tensor,
+              behav_logp: torch.Tensor | None, **knobs: Any) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    return ppo_policy_loss(logp, prox_logp, advantages, loss_mask, behav_logp=behav_logp, **knobs)
+
+
+def _check_micro_batch(mb: dict[str, Any]) -> None:
+    for key in ("labels", "loss_mask", "logprobs", "advantages"):
+        if key not in mb:
+            raise KeyError(f"micro-batch lacks '{key}' (has {sorted(mb)}); "
+                           "run PPOActor.compute_advantages before ppo_update")
+
+
+@torch.no_grad()
+def _logged_stats(
+    mb: dict[str, Any], pg: torch.Tensor, logp: torch.Tensor, entropy: torch.Tensor, prox: torch.Tensor | None,
+    mask: torch.Tensor, loss_agg_mode: LossAggMode, agg_constant: float | None,
+) -> dict[str, torch.Tensor]:
+    """The figures every step logs besides the policy loss's own stats."""
+    behav = mb["logprobs"]
+    stats = {
+        "pg_loss": aggregate_loss(pg.detach(), mask, loss_agg_mode, mb.get("cu_seqlens"), agg_constant),
+        "entropy": masked_mean(entropy.detach(), mask),
+        "logp_mean": masked_mean(logp.detach(), mask),
+    }
+    if prox is not None:
+        # Train-inference mismatch: recomputed proximal vs the server's behaviour log-probs.
+        delta = (prox.float() - behav.float()).abs()
+        stats["logp_mismatch_mean"] = masked_mean(delta, mask)
+        stats["logp_mismatch_max"] = _masked_max(delta, mask)
+    stats["n_loss_tokens"] = mask.sum().float()
+    return stats
+
+
 def ppo_actor_loss(
     logits: torch.Tensor,
     mb: dict[str, Any],
@@ -271,6 +418,7 @@ def ppo_actor_loss(
     loss_agg_mode: LossAggMode = "token-mean",
     agg_constant: float | None = None,
     prox_from_forward: bool = False,
+    policy_loss: BoundPolicyLoss | None = None,
 ) -> torch.Tensor:
     """The loss function given to ``engine.train_batch``: ``(logits [T, V], mb) -> scalar``.
 
@@ -281,16 +429,17 @@ def ppo_actor_loss(
     applies only with ``use_decoupled_loss`` and a proximal policy. Puts float
     stats into ``mb["_stats"]``.
 
+    ``policy_loss``: the per-token policy term (`bind_policy_loss` of a `PolicyLoss`);
+    ``None`` is ``ppo_policy_loss`` with ``eps_clip``, ``eps_clip_high``, ``c_clip`` and
+    ``behav_imp_weight_cap`` (those four are used by nothing else).
+
     ``prox_from_forward``: with no ``prox_logp`` in the micro-batch, the proximal
     log-probs are this forward's own, detached. Exact when the whole batch is one
     optimizer step (``n_minibatches == 1``): every micro-batch then runs on the
     weights before the update, which is what a separate ``compute_logp`` pass
     would score, so that pass (a third of the step's compute) is skipped.
     """
-    for key in ("labels", "loss_mask", "logprobs", "advantages"):
-        if key not in mb:
-            raise KeyError(f"micro-batch lacks '{key}' (has {sorted(mb)}); "
-                           "run PPOActor.compute_advantages before ppo_update")
+    _check_micro_batch(mb)
     mask = mb["loss_mask"].bool()
     behav = mb["logprobs"]
     prox = mb.get("prox_logp")
@@ -303,12 +452,11 @@ def ppo_actor_loss(
     if prox is None and prox_from_forward:
         prox = logp.detach()
     decoupled = use_decoupled_loss and prox is not None
-    pg, stats = ppo_policy_loss(
-        logp, prox if prox is not None else behav, mb["advantages"], mask,
-        eps_clip=eps_clip, eps_clip_high=eps_clip_high, c_clip=c_clip,
-        behav_logp=behav if decoupled else None,
-        behav_imp_weight_cap=behav_imp_weight_cap,
-    )
+    if policy_loss is None:
+        policy_loss = functools.partial(_ppo_term, eps_clip=eps_clip, eps_clip_high=eps_clip_high,
+                                        c_clip=c_clip, behav_imp_weight_cap=behav_imp_weight_cap)
+    pg, stats = policy_loss(logp, prox if prox is not None else behav, mb["advantages"], mask,
+                            behav if decoupled else None)
     token_loss = pg
     if kl_coef > 0:
         if "ref_logp" not in mb:
@@ -319,19 +467,8 @@ def ppo_actor_loss(
     if entropy_coef > 0:
         token_loss = token_loss - entropy_coef * entropy
 
-    cu = mb.get("cu_seqlens")
-    loss = aggregate_loss(token_loss, mask, loss_agg_mode, cu, agg_constant)
-
-    with torch.no_grad():
-        stats["pg_loss"] = aggregate_loss(pg.detach(), mask, loss_agg_mode, cu, agg_constant)
-        stats["entropy"] = masked_mean(entropy.detach(), mask)
-        stats["logp_mean"] = masked_mean(logp.detach(), mask)
-        if prox is not None:
-            # Train-inference mismatch: recomputed proximal vs the server's behaviour log-probs.
-            delta = (prox.float() - behav.float()).abs()
-            stats["logp_mismatch_mean"] = masked_mean(delta, mask)
-            stats["logp_mismatch_max"] = _masked_max(delta, mask)
-        stats["n_loss_tokens"] = mask.sum().float()
+    loss = aggregate_loss(token_loss, mask, loss_agg_mode, mb.get("cu_seqlens"), agg_constant)
+    stats.update(_logged_stats(mb, pg, logp, entropy, prox, mask, loss_agg_mode, agg_constant))
     prev = mb.get("_stats")
     out = dict(prev) if isinstance(prev, dict) else {}
     out.update({k: float(v) for k, v in stats.items()})

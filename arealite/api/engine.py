@@ -6,7 +6,9 @@ second backend is one new module that satisfies the same contract:
 - `InferenceClient`: generates (the rollout side). `RemoteSGLangEngine` is one; a vLLM
   client would be another. Workflows and the rollout controller see only this.
 - `WeightUpdateAdmin`: the inference servers' administration routes that a weight
-  transfer needs (pause/continue, load from disk or shared memory, the update group).
+  update needs (pause/continue, load from disk, read back); `DistributedUpdateAdmin`
+  adds the update group, `ShmUpdateAdmin` loading from shared memory.
+  `arealite.engine.sglang_admin.SGLangAdmin` implements all three.
 - `TrainEngine`: trains (forward, backward, optimizer step) for any loss it is given,
   saves and loads checkpoints, exports weights. `FSDPEngine` is one. It does not know
   what GRPO is.
@@ -14,6 +16,7 @@ second backend is one new module that satisfies the same contract:
 - `WeightTransfer`: moves one version of the weights to the servers (disk, shm,
   distributed). It implements the transfer only; `WeightPublisher` owns the sequence
   around it (pause → transfer → verify → set the version everywhere → resume).
+- `Pausable`: what the publisher pauses around an update (the rollout controller).
 
 They are ``runtime_checkable`` so that a constructor can reject a wrong object early with a
 message that names what is missing (`require`).
@@ -21,7 +24,7 @@ message that names what is missing (`require`).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Coroutine, Iterator
+from collections.abc import Callable, Coroutine, Iterator, Sequence
 from os import PathLike
 from typing import Any, Protocol, runtime_checkable
 
@@ -29,8 +32,9 @@ import torch
 
 from arealite.api.types import Completion, GenerationRequest
 
-#: A per-micro-batch loss: ``loss_fn(logits, micro_batch) -> (scalar loss, stats)``.
-LossFn = Callable[[torch.Tensor, dict[str, Any]], tuple[torch.Tensor, dict[str, float]]]
+#: A per-micro-batch loss: ``loss_fn(logits, micro_batch) -> 0-dim loss tensor``; stats it
+#: wants logged go in ``micro_batch["_stats"]`` (a dict of floats or 0-dim tensors).
+LossFn = Callable[[torch.Tensor, dict[str, Any]], torch.Tensor]
 #: The weight of a micro-batch's loss in the step (e.g. its number of loss tokens).
 LossWeightFn = Callable[[dict[str, Any]], float]
 #: Turns a micro-batch's logits into the per-token values `TrainEngine.forward` returns.
@@ -77,6 +81,13 @@ class WeightUpdateAdmin(Protocol):
     @property
     def healthy_servers(self) -> list[str]: ...
 
+    @property
+    def servers(self) -> list[str]: ...
+
+    def server_info(self, addr: str) -> dict[str, Any]: ...
+
+    def out_of_rotation(self) -> dict[str, str]: ...
+
     async def drop_unreachable(self, addrs: Any = None, why: str = "") -> list[str]: ...
 
     async def pause_generation(self) -> dict[str, Any]: ...
@@ -86,6 +97,43 @@ class WeightUpdateAdmin(Protocol):
     async def update_weights_from_disk(self, path: str, version: int, timeout: float | None = None) -> dict[str, Any]: ...
 
     async def get_weights_by_name(self, name: str, truncate_size: int = 100) -> dict[str, Any]: ...
+
+
+@runtime_checkable
+class DistributedUpdateAdmin(WeightUpdateAdmin, Protocol):
+    """Updates over a process group: rank 0 of the trainer broadcasts, every server receives.
+
+    ``begin_weight_update``/``end_weight_update`` bracket an update on servers that have
+    them (SGLang >= 0.5.21) and do nothing elsewhere.
+    """
+
+    def weights_update_world_size(self) -> int: ...
+
+    def group_members(self, group_name: str) -> list[str]: ...
+
+    async def init_weights_update_group(self, master_address: str, master_port: int,
+                                        world_size: int | None = None, group_name: str = ...,
+                                        backend: str = "gloo", *, timeout: float | None = None) -> dict[str, Any]: ...
+
+    async def update_weights_from_distributed(self, names: Sequence[str], dtypes: Sequence[Any],
+                                              shapes: Sequence[Sequence[int]], group_name: str = ...,
+                                              version: int | None = None, flattened_bucket: bool = False, *,
+                                              flush_cache: bool = True, timeout: float | None = None) -> dict[str, Any]: ...
+
+    async def destroy_weights_update_group(self, group_name: str = ...) -> dict[str, Any]: ...
+
+    async def begin_weight_update(self) -> dict[str, Any]: ...
+
+    async def end_weight_update(self) -> dict[str, Any]: ...
+
+
+@runtime_checkable
+class ShmUpdateAdmin(WeightUpdateAdmin, Protocol):
+    """Updates from one shared-memory file (servers on the trainer's host)."""
+
+    async def update_weights_from_shm(self, path: str, names: Sequence[str], dtypes: Sequence[Any],
+                                      shapes: Sequence[Sequence[int]], offsets: Sequence[int], version: int, *,
+                                      timeout: float | None = None) -> dict[str, Any]: ...
 
 
 @runtime_checkable
@@ -125,12 +173,26 @@ class TrainEngine(WeightSource, Protocol):
 class WeightTransfer(Protocol):
     """Moves one version of the weights from a `WeightSource` to every inference server.
 
-    Called on every trainer rank (reading a sharded engine is collective); only rank 0
-    talks to the servers. ``transfer`` runs with the servers' generation paused and must
-    leave them loaded with ``version`` (verified) or raise; it returns timings and sizes.
+    Used on trainer rank 0, which alone talks to the servers; the publisher keeps the
+    other ranks reading the source along with it (reading a sharded engine is a
+    collective), once more each time the transfer starts reading it anew. Per update:
+
+    - ``stage(source, version)`` while the servers still generate: the work that needs no
+      pause (writing the weights to disk or shared memory; nothing for a broadcast);
+    - ``transfer(source, version)`` with the servers' generation paused: loads the staged
+      weights (or reads ``source`` now) on every server, tagged ``version``, or raises.
+
+    Both return timings and sizes. A transfer neither pauses, continues nor verifies,
+    and sets no version: the publisher does. It reads ``source`` in buckets of
+    ``bucket_bytes`` (the other ranks read the same buckets).
     """
 
+    @property
+    def bucket_bytes(self) -> int: ...
+
     def init(self) -> None: ...
+
+    def stage(self, source: WeightSource, version: int) -> dict[str, float]: ...
 
     def transfer(self, source: WeightSource, version: int) -> dict[str, float]: ...
 
@@ -143,6 +205,15 @@ class Versioned(Protocol):
     def set_version(self, version: int) -> None: ...
 
 
+@runtime_checkable
+class Pausable(Protocol):
+    """Stops and restarts admitting new work (the rollout controller around an update)."""
+
+    def pause(self) -> None: ...
+
+    def resume(self) -> None: ...
+
+
 def require(obj: Any, contract: type, what: str) -> None:
     """Raise a `TypeError` naming the missing methods when `obj` does not satisfy `contract`."""
     if isinstance(obj, contract):
@@ -153,5 +224,6 @@ def require(obj: Any, contract: type, what: str) -> None:
                     f" (missing: {', '.join(missing) or 'see the Protocol'})")
 
 
-__all__ = ["InferenceClient", "LossFn", "LossWeightFn", "PostHook", "Runner", "TrainEngine",
-           "Versioned", "WeightSource", "WeightTransfer", "WeightUpdateAdmin", "require"]
+__all__ = ["DistributedUpdateAdmin", "InferenceClient", "LossFn", "LossWeightFn", "Pausable", "PostHook",
+           "Runner", "ShmUpdateAdmin", "TrainEngine", "Versioned", "WeightSource", "WeightTransfer",
+           "WeightUpdateAdmin", "require"]

@@ -610,6 +610,19 @@ def _check_reward_fn(cfg: ArealiteConfig) -> list[ConfigProblem]:
     return []
 
 
+def _check_workflow(cfg: ArealiteConfig) -> list[ConfigProblem]:
+    """`rollout.workflow` names a built-in or importable workflow class, and
+    `rollout.workflow_kwargs` fits its constructor."""
+    from arealite.workflow.registry import resolve_workflow_class, workflow_kwargs_problems
+
+    try:
+        cls = resolve_workflow_class(cfg.rollout.workflow)
+    except ValueError as e:
+        return [ConfigProblem("rollout.workflow", str(e), cfg.rollout.workflow)]
+    return [ConfigProblem(f"rollout.workflow_kwargs.{key}", why, cfg.rollout.workflow_kwargs.get(key))
+            for key, why in workflow_kwargs_problems(cls, cfg.rollout.workflow_kwargs)]
+
+
 def _check_shm_backend(cfg: ArealiteConfig) -> list[ConfigProblem]:
     """`weight_sync.method: shm` needs `launch.server_backend: embedded` (SGLang cannot read the shared-memory file)."""
     if cfg.weight_sync.method == "shm" and cfg.launch.server_backend != "embedded":
@@ -629,6 +642,7 @@ CROSS_FIELD_CHECKS = (
     _check_warmup,
     _check_context_length,
     _check_reward_fn,
+    _check_workflow,
     _check_shm_backend,
 )
 
@@ -659,8 +673,14 @@ def _path_problems(values: Mapping[str, Any]) -> list[ConfigProblem]:
         out += _model_dir_problems("server.model_path", values["server.model_path"])
     for name in ("data.train_path", "data.eval_path"):
         value = values[name]
-        if value and not Path(value).is_file():
-            out.append(ConfigProblem(name, "is not an existing file (a JSONL file of prompts)", value))
+        if not value or Path(value).is_file():
+            continue
+        if not Path(value).is_dir():
+            out.append(ConfigProblem(name, "does not exist (give a JSONL or Parquet file of prompts, "
+                                     "or a directory saved by `datasets.Dataset.save_to_disk`)", value))
+        elif not any((Path(value) / f).is_file() for f in ("state.json", "dataset_dict.json")):
+            out.append(ConfigProblem(name, "is a directory but not one saved by `datasets.Dataset."
+                                     "save_to_disk` (no state.json): give a JSONL or Parquet file", value))
     return out
 
 

@@ -7,7 +7,7 @@ schema and in docs/config_reference.md) and a recommended default.
 from __future__ import annotations
 
 import re
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
@@ -140,6 +140,14 @@ class ServerConfig(Section):
 
 
 class RolloutConfig(Section):
+    workflow: str = Field("rlvr", min_length=1)
+    """The `RolloutWorkflow` that turns one dataset item into trajectories: a built-in name
+    (`rlvr`, `multi_turn`; see `arealite.workflow.registry`) or `module:Class` of your own.
+    Its constructor gets, by parameter name, any of `config`, `tokenizer`, `generation`,
+    `rollout`, `data`, `reward_fn`, plus `workflow_kwargs` (or a `from_config` classmethod)."""
+    workflow_kwargs: dict[str, Any] = Field(default_factory=dict)
+    """Keyword arguments of the workflow's constructor, checked against its signature
+    before anything starts."""
     max_concurrent_rollouts: int = Field(64, ge=1)
     """Most episodes (workflow calls) in flight at once, per trainer rank."""
     queue_size: int = Field(1024, ge=1)
@@ -243,8 +251,15 @@ class ActorConfig(Section):
 
 
 class AlgorithmConfig(Section):
-    adv_estimator: Literal["grpo", "drgrpo", "rloo", "none"] = "grpo"
-    """Advantage: GRPO (group mean/std), Dr.GRPO (group mean), RLOO (leave-one-out), none (raw reward)."""
+    adv_estimator: str = Field("grpo", min_length=1)
+    """Advantage estimator: a built-in, `grpo` (group mean/std), `drgrpo` (group mean), `rloo`
+    (leave-one-out), `none` (raw reward), or `module:function` of your own, called as
+    `fn(rewards [B], group_id [B]) -> advantages [B]` (see `arealite.algo.advantage`)."""
+    policy_loss: str = Field("ppo", min_length=1)
+    """Policy loss: the built-in `ppo` (clipped surrogate with `eps_clip`, `c_clip` and the
+    decoupled behaviour weight), or `module:function` of your own, called per micro-batch as
+    `fn(logp, prox_logp, advantages, loss_mask, behav_logp, config) -> (token_loss, stats)`
+    (see `arealite.algo.loss`). KL and entropy terms and `loss_agg_mode` apply around it."""
     adv_norm: Literal["none", "batch"] = "none"
     """Extra normalisation of advantages over the whole batch."""
     reward_scale: float = 1.0
@@ -279,14 +294,30 @@ class AlgorithmConfig(Section):
     stepwise_divide_by_steps: bool = False
     """Multi-step trajectories: divide the broadcast advantage by the number of steps."""
 
+    @field_validator("adv_estimator")
+    @classmethod
+    def _known_estimator(cls, v: str) -> str:
+        # Imported here: the registry lives with the estimators (torch), which a config need not load.
+        from arealite.algo.advantage import resolve_advantage_estimator
+
+        resolve_advantage_estimator(v)
+        return v
+
+    @field_validator("policy_loss")
+    @classmethod
+    def _known_policy_loss(cls, v: str) -> str:
+        from arealite.algo.loss import resolve_policy_loss
+
+        resolve_policy_loss(v)
+        return v
+
 
 class DataConfig(Section):
     train_path: str = ""
-    """Training prompts, a JSONL file (one object per line)."""
+    """Training prompts: a JSONL file (one object per line), a Parquet file, or a directory
+    saved by `datasets.Dataset.save_to_disk` (Parquet and directories need `arealite[data]`)."""
     eval_path: str | None = None
-    """Held-out prompts for greedy evaluation (JSONL)."""
-    batch_size: int = Field(8, ge=1)
-    """Prompts the dataloader yields per fetch, per trainer rank."""
+    """Held-out prompts for evaluation, in any of the formats of `train_path`."""
     shuffle: bool = True
     """Shuffle prompts every epoch (seeded by `experiment.seed` and the epoch)."""
     prompt_key: str = Field("prompt", min_length=1)

@@ -30,6 +30,48 @@ def _tokenizer_name(tokenizer: Any, tokenizer_path: str | os.PathLike | None) ->
     return str(tokenizer_path or getattr(tokenizer, "name_or_path", "") or type(tokenizer).__name__)
 
 
+def _prompt_text(item: Any, prompt_key: str, apply_chat_template: bool, has_template: bool,
+                 tokenizer: Any, tokenizer_label: str, vocab: int) -> str | int | tuple[str, str]:
+    """What one row holds: the text to tokenize, the length of its ``input_ids`` (token-in),
+    or ``(kind, detail)`` of what is wrong with it."""
+    if not isinstance(item, dict):
+        return "type", f"is a {type(item).__name__}, not a JSON object"
+    if "input_ids" in item:  # token-in: used as is by the workflow
+        ids = item["input_ids"]
+        if not isinstance(ids, (list, tuple)) or not ids or not all(
+            isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab for t in ids
+        ):
+            return "type", f"field 'input_ids' must be a non-empty list of token ids in [0, {vocab})"
+        return len(ids)
+    if prompt_key not in item:
+        return "type", f"missing field '{prompt_key}' (fields: {sorted(item)}); set data.prompt_key"
+    prompt = item[prompt_key]
+    if isinstance(prompt, list):
+        if not has_template:
+            return "template", (f"field '{prompt_key}' holds chat messages but the tokenizer of "
+                                f"{tokenizer_label} has no chat template")
+        return tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=False)
+    if isinstance(prompt, str):
+        if not apply_chat_template:
+            return prompt
+        return tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
+                                             tokenize=False)
+    return "type", f"field '{prompt_key}' must be a string or a list of chat messages, got {type(prompt).__name__}"
+
+
+def _length_problem(n: int, prompt_key: str, max_prompt_len: int | None, context_length: int | None,
+                    max_new_tokens: int, max_new_tokens_name: str, context_name: str) -> tuple[str, str] | None:
+    """``(kind, detail)`` when a prompt of ``n`` tokens is empty or too long, else None."""
+    if n == 0:
+        return "empty", f"field '{prompt_key}' encodes to no tokens"
+    if max_prompt_len is not None and n > max_prompt_len:
+        return "long", f"{n} tokens > data.max_prompt_len = {max_prompt_len}"
+    if context_length is not None and n + max_new_tokens > context_length:
+        return "context", (f"{n} tokens + {max_new_tokens_name} {max_new_tokens} = {n + max_new_tokens} "
+                           f"> {context_name} = {context_length}")
+    return None
+
+
 def validate_prompts(
     items: Sequence[dict[str, Any]],
     tokenizer: Any,
@@ -57,9 +99,10 @@ def validate_prompts(
     if not items:
         raise DatasetError(f"{dataset}: no prompts; a dataset needs at least one row")
     has_template = getattr(tokenizer, "chat_template", None) is not None
+    label = _tokenizer_name(tokenizer, tokenizer_path)
     if apply_chat_template and not has_template:
         raise DatasetError(
-            f"data.apply_chat_template is true but the tokenizer of {_tokenizer_name(tokenizer, tokenizer_path)} "
+            f"data.apply_chat_template is true but the tokenizer of {label} "
             "has no chat template (no `chat_template` in its tokenizer_config.json); set "
             "data.apply_chat_template=false for plain-text prompts, or use a model whose tokenizer has one"
         )
@@ -69,37 +112,14 @@ def validate_prompts(
     text_rows: list[int] = []
     lengths: list[int] = [0] * len(items)
     for i, item in enumerate(items):
-        if not isinstance(item, dict):
-            bad.append((i, "type", f"is a {type(item).__name__}, not a JSON object"))
-            continue
-        if "input_ids" in item:  # token-in: used as is by the workflow
-            ids = item["input_ids"]
-            if not isinstance(ids, (list, tuple)) or not ids or not all(
-                isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab for t in ids
-            ):
-                bad.append((i, "type", f"field 'input_ids' must be a non-empty list of token ids in [0, {vocab})"))
-                continue
-            lengths[i] = len(ids)
-            continue
-        if prompt_key not in item:
-            bad.append((i, "type", f"missing field '{prompt_key}' (fields: {sorted(item)}); set data.prompt_key"))
-            continue
-        prompt = item[prompt_key]
-        if isinstance(prompt, list):
-            if not has_template:
-                bad.append((i, "template", f"field '{prompt_key}' holds chat messages but the tokenizer of "
-                                           f"{_tokenizer_name(tokenizer, tokenizer_path)} has no chat template"))
-                continue
-            text = tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=False)
-        elif isinstance(prompt, str):
-            text = (tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
-                                                  tokenize=False) if apply_chat_template else prompt)
+        got = _prompt_text(item, prompt_key, apply_chat_template, has_template, tokenizer, label, vocab)
+        if isinstance(got, tuple):
+            bad.append((i, *got))
+        elif isinstance(got, int):
+            lengths[i] = got
         else:
-            bad.append((i, "type", f"field '{prompt_key}' must be a string or a list of chat messages, "
-                                   f"got {type(prompt).__name__}"))
-            continue
-        texts.append(text)
-        text_rows.append(i)
+            texts.append(got)
+            text_rows.append(i)
     # One batched call: the fast tokenizers encode a list in parallel, and give the same ids as encode().
     for start in range(0, len(texts), 4096):
         encoded = tokenizer(texts[start:start + 4096], add_special_tokens=False)["input_ids"]
@@ -107,15 +127,10 @@ def validate_prompts(
             lengths[i] = len(ids)
     flagged = {i for i, _, _ in bad}
     for i, n in enumerate(lengths):
-        if i in flagged:
-            continue
-        if n == 0:
-            bad.append((i, "empty", f"field '{prompt_key}' encodes to no tokens"))
-        elif max_prompt_len is not None and n > max_prompt_len:
-            bad.append((i, "long", f"{n} tokens > data.max_prompt_len = {max_prompt_len}"))
-        elif context_length is not None and n + max_new_tokens > context_length:
-            bad.append((i, "context", f"{n} tokens + {max_new_tokens_name} {max_new_tokens} = {n + max_new_tokens} "
-                                      f"> {context_name} = {context_length}"))
+        problem = None if i in flagged else _length_problem(
+            n, prompt_key, max_prompt_len, context_length, max_new_tokens, max_new_tokens_name, context_name)
+        if problem is not None:
+            bad.append((i, *problem))
     if bad:
         raise DatasetError(_report(items, bad, dataset, max_new_tokens_name))
     return lengths

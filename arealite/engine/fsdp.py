@@ -25,40 +25,33 @@ transformers 5, and a block-diagonal mask costs T x T per micro-batch.)
 
 from __future__ import annotations
 
-import copy
 import logging
 import math
 import os
-import random
-import shutil
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Iterator
 
 import torch
 import torch.distributed as dist
 
+from arealite.api.engine import LossFn, LossWeightFn, PostHook
 from arealite.config.schema import ActorConfig
-from arealite.engine.lr_schedule import build_lr_scheduler
-from arealite.engine.packing import (
-    PackedIndex,
-    pack,
-    register_varlen_attention,
-    sequence_lengths,
-    split_into_microbatches,
-    unpack,
+from arealite.engine.fsdp_checkpoint import (
+    export_hf_dir,
+    load_sharded,
+    restore_rng,
+    rng_state,
+    save_sharded,
+    tied_duplicate_names,
 )
+from arealite.engine.fsdp_model import build_optimizer, compute_dtype, load_sharded_model
+from arealite.engine.packing import PackedIndex, pack, sequence_lengths, split_into_microbatches, unpack
 from arealite.utils.buckets import buckets_of
 from arealite.utils.dist import default_backend, init_default_group, resolve_device_type
 
+__all__ = ["FSDPEngine", "compute_dtype"]
+
 logger = logging.getLogger(__name__)
-
-LossFn = Callable[[torch.Tensor, dict], torch.Tensor]
-WeightFn = Callable[[dict], Any]
-PostHook = Callable[[torch.Tensor, dict], torch.Tensor]
-
-# Files of a model directory that are weights; everything else (config,
-# tokenizer, chat template, generation config) is copied by export_hf.
-_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".safetensors.index.json", ".bin.index.json")
 
 
 class FSDPEngine:
@@ -99,10 +92,6 @@ class FSDPEngine:
         ``total_steps`` overrides ``optimizer.total_steps`` (training scripts
         know it from the data).
         """
-        from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
-        from transformers import AutoConfig, AutoModelForCausalLM
-
         if self.model is not None:
             raise RuntimeError("FSDPEngine.initialize() was already called")
         path = Path(self.config.model_path)
@@ -110,6 +99,24 @@ class FSDPEngine:
             raise FileNotFoundError(
                 f"actor.model_path={str(path)!r} has no config.json; it must be a Hugging Face model directory"
             )
+        device_type = self._join_group()
+        self.model, self.hf_config, n_layers = load_sharded_model(
+            self.config, self.mesh, self.dtype, device_type, self.frozen
+        )
+        self._pad_id = int(self.hf_config.pad_token_id or 0)
+        if not self.frozen:
+            self.optimizer, self.lr_scheduler = build_optimizer(self.model, self.config.optimizer, total_steps)
+        logger.info(
+            "FSDPEngine ready: rank %d/%d on %s, %d decoder layers sharded, dtype=%s, frozen=%s",
+            self.rank, self.world_size, device_type, n_layers, self.dtype, self.frozen,
+        )
+        return self
+
+    def _join_group(self) -> str:
+        """Join (or create) the default process group; set rank, device, mesh and compute dtype.
+        Returns the device type."""
+        from torch.distributed.device_mesh import init_device_mesh
+
         device_type = resolve_device_type(self._device_choice)
         backend = default_backend(device_type)
         self._owns_group = init_default_group(backend)
@@ -123,67 +130,7 @@ class FSDPEngine:
             self.device = torch.device("cuda", torch.cuda.current_device())
         self.mesh = init_device_mesh(device_type, (self.world_size,), mesh_dim_names=("dp",))
         self.dtype = compute_dtype(self.config.dtype, device_type)
-
-        self.hf_config = AutoConfig.from_pretrained(path)
-        self._pad_id = int(self.hf_config.pad_token_id or 0)
-        # Master weights are fp32 always; `dtype` only sets the compute dtype.
-        # `hf_config` stays as the user wrote it (export_hf saves it); the model gets a dropout-free copy.
-        model = AutoModelForCausalLM.from_pretrained(
-            path, config=_without_dropout(self.hf_config), dtype=torch.float32,
-            attn_implementation=register_varlen_attention(),
-        )
-        model.config.use_cache = False
-        if self.config.gradient_checkpointing and not self.frozen:
-            # Non-reentrant checkpointing composes with FSDP2's hooks.
-            kw = {"use_reentrant": False}
-            if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.x name
-                model.activation_checkpointing_enable(activation_checkpointing_kwargs=kw)
-            else:
-                model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kw)
-
-        # With one rank a shard is the whole tensor: re-gathering it for backward is pure copying.
-        kwargs: dict[str, Any] = {"mesh": self.mesh, "reshard_after_forward": self.world_size > 1}
-        if self.dtype != torch.float32:
-            # Low-precision compute, fp32 gradient reduction: the sum over ranks keeps its precision.
-            kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=self.dtype, reduce_dtype=torch.float32)
-        if self.config.cpu_offload:
-            if device_type == "cpu":
-                logger.info("actor.cpu_offload has no effect on CPU: parameters already live there")
-            else:
-                kwargs["offload_policy"] = CPUOffloadPolicy()
-        layers = _decoder_layers(model)
-        for layer in layers:
-            fully_shard(layer, **kwargs)
-        fully_shard(model, **kwargs)
-        self.model = model
-
-        if self.frozen:
-            model.eval()
-            model.requires_grad_(False)
-        else:
-            model.train()
-            opt = self.config.optimizer
-            self.optimizer = torch.optim.AdamW(
-                model.parameters(),
-                lr=opt.lr,
-                betas=(opt.beta1, opt.beta2),
-                eps=opt.eps,
-                weight_decay=opt.weight_decay,
-                # torch picks the slow per-tensor loop for DTensor params unless told.
-                foreach=True,
-            )
-            self.lr_scheduler = build_lr_scheduler(
-                self.optimizer,
-                opt.lr_scheduler,
-                opt.warmup_steps,
-                total_steps if total_steps is not None else opt.total_steps,
-                opt.min_lr_ratio,
-            )
-        logger.info(
-            "FSDPEngine ready: rank %d/%d on %s, %d decoder layers sharded, dtype=%s, frozen=%s",
-            self.rank, self.world_size, device_type, len(layers), self.dtype, self.frozen,
-        )
-        return self
+        return device_type
 
     def destroy(self) -> None:
         """Free the model and optimizer; destroy the process group if this engine created it."""
@@ -274,7 +221,7 @@ class FSDPEngine:
 
     # ------------------------------------------------------------------ train
 
-    def train_batch(self, batch: Any, loss_fn: LossFn, loss_weight_fn: WeightFn) -> dict[str, float]:
+    def train_batch(self, batch: Any, loss_fn: LossFn, loss_weight_fn: LossWeightFn) -> dict[str, float]:
         """One optimizer step on ``batch`` (a right-padded ``[B, L]`` TensorDict or dict).
 
         ``loss_fn(logits [T, V], mb)`` is the mean loss of one packed
@@ -290,27 +237,9 @@ class FSDPEngine:
         micro-batch runs one token); both are sums over ranks.
         """
         self._require(train=True)
-        data = self._as_dict(batch)
-        plan = self._plan(data)
-        weights = []
-        for mb, _ in plan:
-            weights.append(0.0 if mb is None else _as_weight(loss_weight_fn(mb)))
-        totals = torch.tensor(
-            [
-                sum(weights),
-                sum(i.total_tokens for _, i in plan if i),
-                sum(i.total_tokens if i else 1 for _, i in plan),
-                sum(len(i.rows) for _, i in plan if i),
-            ],
-            dtype=torch.float64, device=self.device,
-        )
-        dist.all_reduce(totals)
-        total_weight, n_tokens, n_computed, n_seqs = (float(x) for x in totals.tolist())
-        lr = self.optimizer.param_groups[0]["lr"]
-        base = {
-            "lr": lr, "n_tokens": n_tokens, "n_tokens_computed": n_computed, "n_seqs": n_seqs,
-            "n_mbs": float(len(plan)),
-        }
+        plan = self._plan(self._as_dict(batch))
+        weights = [0.0 if mb is None else _as_weight(loss_weight_fn(mb)) for mb, _ in plan]
+        total_weight, base = self._global_totals(plan, weights)
 
         self.optimizer.zero_grad(set_to_none=True)
         if total_weight <= 0:
@@ -327,28 +256,43 @@ class FSDPEngine:
                 self.model.set_requires_gradient_sync(i == len(plan) - 1)
             logits = self._logits(mb)
             if mb is None:
-                loss = logits.sum() * 0.0
-                loss.backward()
+                (logits.sum() * 0.0).backward()
                 continue
-            loss = loss_fn(logits, mb)
-            if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
-                raise TypeError(
-                    f"loss_fn must return a 0-dim tensor (the micro-batch mean loss), got "
-                    f"{type(loss).__name__} {tuple(getattr(loss, 'shape', ()))}"
-                )
+            loss = _checked_loss(loss_fn(logits, mb))
             (loss * (w * scale)).backward()
             loss_sum += loss.detach().double() * w
-            for k, v in (mb.get("_stats") or {}).items():
-                v = float(v.detach() if isinstance(v, torch.Tensor) else v)
-                if k.endswith("_max"):  # a maximum stays a maximum
-                    acc = stat_sums.setdefault(k, [-math.inf, 1.0])
-                    acc[0] = max(acc[0], v)
-                    continue
-                acc = stat_sums.setdefault(k, [0.0, 0.0])
-                acc[0] += v * w
-                acc[1] += w
+            _add_stats(stat_sums, mb.get("_stats") or {}, w)
         self.model.set_requires_gradient_sync(True)
 
+        grad_norm, skipped = self._step_optimizer()
+        dist.all_reduce(loss_sum)
+        stats = {**base, "grad_norm": grad_norm, "loss": float(loss_sum) / total_weight, "skipped": float(skipped)}
+        stats.update(self._reduce_stats(stat_sums))
+        return stats
+
+    def _global_totals(
+        self, plan: list[tuple[dict | None, PackedIndex | None]], weights: list[float]
+    ) -> tuple[float, dict[str, float]]:
+        """The loss weight summed over ranks, and the step's size figures (sums over ranks) and LR."""
+        totals = torch.tensor(
+            [
+                sum(weights),
+                sum(i.total_tokens for _, i in plan if i),
+                sum(i.total_tokens if i else 1 for _, i in plan),
+                sum(len(i.rows) for _, i in plan if i),
+            ],
+            dtype=torch.float64, device=self.device,
+        )
+        dist.all_reduce(totals)
+        total_weight, n_tokens, n_computed, n_seqs = (float(x) for x in totals.tolist())
+        return total_weight, {
+            "lr": self.optimizer.param_groups[0]["lr"], "n_tokens": n_tokens, "n_tokens_computed": n_computed,
+            "n_seqs": n_seqs, "n_mbs": float(len(plan)),
+        }
+
+    def _step_optimizer(self) -> tuple[float, bool]:
+        """Clip, then step (optimizer and LR schedule) unless the gradient norm is not finite.
+        Returns ``(grad_norm, skipped)``."""
         grad_norm = self._clip_grad_norm()
         skipped = not math.isfinite(grad_norm)
         if skipped:
@@ -358,11 +302,7 @@ class FSDPEngine:
             self.optimizer.step()
             self.lr_scheduler.step()
             self._step += 1
-
-        dist.all_reduce(loss_sum)
-        stats = {**base, "grad_norm": grad_norm, "loss": float(loss_sum) / total_weight, "skipped": float(skipped)}
-        stats.update(self._reduce_stats(stat_sums))
-        return stats
+        return grad_norm, skipped
 
     def _clip_grad_norm(self) -> float:
         """Global gradient norm (clipped to ``gradient_clipping`` if > 0)."""
@@ -423,70 +363,26 @@ class FSDPEngine:
 
     def save(self, path: str | os.PathLike) -> None:
         """Sharded checkpoint (DCP): model, optimizer, LR schedule, RNG per rank, version, step."""
-        import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
-
         self._require()
-        path = Path(path)
-        if self.rank == 0:
-            path.mkdir(parents=True, exist_ok=True)
-        dist.barrier()
-        if self.frozen:
-            state = {"model": get_model_state_dict(self.model)}
-        else:
-            msd, osd = get_state_dict(self.model, self.optimizer)
-            state = {"model": msd, "optim": osd}
-        dcp.save(state, checkpoint_id=str(path))
         extra = {
             "version": self._version,
             "step": self._step,
             "world_size": self.world_size,
             "lr_scheduler": self.lr_scheduler.state_dict() if self.lr_scheduler else None,
-            "rng_torch": torch.get_rng_state(),
-            "rng_cuda": torch.cuda.get_rng_state() if self.device.type == "cuda" else None,
-            "rng_python": random.getstate(),
+            **rng_state(self.device),
         }
-        torch.save(extra, path / f"engine_rank{self.rank}.pt")
-        dist.barrier()
+        save_sharded(Path(path), self.model, self.optimizer, self.rank, extra)
 
     def load(self, path: str | os.PathLike) -> None:
         """Restore a checkpoint written by ``save`` (DCP reshards if the world size changed)."""
-        import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.state_dict import (
-            get_model_state_dict,
-            get_state_dict,
-            set_model_state_dict,
-            set_state_dict,
-        )
-
         self._require()
-        path = Path(path)
-        if not (path / ".metadata").is_file():
-            raise FileNotFoundError(f"{str(path)!r} is not an FSDPEngine checkpoint (no DCP .metadata file)")
-        if self.frozen:
-            state = {"model": get_model_state_dict(self.model)}
-            dcp.load(state, checkpoint_id=str(path))
-            set_model_state_dict(self.model, state["model"])
-        else:
-            msd, osd = get_state_dict(self.model, self.optimizer)
-            state = {"model": msd, "optim": osd}
-            dcp.load(state, checkpoint_id=str(path))
-            set_state_dict(
-                self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"]
-            )
-        extra_file = path / f"engine_rank{self.rank}.pt"
-        if not extra_file.is_file():
-            extra_file = path / "engine_rank0.pt"
-        extra = torch.load(extra_file, weights_only=False)  # our own file: python RNG state is a tuple
+        extra = load_sharded(Path(path), self.model, self.optimizer, self.rank)
         self._version = int(extra["version"])
         self._step = int(extra["step"])
         if self.lr_scheduler is not None and extra["lr_scheduler"] is not None:
             self.lr_scheduler.load_state_dict(extra["lr_scheduler"])
         if extra["world_size"] == self.world_size:
-            torch.set_rng_state(extra["rng_torch"])
-            random.setstate(extra["rng_python"])
-            if extra["rng_cuda"] is not None and self.device.type == "cuda":
-                torch.cuda.set_rng_state(extra["rng_cuda"])
+            restore_rng(extra, self.device)
         else:
             logger.warning(
                 "checkpoint was written by %d ranks, now %d: per-rank RNG state not restored",
@@ -499,30 +395,8 @@ class FSDPEngine:
 
         Every rank must call it (gathering the full state dict is a collective).
         """
-        from safetensors.torch import save_file
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
         self._require()
-        full = get_model_state_dict(
-            self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
-        )
-        if self.rank == 0:
-            path = Path(path)
-            path.mkdir(parents=True, exist_ok=True)
-            src = Path(self.config.model_path)
-            for f in src.iterdir():
-                if f.is_file() and not f.name.endswith(_WEIGHT_SUFFIXES) and f.name != "config.json":
-                    shutil.copy2(f, path / f.name)
-            self.hf_config.save_pretrained(path)
-            tensors = {k: v.contiguous() for k, v in full.items() if k not in self._tied_duplicate_names()}
-            save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
-        dist.barrier()
-
-    def _tied_duplicate_names(self) -> set[str]:
-        """State-dict names that alias another parameter and are absent from HF safetensors files."""
-        if getattr(self.hf_config, "tie_word_embeddings", False):
-            return {"lm_head.weight"}
-        return set()
+        export_hf_dir(Path(path), self.model, self.rank, Path(self.config.model_path), self.hf_config)
 
     def named_weight_buckets(self, bucket_bytes: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
         """Full (unsharded) weights in HF names, in buckets of at most ``bucket_bytes``.
@@ -536,7 +410,7 @@ class FSDPEngine:
         self._require()
         if bucket_bytes <= 0:
             raise ValueError(f"bucket_bytes={bucket_bytes} must be > 0 (weight_sync.bucket_size_mb)")
-        skip = self._tied_duplicate_names()
+        skip = tied_duplicate_names(self.hf_config)
 
         def full_weights() -> Iterator[tuple[str, torch.Tensor]]:
             # named_parameters() yields a tied parameter once, under its first name.
@@ -551,38 +425,26 @@ class FSDPEngine:
         yield from buckets_of(full_weights(), bucket_bytes)
 
 
-def compute_dtype(name: str, device_type: str) -> torch.dtype:
-    """The compute dtype ``actor.dtype`` means on ``device_type``: ``auto`` is bf16 on CUDA, fp32 on CPU."""
-    if name == "auto":
-        return torch.bfloat16 if device_type == "cuda" else torch.float32
-    return {"float32": torch.float32, "bfloat16": torch.bfloat16}[name]
-
-
-def _without_dropout(hf_config: Any) -> Any:
-    """A copy of a HF model config with every dropout probability set to 0.
-
-    Architectures name them differently (``attention_dropout``, ``hidden_dropout``,
-    ``resid_pdrop``, ...) and read them at construction, some as ``nn.Dropout``
-    modules and some as floats passed to the attention function; zeroing them in
-    the config covers both.
-    """
-    config = copy.deepcopy(hf_config)
-    for key, value in config.to_dict().items():
-        if ("dropout" in key or "pdrop" in key) and isinstance(value, float):
-            setattr(config, key, 0.0)
-    return config
-
-
-def _decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
-    """The decoder layers of a HF causal LM (``model.model.layers`` for Llama/Qwen-style models)."""
-    inner = getattr(model, "model", None)
-    layers = getattr(inner, "layers", None)
-    if layers is None:
-        raise ValueError(
-            f"{type(model).__name__} has no .model.layers; FSDPEngine supports decoder-only HF models "
-            f"(Llama/Qwen/Mistral style)"
+def _checked_loss(loss: Any) -> torch.Tensor:
+    if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
+        raise TypeError(
+            f"loss_fn must return a 0-dim tensor (the micro-batch mean loss), got "
+            f"{type(loss).__name__} {tuple(getattr(loss, 'shape', ()))}"
         )
-    return list(layers)
+    return loss
+
+
+def _add_stats(stat_sums: dict[str, list[float]], stats: dict[str, Any], w: float) -> None:
+    """Accumulate a micro-batch's stats: ``[weighted sum, weight]``, or ``[max, 1]`` for ``*_max`` keys."""
+    for k, v in stats.items():
+        v = float(v.detach() if isinstance(v, torch.Tensor) else v)
+        if k.endswith("_max"):  # a maximum stays a maximum
+            acc = stat_sums.setdefault(k, [-math.inf, 1.0])
+            acc[0] = max(acc[0], v)
+            continue
+        acc = stat_sums.setdefault(k, [0.0, 0.0])
+        acc[0] += v * w
+        acc[1] += w
 
 
 def _as_weight(w: Any) -> float:

@@ -31,6 +31,7 @@ from __future__ import annotations
 import argparse
 import ctypes
 import enum
+import importlib.util
 import os
 import signal
 import subprocess
@@ -44,6 +45,7 @@ from pathlib import Path
 from typing import IO, Callable, Sequence
 
 from arealite.launcher.server_cmd import gpus_per_server, masked, server_command
+from arealite.utils import procs
 from arealite.utils.run import ENV_SERVER_ADDRS, ENV_SERVER_API_KEY
 from arealite.utils.net import free_ports, ports_from
 
@@ -126,47 +128,6 @@ def _child_setup(cpus: list[int]) -> Callable[[], None]:
     return setup
 
 
-def _child_pids(pid: int) -> list[int]:
-    """All live descendants of `pid` (Linux /proc; empty elsewhere)."""
-    children: dict[int, list[int]] = {}
-    try:
-        entries = os.listdir("/proc")
-    except OSError:
-        return []
-    for entry in entries:
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat", "rb") as f:
-                stat = f.read().decode(errors="replace")
-        except OSError:
-            continue
-        # The command name (field 2) may contain spaces; fields after its ")" are fixed.
-        ppid = int(stat.rsplit(")", 1)[1].split()[1])
-        children.setdefault(ppid, []).append(int(entry))
-    out, todo = [], [pid]
-    while todo:
-        for c in children.get(todo.pop(), []):
-            out.append(c)
-            todo.append(c)
-    return out
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    # A zombie still answers kill(0); it is dead for our purposes.
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            return f.read().rsplit(b")", 1)[1].split()[0] != b"Z"
-    except OSError:
-        return True
-
-
 @dataclass
 class Child:
     """A process the launcher started, in its own session (pgid == pid)."""
@@ -188,8 +149,8 @@ class Child:
 
         Dead pids are dropped so that a recycled pid is never signalled later.
         """
-        self.descendants = {p for p in self.descendants if _alive(p)}
-        self.descendants.update(_child_pids(self.pid))
+        self.descendants = {p for p in self.descendants if procs.is_alive(p)}
+        self.descendants.update(procs.descendants(self.pid))
 
     def signal_all(self, sig: int) -> None:
         """Send `sig` to this child's process group and to every descendant seen so far."""
@@ -204,7 +165,7 @@ class Child:
     def any_alive(self) -> bool:
         if self.proc.poll() is None:
             return True
-        return any(_alive(p) for p in self.descendants)
+        return any(procs.is_alive(p) for p in self.descendants)
 
 
 def tail(path: Path, n: int = LOG_TAIL_LINES) -> str:
@@ -358,8 +319,10 @@ class LocalLauncher:
 
     def trainer_command(self) -> list[str]:
         """`python -m torch.distributed.run --standalone ... SCRIPT --config CFG overrides`."""
+        # A script path runs as a file; a dotted module name (the default, `arealite.train`) with -m.
+        target = [self.script] if self.script.endswith(".py") else ["-m", self.script]
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-               "--nproc_per_node", str(self.cfg.launch.n_trainer_procs), self.script]
+               "--nproc_per_node", str(self.cfg.launch.n_trainer_procs), *target]
         if self.config_path:
             cmd += ["--config", self.config_path]
         # The API key reaches the trainer in AREALITE_SERVER_API_KEY only: an override
@@ -523,6 +486,10 @@ class LocalLauncher:
                     signal.signal(s, h)
 
 
+#: What the launcher runs under torchrun when no script is given: the library trainer.
+DEFAULT_ENTRY = "arealite.train"
+
+
 class _Parser(argparse.ArgumentParser):
     def error(self, message):  # exit with our documented code for bad arguments
         self.print_usage(sys.stderr)
@@ -531,16 +498,36 @@ class _Parser(argparse.ArgumentParser):
 
 def parse_launcher_args(argv: Sequence[str]) -> argparse.Namespace:
     p = _Parser(prog="python -m arealite.launcher.local",
-                description="Start inference servers, then run SCRIPT under torchrun.",
+                description="Start inference servers, then run the trainer under torchrun: "
+                            f"the library trainer (`{DEFAULT_ENTRY}`, the workflow named in the config) "
+                            "unless a training script or module is given.",
                 epilog="Exit codes: 0 ok, 1 trainer failed, 2 server failed to start, "
                        "3 server died, 4 bad arguments/config, 130 SIGINT, 143 SIGTERM.")
-    p.add_argument("script", help="training script, run as `torchrun SCRIPT --config CFG overrides`")
     p.add_argument("--config", default=None, help="YAML config file")
-    p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. actor.optimizer.lr=1e-5")
+    p.add_argument("args", nargs="*", metavar="[SCRIPT|MODULE] OVERRIDES",
+                   help="optional training script (path.py) or module (pkg.mod), run as `torchrun "
+                        "SCRIPT --config CFG overrides`; then dotted overrides, e.g. actor.optimizer.lr=1e-5")
     args = p.parse_intermixed_args(list(argv))
-    if not Path(args.script).is_file():
-        p.error(f"script {args.script!r} does not exist")
+    rest = list(args.args)
+    args.script = DEFAULT_ENTRY
+    if rest and "=" not in rest[0]:
+        args.script = rest.pop(0)
+    args.overrides = rest
+    if args.script.endswith(".py"):
+        if not Path(args.script).is_file():
+            p.error(f"script {args.script!r} does not exist")
+    elif not all(part.isidentifier() for part in args.script.split(".")):
+        p.error(f"{args.script!r} is neither a script (path.py), a module (pkg.mod) nor an override (key=value)")
+    elif not _module_exists(args.script):
+        p.error(f"module {args.script!r} cannot be found (is its package installed or on PYTHONPATH?)")
     return args
+
+
+def _module_exists(name: str) -> bool:
+    try:
+        return importlib.util.find_spec(name) is not None
+    except ImportError:  # a parent package is missing
+        return False
 
 
 def main(argv: Sequence[str] | None = None) -> int:

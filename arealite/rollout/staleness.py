@@ -9,11 +9,34 @@ generated once the current one has been trained on and the version bumped.
 
 The manager only counts; the controller calls it on every event. It holds no
 locks: the controller touches it from its event-loop thread alone.
+
+`trajectory_staleness` is the one definition of a trajectory's staleness
+(trainer version minus the oldest version of its tokens), used by the
+controller's histogram and by the training stats alike.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+import torch
+
+
+def trajectory_staleness(versions: torch.Tensor, loss_mask: torch.Tensor, version: int) -> torch.Tensor:
+    """Staleness ``[B]`` (int64) of each trajectory: ``version`` minus the oldest policy version
+    among the tokens the policy produced (``loss_mask``).
+
+    ``versions`` and ``loss_mask`` are ``[B, L]``. A trajectory with no produced token, or
+    whose tokens are all newer than ``version`` (the trainer's version lags the servers'
+    for a moment around a weight update), has staleness 0.
+    """
+    produced = loss_mask.bool()
+    if versions.shape[-1] == 0:
+        return torch.zeros(versions.shape[:-1], dtype=torch.int64, device=versions.device)
+    none = torch.iinfo(torch.int64).max
+    oldest = versions.long().masked_fill(~produced, none).min(dim=-1).values
+    stale = torch.where(produced.any(dim=-1), version - oldest, torch.zeros_like(oldest))
+    return stale.clamp(min=0)
 
 
 @dataclass

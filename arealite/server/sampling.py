@@ -207,19 +207,7 @@ def _check_ids(name: str, ids: Any, vocab_size: int) -> list[int]:
     return ids
 
 
-def parse_generate(
-    body: Any,
-    *,
-    vocab_size: int,
-    context_length: int,
-    encode: Callable[[str], list[int]] | None,
-) -> tuple[list[GenerateInput], bool]:
-    """Validate a ``/generate`` body; return its sequences and whether it was a batch.
-
-    ``encode`` turns text into token ids (None when no tokenizer is loaded).
-    """
-    if not isinstance(body, dict):
-        raise RequestError("the body must be a JSON object")
+def _check_top_level(body: dict) -> None:
     for key, v in body.items():
         if key in _UNSUPPORTED_TOP:
             if not _UNSUPPORTED_TOP[key](v):
@@ -227,6 +215,9 @@ def parse_generate(
         elif key not in _SUPPORTED_TOP:
             raise RequestError(f"{key}: unknown field; known: {sorted(_SUPPORTED_TOP | set(_UNSUPPORTED_TOP))}")
 
+
+def _prompts(body: dict, vocab_size: int, encode: Callable[[str], list[int]] | None) -> tuple[list[list[int]], bool]:
+    """The token ids of every prompt (``text`` encoded, or ``input_ids``) and whether it is a batch."""
     text, input_ids = body.get("text"), body.get("input_ids")
     if (text is None) == (input_ids is None):
         raise RequestError("give exactly one of input_ids or text")
@@ -243,14 +234,56 @@ def parse_generate(
             if not isinstance(t, str):
                 raise RequestError(f"{name} must be a string, got {type(t).__name__}")
             prompts.append(_check_ids(name + " (tokenized)", encode(t), vocab_size))
-    else:
-        if not isinstance(input_ids, list) or not input_ids:
-            raise RequestError("input_ids must be a non-empty list of token ids (or a list of such lists)")
-        batch = isinstance(input_ids[0], list)
-        if batch:
-            prompts = [_check_ids(f"input_ids[{i}]", ids, vocab_size) for i, ids in enumerate(input_ids)]
-        else:
-            prompts = [_check_ids("input_ids", input_ids, vocab_size)]
+        return prompts, batch
+    if not isinstance(input_ids, list) or not input_ids:
+        raise RequestError("input_ids must be a non-empty list of token ids (or a list of such lists)")
+    if isinstance(input_ids[0], list):
+        return [_check_ids(f"input_ids[{i}]", ids, vocab_size) for i, ids in enumerate(input_ids)], True
+    return [_check_ids("input_ids", input_ids, vocab_size)], False
+
+
+def _rids(rid: Any, batch: bool, n: int) -> list[str]:
+    """One request id per sequence: the given ones, or fresh ones."""
+    if batch:
+        if rid is None:
+            return [uuid.uuid4().hex for _ in range(n)]
+        if isinstance(rid, list) and len(rid) == n and all(isinstance(r, str) for r in rid):
+            return rid
+        raise RequestError(f"rid: a batch of {n} needs a list of {n} strings")
+    if rid is not None and not isinstance(rid, str):
+        raise RequestError(f"rid must be a string, got {rid!r}")
+    return [rid or uuid.uuid4().hex]
+
+
+def _fit_context(sc: SamplingConfig, explicit: bool, prompt_len: int, context_length: int,
+                 where: str, name: str) -> None:
+    """Shrink a default ``max_new_tokens`` to the context left; refuse an explicit one that overflows."""
+    if not explicit:  # the default never overflows: it shrinks to what the context leaves
+        sc.max_new_tokens = max(0, min(sc.max_new_tokens, context_length - prompt_len))
+    total = prompt_len + sc.max_new_tokens
+    if total > context_length:
+        raise RequestError(
+            f"{where}.max_new_tokens: the prompt ({prompt_len} tokens, {name}) plus max_new_tokens "
+            f"({sc.max_new_tokens}) = {total} exceeds the context length {context_length}; "
+            "lower max_new_tokens or shorten the prompt"
+        )
+
+
+def parse_generate(
+    body: Any,
+    *,
+    vocab_size: int,
+    context_length: int,
+    encode: Callable[[str], list[int]] | None,
+) -> tuple[list[GenerateInput], bool]:
+    """Validate a ``/generate`` body; return its sequences and whether it was a batch.
+
+    ``encode`` turns text into token ids (None when no tokenizer is loaded).
+    """
+    if not isinstance(body, dict):
+        raise RequestError("the body must be a JSON object")
+    _check_top_level(body)
+    prompts, batch = _prompts(body, vocab_size, encode)
     n = len(prompts)
 
     def per_item(key: str, value: Any, is_item: Callable[[Any], bool]) -> list[Any]:
@@ -262,18 +295,7 @@ def parse_generate(
 
     sps = per_item("sampling_params", body.get("sampling_params"), lambda v: isinstance(v, dict))
     lps = per_item("return_logprob", body.get("return_logprob", False), lambda v: isinstance(v, bool))
-    rid = body.get("rid")
-    if batch:
-        if rid is None:
-            rids = [uuid.uuid4().hex for _ in range(n)]
-        elif isinstance(rid, list) and len(rid) == n and all(isinstance(r, str) for r in rid):
-            rids = rid
-        else:
-            raise RequestError(f"rid: a batch of {n} needs a list of {n} strings")
-    else:
-        if rid is not None and not isinstance(rid, str):
-            raise RequestError(f"rid must be a string, got {rid!r}")
-        rids = [rid or uuid.uuid4().hex]
+    rids = _rids(body.get("rid"), batch, n)
 
     out = []
     for i in range(n):
@@ -283,16 +305,8 @@ def parse_generate(
         if not isinstance(lp, bool):
             raise RequestError(f"return_logprob must be true or false, got {lp!r}")
         explicit = isinstance(sps[i], dict) and sps[i].get("max_new_tokens") is not None
-        if not explicit:  # the default never overflows: it shrinks to what the context leaves
-            sc.max_new_tokens = max(0, min(sc.max_new_tokens, context_length - len(prompts[i])))
-        total = len(prompts[i]) + sc.max_new_tokens
-        if total > context_length:
-            name = f"input_ids[{i}]" if batch else "input_ids"
-            raise RequestError(
-                f"{where}.max_new_tokens: the prompt ({len(prompts[i])} tokens, {name}) plus max_new_tokens "
-                f"({sc.max_new_tokens}) = {total} exceeds the context length {context_length}; "
-                "lower max_new_tokens or shorten the prompt"
-            )
+        _fit_context(sc, explicit, len(prompts[i]), context_length, where,
+                     f"input_ids[{i}]" if batch else "input_ids")
         out.append(GenerateInput(rid=rids[i], input_ids=list(prompts[i]), sampling=sc, return_logprob=lp))
     return out, batch
 

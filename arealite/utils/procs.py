@@ -1,22 +1,42 @@
-"""Process-tree lookups through /proc (Linux): used to find and kill trainer workers in
-fault-injection tests and the recovery benchmark."""
+"""Process-tree lookups through /proc (Linux; empty answers elsewhere).
+
+The one place arealite reads /proc for processes: the local launcher finds and
+signals the processes below its children with it, and fault-injection tests and
+the recovery benchmark find trainer workers to kill.
+"""
 
 from __future__ import annotations
 
 import os
-from pathlib import Path
+
+
+def _stat_fields(pid: int | str) -> list[bytes] | None:
+    """The fields of ``/proc/<pid>/stat`` after the command name (state first), or None if gone.
+
+    The command name (field 2) may hold spaces and parentheses; the fields after its
+    last ``)`` are fixed.
+    """
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
 
 
 def descendants(pid: int) -> list[int]:
-    """PIDs of every living descendant of ``pid``."""
+    """PIDs of every living descendant of ``pid``, parents before their children."""
+    try:
+        entries = os.listdir("/proc")
+    except OSError:
+        return []
     kids: dict[int, list[int]] = {}
-    for e in os.listdir("/proc"):
-        if e.isdigit():
-            try:
-                ppid = int(Path(f"/proc/{e}/stat").read_text().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue
-            kids.setdefault(ppid, []).append(int(e))
+    for e in entries:
+        if not e.isdigit():
+            continue
+        fields = _stat_fields(e)
+        if fields is None or len(fields) < 2:
+            continue
+        kids.setdefault(int(fields[1]), []).append(int(e))
     out, todo = [], [pid]
     while todo:
         for c in kids.get(todo.pop(), []):
@@ -25,14 +45,33 @@ def descendants(pid: int) -> list[int]:
     return out
 
 
+def is_alive(pid: int) -> bool:
+    """Whether ``pid`` runs (a zombie, exited but not yet reaped, counts as dead)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    fields = _stat_fields(pid)
+    # Without /proc, kill(0) is all we know.
+    return fields is None or fields[0] != b"Z"
+
+
+def cmdline(pid: int) -> str | None:
+    """The command line of ``pid``, its arguments joined by spaces (None if gone)."""
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return None
+
+
 def trainer_workers(launcher_pid: int, script: str = "examples/rlvr/train.py") -> list[int]:
     """The torchrun worker processes running ``script`` (not the torchrun agent) under a launcher."""
     out = []
     for pid in descendants(launcher_pid):
-        try:
-            cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
-        except OSError:
-            continue
-        if script in cmd and "torch.distributed.run" not in cmd:
+        cmd = cmdline(pid)
+        if cmd is not None and script in cmd and "torch.distributed.run" not in cmd:
             out.append(pid)
     return out

@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from arealite.config.schema import ArealiteConfig
+from arealite.rollout.staleness import trajectory_staleness
 
 ENV_SERVER_ADDRS = "AREALITE_SERVER_ADDRS"
 ENV_SERVER_API_KEY = "AREALITE_SERVER_API_KEY"
@@ -47,9 +48,7 @@ def batch_stats(batch, version: int) -> dict[str, float]:
     rewards = batch["rewards"].float()
     lm = batch["loss_mask"].bool()
     resp_len = lm.sum(-1).float()
-    versions = batch["versions"].masked_fill(~lm, 2**62)
-    oldest = versions.min(-1).values
-    staleness = (version - oldest).clamp(min=0)
+    staleness = trajectory_staleness(batch["versions"], lm, version)
     out = {
         "rollout/reward_mean": rewards.mean().item(),
         "rollout/reward_std": rewards.std().item() if rewards.numel() > 1 else 0.0,

@@ -1,0 +1,132 @@
+"""Building what ``FSDPEngine`` trains: the HF model sharded with FSDP2, AdamW and its LR schedule.
+
+The model loads with fp32 master weights (``actor.dtype`` only sets the compute
+dtype, through FSDP's mixed-precision policy), without dropout, with the varlen
+attention function of ``arealite.engine.packing``, and every decoder layer
+sharded on its own (then the root), as FSDP2 recommends.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from arealite.config.schema import ActorConfig, OptimizerConfig
+from arealite.engine.lr_schedule import build_lr_scheduler
+from arealite.engine.packing import register_varlen_attention
+
+logger = logging.getLogger("arealite.engine.fsdp")
+
+
+def compute_dtype(name: str, device_type: str) -> torch.dtype:
+    """The compute dtype ``actor.dtype`` means on ``device_type``: ``auto`` is bf16 on CUDA, fp32 on CPU."""
+    if name == "auto":
+        return torch.bfloat16 if device_type == "cuda" else torch.float32
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16}[name]
+
+
+def without_dropout(hf_config: Any) -> Any:
+    """A copy of a HF model config with every dropout probability set to 0.
+
+    Architectures name them differently (``attention_dropout``, ``hidden_dropout``,
+    ``resid_pdrop``, ...) and read them at construction, some as ``nn.Dropout``
+    modules and some as floats passed to the attention function; zeroing them in
+    the config covers both.
+    """
+    config = copy.deepcopy(hf_config)
+    for key, value in config.to_dict().items():
+        if ("dropout" in key or "pdrop" in key) and isinstance(value, float):
+            setattr(config, key, 0.0)
+    return config
+
+
+def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The decoder layers of a HF causal LM (``model.model.layers`` for Llama/Qwen-style models)."""
+    inner = getattr(model, "model", None)
+    layers = getattr(inner, "layers", None)
+    if layers is None:
+        raise ValueError(
+            f"{type(model).__name__} has no .model.layers; FSDPEngine supports decoder-only HF models "
+            f"(Llama/Qwen/Mistral style)"
+        )
+    return list(layers)
+
+
+def _enable_checkpointing(model: torch.nn.Module) -> None:
+    # Non-reentrant checkpointing composes with FSDP2's hooks.
+    kw = {"use_reentrant": False}
+    if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.x name
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kw)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kw)
+
+
+def load_sharded_model(
+    config: ActorConfig, mesh: Any, dtype: torch.dtype, device_type: str, frozen: bool
+) -> tuple[torch.nn.Module, Any, int]:
+    """Load ``config.model_path`` and shard it over ``mesh``; returns ``(model, hf_config, n_layers)``.
+
+    ``hf_config`` stays as the user wrote it (``export_hf`` saves it); the model gets a
+    dropout-free copy. A frozen model is in eval mode without gradients, else in train mode.
+    """
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    path = Path(config.model_path)
+    hf_config = AutoConfig.from_pretrained(path)
+    model = AutoModelForCausalLM.from_pretrained(
+        path, config=without_dropout(hf_config), dtype=torch.float32,
+        attn_implementation=register_varlen_attention(),
+    )
+    model.config.use_cache = False
+    if config.gradient_checkpointing and not frozen:
+        _enable_checkpointing(model)
+
+    world_size = mesh.size()
+    # With one rank a shard is the whole tensor: re-gathering it for backward is pure copying.
+    kwargs: dict[str, Any] = {"mesh": mesh, "reshard_after_forward": world_size > 1}
+    if dtype != torch.float32:
+        # Low-precision compute, fp32 gradient reduction: the sum over ranks keeps its precision.
+        kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
+    if config.cpu_offload:
+        if device_type == "cpu":
+            logger.info("actor.cpu_offload has no effect on CPU: parameters already live there")
+        else:
+            kwargs["offload_policy"] = CPUOffloadPolicy()
+    layers = decoder_layers(model)
+    for layer in layers:
+        fully_shard(layer, **kwargs)
+    fully_shard(model, **kwargs)
+    if frozen:
+        model.eval()
+        model.requires_grad_(False)
+    else:
+        model.train()
+    return model, hf_config, len(layers)
+
+
+def build_optimizer(
+    model: torch.nn.Module, opt: OptimizerConfig, total_steps: int | None
+) -> tuple[torch.optim.Optimizer, Any]:
+    """AdamW on ``model``'s parameters and its LR schedule (``total_steps`` overrides ``opt.total_steps``)."""
+    optimizer = torch.optim.AdamW(
+        model.parameters(),
+        lr=opt.lr,
+        betas=(opt.beta1, opt.beta2),
+        eps=opt.eps,
+        weight_decay=opt.weight_decay,
+        # torch picks the slow per-tensor loop for DTensor params unless told.
+        foreach=True,
+    )
+    scheduler = build_lr_scheduler(
+        optimizer,
+        opt.lr_scheduler,
+        opt.warmup_steps,
+        total_steps if total_steps is not None else opt.total_steps,
+        opt.min_lr_ratio,
+    )
+    return optimizer, scheduler

@@ -1,0 +1,100 @@
+"""The accepted groups waiting to be trained on, how a batch is assembled from them, and the
+callers waiting for them.
+
+Groups wait in completion order, each with the dataset item it came from, so
+that the trainer knows which prompts a batch holds (per-prompt accounting) and a
+checkpoint can save the groups produced but not yet trained on. Taking a batch
+records the staleness of its trajectories in a histogram.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+from typing import Any, Callable
+
+from tensordict import TensorDict
+
+from arealite.rollout.staleness import trajectory_staleness
+from arealite.workflow.base import concat_trajectories
+
+
+class ReadyGroups:
+    """A FIFO of ``(trajectory group, item)`` with the staleness histogram of what was taken."""
+
+    def __init__(self) -> None:
+        self._groups: collections.deque[tuple[TensorDict, Any]] = collections.deque()
+        self.staleness_hist: collections.Counter[int] = collections.Counter()
+
+    def __len__(self) -> int:
+        return len(self._groups)
+
+    def put(self, td: TensorDict, item: Any) -> None:
+        self._groups.append((td, item))
+
+    def take(self, count: int, version: int) -> tuple[TensorDict, list[Any]]:
+        """The oldest ``count`` groups as one right-padded batch, and their items."""
+        taken = [self._groups.popleft() for _ in range(count)]
+        batch = concat_trajectories([td for td, _ in taken])
+        stale = trajectory_staleness(batch["versions"], batch["loss_mask"], version)
+        self.staleness_hist.update(stale.tolist())
+        return batch, [item for _, item in taken]
+
+    def filter(self, should_accept: Callable[[TensorDict], bool]) -> list[Any]:
+        """Drop the groups ``should_accept`` refuses; return their items."""
+        kept: collections.deque[tuple[TensorDict, Any]] = collections.deque()
+        dropped = []
+        for td, item in self._groups:
+            if should_accept(td):
+                kept.append((td, item))
+            else:
+                dropped.append(item)
+        if dropped:
+            self._groups = kept
+        return dropped
+
+    def state_dict(self) -> dict[str, Any]:
+        """The waiting groups (as plain dicts) and the histogram."""
+        return {
+            "ready": [(td.to_dict(), item) for td, item in self._groups],
+            "staleness_hist": dict(self.staleness_hist),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.staleness_hist = collections.Counter({int(k): int(v) for k, v in state["staleness_hist"].items()})
+        self._groups = collections.deque(
+            (TensorDict(d, batch_size=[d["input_ids"].shape[0]]), item) for d, item in state["ready"]
+        )
+
+
+class Waiters:
+    """``wait()`` callers parked on the event loop, each wanting some number of groups.
+
+    They are woken only when they may be able to return (enough groups, or a change
+    that they must re-check), not on every finished episode.
+    """
+
+    def __init__(self) -> None:
+        self._parked: list[tuple[asyncio.Future, int]] = []
+
+    def __bool__(self) -> bool:
+        return bool(self._parked)
+
+    async def park(self, loop: asyncio.AbstractEventLoop, want: int, timeout: float | None) -> None:
+        """Sleep until woken or ``timeout`` seconds pass (None: no limit)."""
+        fut = loop.create_future()
+        entry = (fut, want)
+        self._parked.append(entry)
+        timer = None if timeout is None else loop.call_later(timeout, lambda: fut.done() or fut.set_result(None))
+        try:
+            await fut
+        finally:
+            self._parked.remove(entry)
+            if timer is not None:
+                timer.cancel()
+
+    def wake(self, ready: int, everyone: bool = False) -> None:
+        """Wake the callers that want at most ``ready`` groups (all of them if ``everyone``)."""
+        for fut, want in self._parked:
+            if not fut.done() and (everyone or ready >= want):
+                fut.set_result(None)

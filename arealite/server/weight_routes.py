@@ -1,0 +1,322 @@
+"""The embedded server's weight routes: load new weights (from disk, shared memory or a
+process group), the weight-update session, reading weights back, the weight version.
+
+Weight reads from disk and process-group receives run on worker threads; only the
+final copy into the model runs on the model thread (``ModelRunner.call``), between
+two decode steps. An update is checked in full before anything is copied, so a
+refused one leaves the old weights serving.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+from typing import TYPE_CHECKING, Awaitable, Callable
+
+import torch
+from aiohttp import web
+
+from .body import RequestError, check_fields, json_body, want
+from .weights import (
+    ShmWeightFile,
+    WeightUpdateError,
+    WeightUpdateGroup,
+    check_full_checkpoint,
+    check_metadata,
+    check_shm_layout,
+    copy_into_model,
+    file_key,
+    parse_dtype,
+    parse_shape,
+    read_hf_dir,
+)
+
+if TYPE_CHECKING:
+    from .app import EmbeddedServer
+
+logger = logging.getLogger("arealite.server")
+
+
+class WeightRoutes:
+    """The weight-update handlers of one `EmbeddedServer`, and the state they keep
+    (process groups joined, the mapped shared-memory file)."""
+
+    def __init__(self, server: "EmbeddedServer"):
+        self._server = server
+        self.args = server.args
+        self.device = server.device
+        self.runner = server.runner
+        self.state = server.state
+        self.groups: dict[str, WeightUpdateGroup] = {}
+        self.group_locks: dict[str, asyncio.Lock] = {}
+        # The trainer's shared-memory weight file, mapped once and kept while it stays the same.
+        self.shm: ShmWeightFile | None = None
+        self.shm_lock = asyncio.Lock()
+
+    def routes(self) -> dict[str, Callable[[web.Request], Awaitable[web.Response]]]:
+        """POST path -> handler."""
+        return {
+            "/update_weights_from_disk": self.update_weights_from_disk,
+            "/update_weights_from_shm": self.update_weights_from_shm,
+            "/init_weights_update_group": self.init_weights_update_group,
+            "/update_weights_from_distributed": self.update_weights_from_distributed,
+            "/destroy_weights_update_group": self.destroy_weights_update_group,
+            "/begin_weight_update": self.begin_weight_update,
+            "/end_weight_update": self.end_weight_update,
+            "/get_weights_by_name": self.get_weights_by_name,
+            "/update_weight_version": self.update_weight_version,
+        }
+
+    async def update_weights_from_disk(self, request: web.Request) -> web.Response:
+        body = await json_body(request)
+        route = "update_weights_from_disk"
+        check_fields(body, {"model_path"}, {"weight_version", "load_format", "abort_all_requests", "flush_cache",
+                                            "is_async", "token_step"}, route)
+        path = want(body, "model_path", str, route)
+        version = want(body, "weight_version", (str, int), route)
+        fmt = want(body, "load_format", str, route)
+        if fmt not in (None, "auto", "safetensors"):
+            raise RequestError(f"{route}: load_format {fmt!r} is not supported (safetensors directories only)")
+        if want(body, "abort_all_requests", bool, route, False):
+            await self.runner.call(lambda: self.runner.abort(None, "aborted for a weight update"))
+        t0 = time.perf_counter()
+        try:
+            tensors = await asyncio.to_thread(read_hf_dir, path)
+            problem = check_full_checkpoint(self.state, tensors)
+        except (WeightUpdateError, OSError, ValueError) as e:
+            problem = str(e)
+        if problem:
+            logger.warning("update_weights_from_disk(%s) refused: %s", path, problem)
+            return web.json_response({"success": False, "message": problem, "num_paused_requests": 0}, status=400)
+
+        def load() -> None:
+            copy_into_model(self.state, tensors)
+            if version is not None:
+                self.runner.weight_version = str(version)
+
+        await self.runner.call(load)
+        self._server.model_path = path
+        msg = f"loaded {len(tensors)} tensors from {path} in {time.perf_counter() - t0:.2f}s"
+        logger.info("update_weights_from_disk: %s (weight_version %s)", msg, self.runner.weight_version)
+        return web.json_response({"success": True, "message": msg, "num_paused_requests": 0})
+
+    async def update_weights_from_shm(self, request: web.Request) -> web.Response:
+        body = await json_body(request)
+        route = "update_weights_from_shm"
+        check_fields(body, {"path", "names", "dtypes", "shapes", "offsets"},
+                     {"weight_version", "flush_cache", "abort_all_requests"}, route)
+        path = want(body, "path", str, route)
+        names, dtypes_raw, shapes_raw, offsets = body["names"], body["dtypes"], body["shapes"], body["offsets"]
+        if not all(isinstance(x, list) for x in (names, dtypes_raw, shapes_raw, offsets)):
+            raise RequestError(f"{route}: names, dtypes, shapes and offsets must be lists")
+        if not names or not len(names) == len(dtypes_raw) == len(shapes_raw) == len(offsets):
+            raise RequestError(f"{route}: names, dtypes, shapes and offsets must be non-empty lists of equal "
+                               f"length (got {len(names)}, {len(dtypes_raw)}, {len(shapes_raw)}, {len(offsets)})")
+        if not all(isinstance(n, str) for n in names):
+            raise RequestError(f"{route}: names must be strings")
+        for i, off in enumerate(offsets):
+            if not isinstance(off, int) or isinstance(off, bool) or off < 0:
+                raise RequestError(f"{route}: offsets[{i}] must be a non-negative int (a byte offset), got {off!r}")
+        try:
+            dtypes = [parse_dtype(d, f"dtypes[{i}]") for i, d in enumerate(dtypes_raw)]
+            shapes = [parse_shape(s, f"shapes[{i}]") for i, s in enumerate(shapes_raw)]
+        except WeightUpdateError as e:
+            raise RequestError(f"{route}: {e}") from e
+        version = want(body, "weight_version", (str, int), route)
+        if want(body, "abort_all_requests", bool, route, False):
+            await self.runner.call(lambda: self.runner.abort(None, "aborted for a weight update"))
+
+        t0 = time.perf_counter()
+        async with self.shm_lock:
+            try:
+                shm = await asyncio.to_thread(self._map_shm, path)
+                problem = check_shm_layout(self.state, names, dtypes, shapes, offsets, shm.size)
+            except WeightUpdateError as e:
+                problem = str(e)
+            if problem:
+                # Checked in full before any copy: a refused update leaves the old weights serving.
+                logger.warning("%s(%s) refused: %s", route, path, problem)
+                return web.json_response({"success": False, "message": f"{route}: {problem}"}, status=400)
+
+            def load() -> None:
+                with torch.no_grad():
+                    for name, dt, shape, off in zip(names, dtypes, shapes, offsets):
+                        self.state[name].copy_(shm.tensor(off, dt, shape))
+                if version is not None:
+                    self.runner.weight_version = str(version)
+
+            await self.runner.call(load)
+        msg = f"updated {len(names)} tensors from {path} in {time.perf_counter() - t0:.3f}s"
+        logger.debug("%s: %s", route, msg)
+        return web.json_response({"success": True, "message": msg})
+
+    def _map_shm(self, path: str) -> ShmWeightFile:
+        """The mapping of `path`, reusing the cached one while it is the same file."""
+        try:
+            key = file_key(path, os.stat(path))
+        except OSError as e:
+            raise WeightUpdateError(f"path {path!r} cannot be opened: {e.strerror}") from None
+        if self.shm is not None and self.shm.key == key:
+            return self.shm
+        if self.shm is not None:
+            self.shm.close()  # another file now: release the old one's memory
+            self.shm = None
+        self.shm = ShmWeightFile(path)
+        return self.shm
+
+    async def init_weights_update_group(self, request: web.Request) -> web.Response:
+        body = await json_body(request)
+        route = "init_weights_update_group"
+        fields = {"master_address", "master_port", "rank_offset", "world_size", "group_name"}
+        check_fields(body, fields, {"backend"}, route)
+        addr = want(body, "master_address", str, route)
+        port = want(body, "master_port", int, route)
+        rank = want(body, "rank_offset", int, route)
+        world = want(body, "world_size", int, route)
+        name = want(body, "group_name", str, route)
+        backend = want(body, "backend", str, route, "nccl" if self.device.type == "cuda" else "gloo")
+        if backend not in ("gloo", "nccl"):
+            raise RequestError(f"{route}: backend {backend!r} is not supported (gloo or nccl)")
+        if backend == "nccl" and self.device.type != "cuda":
+            raise RequestError(f"{route}: backend 'nccl' needs a CUDA device; this server runs on {self.device}")
+        if not 1 <= rank < world:
+            raise RequestError(f"{route}: rank_offset {rank} must be in [1, world_size={world}) (rank 0 is the trainer)")
+        if name in self.groups:
+            return web.json_response({"success": False, "message": f"group {name!r} already exists"}, status=400)
+        try:
+            group = await asyncio.to_thread(
+                lambda: WeightUpdateGroup(master_address=addr, master_port=port, rank=rank, world_size=world,
+                                          group_name=name, backend=backend,
+                                          timeout_s=self.args.weight_sync_timeout_s, device=self.device))
+        except (RuntimeError, ValueError, OSError) as e:  # rendezvous failed or timed out
+            logger.warning("init_weights_update_group %r failed: %s", name, e)
+            return web.json_response({"success": False, "message": f"joining group {name!r} failed: {e}"}, status=400)
+        self.groups[name] = group
+        self.group_locks[name] = asyncio.Lock()
+        logger.info("joined weight-update group %r as rank %d of %d (%s)", name, rank, world, backend)
+        return web.json_response({"success": True, "message": f"joined group {name!r} as rank {rank}"})
+
+    async def update_weights_from_distributed(self, request: web.Request) -> web.Response:
+        body = await json_body(request)
+        route = "update_weights_from_distributed"
+        check_fields(body, {"names", "dtypes", "shapes"},
+                     {"group_name", "flush_cache", "weight_version", "flattened_bucket", "abort_all_requests",
+                      "load_format"}, route)
+        names, dtypes_raw, shapes_raw = body["names"], body["dtypes"], body["shapes"]
+        if not (isinstance(names, list) and isinstance(dtypes_raw, list) and isinstance(shapes_raw, list)):
+            raise RequestError(f"{route}: names, dtypes and shapes must be lists")
+        if not names or not len(names) == len(dtypes_raw) == len(shapes_raw):
+            raise RequestError(f"{route}: names, dtypes and shapes must be non-empty lists of equal length "
+                               f"(got {len(names)}, {len(dtypes_raw)}, {len(shapes_raw)})")
+        if not all(isinstance(n, str) for n in names):
+            raise RequestError(f"{route}: names must be strings")
+        try:
+            dtypes = [parse_dtype(d, f"dtypes[{i}]") for i, d in enumerate(dtypes_raw)]
+            shapes = [parse_shape(s, f"shapes[{i}]") for i, s in enumerate(shapes_raw)]
+        except WeightUpdateError as e:
+            # Without a dtype and shape the broadcasts cannot even be received.
+            raise RequestError(f"{route}: {e}") from e
+        name = want(body, "group_name", str, route, next(iter(self.groups), None))
+        if name not in self.groups:
+            raise RequestError(f"{route}: no weight-update group {name!r}; call init_weights_update_group first "
+                               f"(groups: {sorted(self.groups)})")
+        # SGLang names the flat layout load_format="flattened_bucket"; a
+        # boolean flattened_bucket field is accepted as well.
+        fmt = want(body, "load_format", str, route)
+        if fmt not in (None, "auto", "flattened_bucket"):
+            raise RequestError(f"{route}: load_format {fmt!r} is not supported (None, 'auto' or 'flattened_bucket')")
+        flattened = want(body, "flattened_bucket", bool, route, False) or fmt == "flattened_bucket"
+        version = want(body, "weight_version", (str, int), route)
+        if want(body, "abort_all_requests", bool, route, False):
+            await self.runner.call(lambda: self.runner.abort(None, "aborted for a weight update"))
+
+        problem = check_metadata(self.state, names, dtypes, shapes)
+        if flattened and len(set(dtypes)) > 1:
+            problem = (f"flattened_bucket needs one dtype for all tensors, got {sorted(map(str, set(dtypes)))}; "
+                       f"receiving a flat {dtypes[0]} buffer and discarding it")
+        group = self.groups[name]
+        t0 = time.perf_counter()
+        async with self.group_locks[name]:
+            try:
+                # Received even when the metadata is wrong: rank 0 broadcasts
+                # regardless, and an unmatched broadcast would hang the group.
+                tensors = await asyncio.to_thread(group.receive, dtypes, shapes, flattened)
+            except (RuntimeError, ValueError) as e:
+                logger.warning("%s: receiving from group %r failed: %s", route, name, e)
+                return web.json_response({"success": False, "message": f"receiving failed: {e}"}, status=400)
+        if problem:
+            logger.warning("%s refused: %s", route, problem)
+            return web.json_response({"success": False, "message": problem}, status=400)
+
+        def load() -> None:
+            copy_into_model(self.state, dict(zip(names, tensors)))
+            if version is not None:
+                self.runner.weight_version = str(version)
+
+        await self.runner.call(load)
+        msg = f"updated {len(names)} tensors in {time.perf_counter() - t0:.3f}s"
+        logger.debug("%s: %s", route, msg)
+        return web.json_response({"success": True, "message": msg})
+
+    async def destroy_weights_update_group(self, request: web.Request) -> web.Response:
+        body = await json_body(request, allow_empty=True)
+        route = "destroy_weights_update_group"
+        check_fields(body, set(), {"group_name"}, route)
+        name = want(body, "group_name", str, route, next(iter(self.groups), None))
+        group = self.groups.pop(name, None)
+        if group is None:
+            return web.json_response({"success": False, "message": f"no weight-update group {name!r}"}, status=400)
+        self.group_locks.pop(name, None)
+        await asyncio.to_thread(group.destroy)
+        return web.json_response({"success": True, "message": f"destroyed group {name!r}"})
+
+    async def begin_weight_update(self, request: web.Request) -> web.Response:
+        await json_body(request, allow_empty=True)  # options SGLang may send are not needed here
+        await self.runner.call(lambda: setattr(self.runner, "in_update_bracket", True))
+        return web.json_response({"success": True, "message": "admission paused for a weight update"})
+
+    async def end_weight_update(self, request: web.Request) -> web.Response:
+        await json_body(request, allow_empty=True)
+        await self.runner.call(lambda: setattr(self.runner, "in_update_bracket", False))
+        return web.json_response({"success": True, "message": "weight update finished"})
+
+    async def get_weights_by_name(self, request: web.Request) -> web.Response:
+        body = await json_body(request)
+        route = "get_weights_by_name"
+        check_fields(body, {"name"}, {"truncate_size"}, route)
+        name = want(body, "name", str, route)
+        n = want(body, "truncate_size", int, route, 100)
+        if n < 1:
+            raise RequestError(f"{route}: truncate_size must be >= 1, got {n}")
+        if name not in self.state:
+            raise RequestError(f"{route}: {name!r} is not a weight of this model")
+        # As SGLang: the first `n` rows (of a 1-D tensor, the first `n` values), as nested lists.
+        t = torch.atleast_1d(self.state[name].detach())
+        values = await self.runner.call(lambda: t[:n].float().cpu().tolist())
+        return web.json_response(values)
+
+    async def update_weight_version(self, request: web.Request) -> web.Response:
+        body = await json_body(request)
+        route = "update_weight_version"
+        check_fields(body, {"new_version"}, {"abort_all_requests"}, route)
+        version = str(want(body, "new_version", (str, int), route))
+        abort_all = want(body, "abort_all_requests", bool, route, False)
+
+        def apply() -> None:
+            if abort_all:
+                self.runner.abort(None, "aborted by update_weight_version")
+            self.runner.weight_version = version
+
+        await self.runner.call(apply)
+        return web.json_response({"success": True, "message": f"weight_version is now {version}"})
+
+    def close(self) -> None:
+        """Leave every process group and unmap the shared-memory file."""
+        for g in self.groups.values():
+            g.destroy()
+        self.groups.clear()
+        if self.shm is not None:
+            self.shm.close()
+            self.shm = None
