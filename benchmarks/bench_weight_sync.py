@@ -1,15 +1,16 @@
-"""Seconds to push a ~50M-parameter model to an embedded server, vs a plain memory copy.
+"""Seconds to publish a ~50M-parameter model to an embedded server, vs a plain memory copy.
 
-Four ways to move the same bytes, in one run:
+Four ways to move the same bytes, in one run; each update is one
+`WeightPublisher.publish` (pause, transfer, read-back check, version, continue):
 
 - baseline: ``dst.copy_(src)`` for every tensor of the state dict, in-process
   (the floor: what any update must at least do once);
-- distributed: `DistributedWeightSync.push` (gloo broadcast over localhost in
-  buckets, HTTP calls, pause/continue, read-back check), end to end;
-- disk: `DiskWeightSync.push` (safetensors shards, update_weights_from_disk,
-  read-back check, directory removed), end to end;
-- shm: `ShmWeightSync.push` (copy into one persistent /dev/shm file,
-  update_weights_from_shm, read-back check), end to end.
+- distributed: `DistributedTransfer` (gloo broadcast over localhost in buckets,
+  HTTP calls), end to end;
+- disk: `DiskTransfer` (safetensors shards, update_weights_from_disk, directory
+  removed), end to end;
+- shm: `ShmTransfer` (copy into one persistent /dev/shm file,
+  update_weights_from_shm), end to end.
 
 The figure of merit is best path / memory copy (goal: within 4x).
 
@@ -41,10 +42,12 @@ from arealite.config.schema import WeightSyncConfig  # noqa: E402
 from arealite.engine.sglang_remote import RemoteSGLangEngine  # noqa: E402
 from arealite.utils.net import free_port  # noqa: E402
 from arealite.weight_sync import (  # noqa: E402
-    DiskWeightSync,
-    DistributedWeightSync,
-    ShmWeightSync,
+    DiskTransfer,
+    DistributedTransfer,
+    ReadbackVerifier,
+    ShmTransfer,
     StateDictSource,
+    WeightPublisher,
 )
 
 
@@ -126,26 +129,31 @@ def main() -> None:
     try:
         run(client.initialize(60))
         cfg = WeightSyncConfig(bucket_size_mb=args.bucket_mb, verify_n_tensors=2, timeout_s=300)
-        dist_sync = DistributedWeightSync(cfg, client, run)
-        dist_sync.init()
-        disk_sync = DiskWeightSync(cfg, client, run, Path("/dev/shm") / f"arealite-bench-{os.getpid()}", str(model_dir))
-        disk_sync.init()
-        shm_sync = ShmWeightSync(cfg, client, run)
-        shm_sync.init()
+        admin = client.admin
+        transfers = (
+            ("distributed", DistributedTransfer(cfg, admin, run)),
+            ("disk", DiskTransfer(cfg, admin, run, Path("/dev/shm") / f"arealite-bench-{os.getpid()}",
+                                  str(model_dir))),
+            ("shm", ShmTransfer(cfg, admin, run)),
+        )
+        publishers = []
+        for _, transfer in transfers:
+            verifier = ReadbackVerifier(admin, cfg.verify_n_tensors, dtype=lambda t=transfer: t.server_dtype)
+            publishers.append(WeightPublisher(transfer, src, admin, run, parties=[client], verifier=verifier))
+            publishers[-1].init()
         version = 0
-        syncs = (("distributed", dist_sync), ("disk", disk_sync), ("shm", shm_sync))
-        for name, sync in syncs:
-            sync.push(src, version := version + 1)  # warm-up (first group use, page cache)
+        for (name, _), pub in zip(transfers, publishers):
+            pub.publish(version := version + 1)  # warm-up (first group use, page cache)
             best = float("inf")
             for _ in range(rounds):
                 t0 = time.perf_counter()
-                timings = sync.push(src, version := version + 1)
+                timings = pub.publish(version := version + 1)
                 dt = time.perf_counter() - t0
                 if dt < best:
                     best, phases[name] = dt, timings
             results[name] = best
-        for _, sync in syncs:
-            sync.close()
+        for pub in publishers:
+            pub.close()
     finally:
         run(client.aclose())
         proc.terminate()

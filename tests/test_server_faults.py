@@ -34,7 +34,14 @@ from arealite.engine.sglang_remote import RemoteSGLangEngine
 from arealite.launcher.local import ExitCode
 from arealite.utils import accounting
 from arealite.utils.accounting import prompt_accounting
-from arealite.weight_sync import DiskWeightSync, DistributedWeightSync, StateDictSource, WeightSyncError
+from arealite.weight_sync import (
+    DiskTransfer,
+    DistributedTransfer,
+    ReadbackVerifier,
+    StateDictSource,
+    WeightPublisher,
+    WeightSyncError,
+)
 from conftest import REPO, free_port, perturbed_weights
 
 
@@ -142,6 +149,23 @@ def _client(run, addrs: list[str], **rollout) -> RemoteSGLangEngine:
     return c
 
 
+class _Weights:
+    """The trainer's weights as a `WeightSource`; a test swaps them between updates."""
+
+    def __init__(self, source):
+        self.source = source
+
+    def named_weight_buckets(self, bucket_bytes):
+        return self.source.named_weight_buckets(bucket_bytes)
+
+
+def _publisher(transfer, client, run, weights: _Weights) -> WeightPublisher:
+    pub = WeightPublisher(transfer, weights, client.admin, run, parties=[client],
+                          verifier=ReadbackVerifier(client.admin, transfer.config.verify_n_tensors))
+    pub.init()
+    return pub
+
+
 # ------------------------------------------------------------------ weight sync
 
 
@@ -151,18 +175,19 @@ def test_push_drops_a_killed_member_then_fails_clearly_with_none_left(
     servers = Servers(micro_model_dir, tmp_path, 2)
     a, b = servers.addrs
     client = _client(run, servers.addrs)
-    sync = DistributedWeightSync(_cfg(), client, run)
+    sync = DistributedTransfer(_cfg(), client.admin, run)
+    weights = _Weights(StateDictSource(perturbed_weights(base_state, 1)))
+    pub = _publisher(sync, client, run, weights)
     try:
-        sync.init()
         first_group = sync.group_name
         assert sorted(client.group_members(first_group)) == sorted([a, b])
-        new = perturbed_weights(base_state, 1)
-        assert sync.push(StateDictSource(new), 1)["n_servers"] == 2
+        assert pub.publish(1)["n_servers"] == 2
 
         servers.kill(1)
         new = perturbed_weights(base_state, 2)
+        weights.source = StateDictSource(new)
         with caplog.at_level(logging.WARNING, logger="arealite.weight_sync"):
-            timings = sync.push(StateDictSource(new), 2)
+            timings = pub.publish(2)
         assert timings["n_servers"] == 1 and timings["attempts"] == 1
         assert client.healthy_servers == [a]
         assert sync.group_name != first_group, "the group is rebuilt under a new name"
@@ -173,10 +198,10 @@ def test_push_drops_a_killed_member_then_fails_clearly_with_none_left(
 
         servers.kill(0)
         with pytest.raises(WeightSyncError, match="no inference server is left") as err:
-            sync.push(StateDictSource(new), 3)
+            pub.publish(3)
         assert a in str(err.value) and b in str(err.value), "the error names every lost server"
     finally:
-        sync.close()
+        pub.close()
         servers.stop()
         run(client.aclose())
 
@@ -203,13 +228,13 @@ def test_a_member_dying_during_a_push_is_dropped_and_the_push_repeated(
     servers = Servers(micro_model_dir, tmp_path, 2)
     a, b = servers.addrs
     client = _client(run, servers.addrs)
-    sync = DistributedWeightSync(_cfg(), client, run)
+    new = perturbed_weights(base_state, 3)
+    source = _KillAfterFirstBucket(new, servers, victim=1)
+    weights = _Weights(source)
+    pub = _publisher(DistributedTransfer(_cfg(), client.admin, run), client, run, weights)
     try:
-        sync.init()
-        new = perturbed_weights(base_state, 3)
-        source = _KillAfterFirstBucket(new, servers, victim=1)
         t0 = time.monotonic()
-        timings = sync.push(source, 1)
+        timings = pub.publish(1)
         assert time.monotonic() - t0 < 25, "a dead member must be noticed fast, not at the timeout"
         assert source.iterations == 2, "the buckets are iterated again after the rebuild"
         assert timings["attempts"] == 2 and timings["n_servers"] == 1
@@ -219,10 +244,11 @@ def test_a_member_dying_during_a_push_is_dropped_and_the_push_repeated(
         assert out.server == a and set(out.output_versions) == {1}
         # The rebuilt group serves the next update too.
         newer = perturbed_weights(base_state, 4)
-        assert sync.push(StateDictSource(newer), 2)["attempts"] == 1
+        weights.source = StateDictSource(newer)
+        assert pub.publish(2)["attempts"] == 1
         _assert_server_has(run, a, newer)
     finally:
-        sync.close()
+        pub.close()
         servers.stop()
         run(client.aclose())
 
@@ -232,18 +258,18 @@ def test_disk_push_skips_a_dead_server(micro_model_dir, loop_runner, base_state,
     servers = Servers(micro_model_dir, tmp_path, 2)
     a, b = servers.addrs
     client = _client(run, servers.addrs)
-    sync = DiskWeightSync(_cfg(), client, run, tmp_path / "ws", str(micro_model_dir))
+    new = perturbed_weights(base_state, 5)
+    pub = _publisher(DiskTransfer(_cfg(), client.admin, run, tmp_path / "ws", str(micro_model_dir)),
+                     client, run, _Weights(StateDictSource(new)))
     try:
-        sync.init()
         servers.kill(1)
-        new = perturbed_weights(base_state, 5)
-        sync.push(StateDictSource(new), 1)
+        pub.publish(1)
         assert client.healthy_servers == [a]
         assert client.stats()["servers"][b]["excluded"], "the dead server stays out"
         _assert_server_has(run, a, new)
         assert set(_generate(run, client).output_versions) == {1}
     finally:
-        sync.close()
+        pub.close()
         servers.stop()
         run(client.aclose())
 

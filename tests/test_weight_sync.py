@@ -2,7 +2,8 @@
 
 The test process plays trainer rank 0: it hosts the TCP store, builds the gloo
 group, broadcasts, and drives the server through the real client on an event
-loop running in a background thread (as the rollout controller does).
+loop running in a background thread (as the rollout controller does). Every update
+goes through `WeightPublisher.publish` (pause, transfer, verify, version, continue).
 """
 
 from __future__ import annotations
@@ -26,12 +27,15 @@ from arealite.config.schema import WeightSyncConfig
 from arealite.engine.sglang_remote import RemoteSGLangEngine
 from arealite.utils.net import free_port
 from arealite.weight_sync import (
-    DiskWeightSync,
-    DistributedWeightSync,
+    DiskTransfer,
+    DistributedTransfer,
+    ReadbackVerifier,
     StateDictSource,
+    WeightPublisher,
     WeightSyncError,
+    compare_readback,
 )
-from arealite.weight_sync.base import buckets_of
+from arealite.weight_sync.base import VERIFY_TRUNCATE, buckets_of
 
 
 def _start_server(model_dir: Path, log_path: Path) -> tuple[subprocess.Popen, str]:
@@ -120,36 +124,63 @@ def _cfg(**kw) -> WeightSyncConfig:
     return WeightSyncConfig(**{"bucket_size_mb": 0.05, "verify_n_tensors": 3, "timeout_s": 30, **kw})
 
 
-def test_distributed_push_in_buckets_updates_weights_and_version(client, loop_runner, base_state):
+class Weights:
+    """The trainer's weights as a `WeightSource`; a test swaps them between updates."""
+
+    def __init__(self, state):
+        self.set(state)
+
+    def set(self, source_or_state) -> "Weights":
+        self.src = source_or_state if hasattr(source_or_state, "named_weight_buckets") \
+            else StateDictSource(source_or_state)
+        return self
+
+    def named_weight_buckets(self, bucket_bytes):
+        return self.src.named_weight_buckets(bucket_bytes)
+
+
+def _publisher(transfer, client, run, weights: Weights) -> WeightPublisher:
+    """A publisher over `client` (the client is the party that learns the version)."""
+    verifier = ReadbackVerifier(client.admin, transfer.config.verify_n_tensors,
+                                dtype=lambda: transfer.server_dtype)
+    pub = WeightPublisher(transfer, weights, client.admin, run, parties=[client], verifier=verifier)
+    pub.init()
+    return pub
+
+
+def test_distributed_publish_in_buckets_updates_weights_and_version(client, loop_runner, base_state):
     run, _ = loop_runner
-    sync = DistributedWeightSync(_cfg(), client, run)
-    sync.init()
+    weights = Weights(base_state)
+    pub = _publisher(DistributedTransfer(_cfg(), client.admin, run), client, run, weights)
     try:
         for version, seed in ((1, 1), (2, 2)):  # the group serves more than one update
             new = perturbed_weights(base_state, seed)
-            timings = sync.push(StateDictSource(new), version)
+            weights.set(new)
+            timings = pub.publish(version)
             assert timings["n_buckets"] > 1, "the micro model should need several 50 KB buckets"
             assert timings["n_tensors"] == len(StateDictSource(new).tensors)
             assert timings["total_s"] >= timings["transfer_s"] > 0
+            assert {"pause_s", "verify_s", "continue_s"} <= set(timings)
             _assert_server_has(run, client, new)
+            assert client.get_version() == version
             assert set(_generate_version(run, client)) == {version}
     finally:
-        sync.close()
+        pub.close()
 
 
-def test_disk_push_updates_weights_and_removes_the_directory(client, loop_runner, base_state, tmp_path,
-                                                             micro_model_dir):
+def test_disk_publish_updates_weights_and_removes_the_directory(client, loop_runner, base_state, tmp_path,
+                                                                micro_model_dir):
     run, _ = loop_runner
     root = tmp_path / "scratch"
-    sync = DiskWeightSync(_cfg(bucket_size_mb=0.03), client, run, root, str(micro_model_dir))
-    sync.init()
     new = perturbed_weights(base_state, 3)
-    timings = sync.push(StateDictSource(new), 7)
-    assert timings["load_s"] > 0 and timings["bytes"] > 0
+    transfer = DiskTransfer(_cfg(bucket_size_mb=0.03), client.admin, run, root, str(micro_model_dir))
+    pub = _publisher(transfer, client, run, Weights(new))
+    timings = pub.publish(7)
+    assert timings["load_s"] > 0 and timings["write_s"] > 0 and timings["bytes"] > 0
     _assert_server_has(run, client, new)
     assert set(_generate_version(run, client)) == {7}
     assert root.is_dir() and list(root.iterdir()) == [], "the update's directory must be deleted"
-    sync.close()
+    pub.close()
     assert not root.exists()
 
 
@@ -175,11 +206,11 @@ def test_corrupted_update_fails_loudly_and_server_stays_paused(client, loop_runn
     run, loop = loop_runner
     before = {n: _server_tensor(run, client, n) for n in base_state if n != "lm_head.weight"}
     version_before = _generate_version(run, client)[0]
-    sync = DistributedWeightSync(_cfg(), client, run)
-    sync.init()
     src = _CorruptSource(perturbed_weights(base_state, 11), how)
+    weights = Weights(src)
+    pub = _publisher(DistributedTransfer(_cfg(), client.admin, run), client, run, weights)
     with pytest.raises(WeightSyncError) as err:
-        sync.push(src, 99)
+        pub.publish(99)
     msg = str(err.value)
     assert server in msg and src.victim in msg and "99" in msg
     assert err.value.server == server and err.value.tensor == src.victim
@@ -193,63 +224,65 @@ def test_corrupted_update_fails_loudly_and_server_stays_paused(client, loop_runn
     for name, _ in bad_bucket:
         if name in before:
             assert torch.equal(_server_tensor(run, client, name), before[name])
-    # A further push on the broken sync is refused at once.
-    with pytest.raises(WeightSyncError):
-        sync.push(StateDictSource(base_state), 100)
-    # Let the other tests use the server again (the failed push left it paused, mid-update).
+    assert client.get_version() != 99, "a failed update sets no version"
+    # A further update through the broken group is refused at once.
+    weights.set(base_state)
+    with pytest.raises(WeightSyncError, match="broken"):
+        pub.publish(100)
+    # Let the other tests use the server again (the failed update left it paused, mid-update).
     run(client.end_weight_update())
     run(client.continue_generation())
     assert fut.result(30).output_versions[0] == version_before
-    sync.close()
+    pub.close()
 
 
 def test_readback_mismatch_names_server_and_tensor(client, loop_runner, base_state):
     run, _ = loop_runner
-    sync = DistributedWeightSync(_cfg(verify_n_tensors=1), client, run)
-    sync.init()
     new = perturbed_weights(base_state, 5)
-    sync.push(StateDictSource(new), 5)
+    pub = _publisher(DistributedTransfer(_cfg(verify_n_tensors=1), client.admin, run), client, run,
+                     Weights(new))
+    pub.publish(5)
     name = "model.layers.0.mlp.up_proj.weight"
     wrong = {name: new[name][:100].flatten().clone()}
     wrong[name][17] += 0.5
+    answers = {name: run(client.get_weights_by_name(name, VERIFY_TRUNCATE))}
     with pytest.raises(WeightSyncError, match="read-back mismatch") as err:
-        sync.verify(wrong, 5)
+        compare_readback(wrong, answers, 5)
     assert err.value.tensor == name and err.value.server == client.servers[0]
-    sync.close()
+    pub.close()
 
 
 def test_inflight_rollout_is_interrupted_and_resumes_onperturbed_weights(client, loop_runner, base_state):
     run, loop = loop_runner
-    sync = DistributedWeightSync(_cfg(bucket_size_mb=1.0), client, run)
-    sync.init()
+    pub = _publisher(DistributedTransfer(_cfg(bucket_size_mb=1.0), client.admin, run), client, run,
+                     Weights(perturbed_weights(base_state, 6)))
     before = _generate_version(run, client)[0]
     req = GenerationRequest(input_ids=[3, 4, 5],
                             sampling=SamplingParams(max_new_tokens=900, ignore_eos=True))
     fut = asyncio.run_coroutine_threadsafe(client.agenerate(req), loop)
     time.sleep(0.3)  # let it produce some tokens
     assert not fut.done()
-    sync.push(StateDictSource(perturbed_weights(base_state, 6)), before + 1)
+    pub.publish(before + 1)
     out = fut.result(120)
     assert len(out.output_ids) == 900
     versions = list(out.output_versions)
     assert versions[0] == before and versions[-1] == before + 1
     assert versions == sorted(versions), "each token keeps the version that produced it"
     assert out.n_interruptions >= 1
-    sync.close()
+    pub.close()
 
 
-def test_a_dead_server_stops_the_push_with_its_name(micro_model_dir, loop_runner, base_state, tmp_path):
+def test_a_dead_server_stops_the_update_with_its_name(micro_model_dir, loop_runner, base_state, tmp_path):
     run, _ = loop_runner
     proc, addr = _start_server(micro_model_dir, tmp_path / "doomed.log")
     c = RemoteSGLangEngine([addr])
     try:
         run(c.initialize(30))
-        sync = DistributedWeightSync(_cfg(timeout_s=20), c, run)
-        sync.init()
+        pub = _publisher(DistributedTransfer(_cfg(timeout_s=20), c.admin, run), c, run, Weights(base_state))
         _stop(proc)
         t0 = time.monotonic()
         with pytest.raises(WeightSyncError) as err:
-            sync.push(StateDictSource(base_state), 1)
+            pub.publish(1)
         assert addr in str(err.value)
         assert time.monotonic() - t0 < 15, "a dead server must fail fast, not at the timeout"
     finally:
@@ -257,22 +290,25 @@ def test_a_dead_server_stops_the_push_with_its_name(micro_model_dir, loop_runner
         run(c.aclose())
 
 
-def test_make_weight_sync_follows_the_config(tmp_path):
+def test_make_transfer_follows_the_config(tmp_path):
     from arealite.config.schema import ArealiteConfig
-    from arealite.weight_sync import make_weight_sync, server_weight_dtype
+    from arealite.weight_sync import make_transfer, server_weight_dtype
 
+    admin = RemoteSGLangEngine(["127.0.0.1:1"]).admin
     cfg = ArealiteConfig.model_validate({
         "experiment": {"output_root": str(tmp_path), "name": "e", "trial": "t"},
         "weight_sync": {"method": "disk"}})
-    sync = make_weight_sync(cfg, client=None, train_engine=None, run=None)
-    assert isinstance(sync, DiskWeightSync) and sync.root == tmp_path / "e" / "t" / "weight_sync"
+    transfer = make_transfer(cfg, admin, run=None)
+    assert isinstance(transfer, DiskTransfer) and transfer.root == tmp_path / "e" / "t" / "weight_sync"
     assert server_weight_dtype(cfg) is None  # embedded on CPU keeps the checkpoint's dtype
     cfg.weight_sync.method = "distributed"
     cfg.server.dtype = "bfloat16"
-    sync = make_weight_sync(cfg, client=None, train_engine=None, run=None)
-    assert isinstance(sync, DistributedWeightSync) and sync.wire_dtype == torch.bfloat16
-    assert sync.backend == ("nccl" if torch.cuda.is_available() else "gloo")
+    transfer = make_transfer(cfg, admin, run=None)
+    assert isinstance(transfer, DistributedTransfer) and transfer.wire_dtype == torch.bfloat16
+    assert transfer.backend == ("nccl" if torch.cuda.is_available() else "gloo")
     cfg.server.dtype = "auto"
     cfg.launch.server_backend = "sglang"
     assert server_weight_dtype(cfg) == torch.bfloat16
-    assert make_weight_sync(cfg, None, None, None).layout == "sglang"
+    assert make_transfer(cfg, admin, None).layout == "sglang"
+    with pytest.raises(TypeError, match="does not implement DistributedUpdateAdmin"):
+        make_transfer(cfg, object(), None)

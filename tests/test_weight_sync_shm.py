@@ -1,7 +1,8 @@
-"""The shared-memory weight sync against a real embedded server subprocess (micro tiny model).
+"""The shared-memory weight transfer against a real embedded server subprocess (micro tiny model).
 
 The test process plays trainer rank 0 and drives the server (started with an API
-key) through the real client on an event loop in a background thread.
+key) through the real client on an event loop in a background thread; every update
+goes through `WeightPublisher.publish`.
 """
 
 from __future__ import annotations
@@ -29,7 +30,14 @@ from arealite.config.loader import ConfigError, check_config, check_launch
 from arealite.config.schema import ArealiteConfig, WeightSyncConfig
 from arealite.engine.sglang_remote import RemoteSGLangEngine
 from arealite.utils.net import free_port
-from arealite.weight_sync import ShmWeightSync, StateDictSource, WeightSyncError, make_weight_sync
+from arealite.weight_sync import (
+    ReadbackVerifier,
+    ShmTransfer,
+    StateDictSource,
+    WeightPublisher,
+    WeightSyncError,
+    make_transfer,
+)
 
 KEY = "shm-test-key"
 
@@ -104,6 +112,30 @@ def _cfg(**kw) -> WeightSyncConfig:
     return WeightSyncConfig(**{"bucket_size_mb": 0.05, "verify_n_tensors": 3, "timeout_s": 30, **kw})
 
 
+class Weights:
+    """The trainer's weights as a `WeightSource`; a test swaps them between updates."""
+
+    def __init__(self, state_or_source=None):
+        self.src = None
+        if state_or_source is not None:
+            self.set(state_or_source)
+
+    def set(self, state_or_source) -> None:
+        self.src = state_or_source if hasattr(state_or_source, "named_weight_buckets") \
+            else StateDictSource(state_or_source)
+
+    def named_weight_buckets(self, bucket_bytes):
+        return self.src.named_weight_buckets(bucket_bytes)
+
+
+def _publisher(transfer: ShmTransfer, client, run, weights: Weights) -> WeightPublisher:
+    verifier = ReadbackVerifier(client.admin, transfer.config.verify_n_tensors,
+                                dtype=lambda: transfer.server_dtype)
+    pub = WeightPublisher(transfer, weights, client.admin, run, parties=[client], verifier=verifier)
+    pub.init()
+    return pub
+
+
 def _post(addr: str, route: str, body: dict, key: str | None = KEY) -> tuple[int, dict]:
     headers = {"Content-Type": "application/json"}
     if key:
@@ -140,17 +172,19 @@ def _hf_argmax_agrees(model_dir: Path, state: dict, prompt: list[int], output: l
     return logits[len(prompt) - 1:-1].argmax(-1).tolist() == output
 
 
-def test_push_gives_the_server_the_trainers_weights_and_reuses_one_file(
+def test_publish_gives_the_server_the_trainers_weights_and_reuses_one_file(
         client, loop_runner, server, base_state, shm_dir, micro_model_dir):
     run = loop_runner
     prompt = [5, 6, 7, 8]
     before, _ = _greedy(run, client, prompt)
-    sync = ShmWeightSync(_cfg(shm_dir=str(shm_dir)), client, run)
-    sync.init()
+    sync = ShmTransfer(_cfg(shm_dir=str(shm_dir)), client.admin, run)
+    weights = Weights()
+    pub = _publisher(sync, client, run, weights)
     assert sync.server_dtype == torch.float32  # learnt from the server
     try:
         new = perturbed_weights(base_state, 1)
-        timings = sync.push(StateDictSource(new), 1)
+        weights.set(new)
+        timings = pub.publish(1)
         path = sync.path
         assert path is not None and path.parent == shm_dir and path.is_file()
         assert list(shm_dir.iterdir()) == [path], "one file, nothing else"
@@ -165,7 +199,8 @@ def test_push_gives_the_server_the_trainers_weights_and_reuses_one_file(
 
         inode = path.stat().st_ino
         newer = perturbed_weights(base_state, 2)
-        timings = sync.push(StateDictSource(newer), 2)
+        weights.set(newer)
+        timings = pub.publish(2)
         assert sync.path == path and path.stat().st_ino == inode and timings["recreated"] == 0
         for name in ("model.embed_tokens.weight", "model.layers.0.self_attn.q_proj.weight", "model.norm.weight"):
             assert torch.equal(_server_tensor(server, name), newer[name].flatten()), name
@@ -173,9 +208,9 @@ def test_push_gives_the_server_the_trainers_weights_and_reuses_one_file(
         status, info = _post(server, "/get_model_info", {})
         assert status == 200 and info["weight_version"] == "2"
     finally:
-        sync.close()
+        pub.close()
     assert sync.path is None and list(shm_dir.iterdir()) == [], "close() must delete the file"
-    sync.close()  # twice is fine
+    pub.close()  # twice is fine
 
 
 class _Reordered:
@@ -189,37 +224,41 @@ class _Reordered:
 
 
 def test_a_changed_layout_recreates_the_file(client, loop_runner, server, base_state, shm_dir):
-    sync = ShmWeightSync(_cfg(shm_dir=str(shm_dir)), client, loop_runner)
-    sync.init()
+    sync = ShmTransfer(_cfg(shm_dir=str(shm_dir)), client.admin, loop_runner)
+    weights = Weights(perturbed_weights(base_state, 3))
+    pub = _publisher(sync, client, loop_runner, weights)
     try:
-        sync.push(StateDictSource(perturbed_weights(base_state, 3)), 3)
+        pub.publish(3)
         first = sync.path
         new = perturbed_weights(base_state, 4)
-        timings = sync.push(_Reordered(new), 4)
+        weights.set(_Reordered(new))
+        timings = pub.publish(4)
         assert timings["recreated"] == 1 and sync.path != first and not first.exists()
         assert list(shm_dir.iterdir()) == [sync.path]
         for name in ("model.embed_tokens.weight", "model.layers.0.mlp.down_proj.weight"):
             assert torch.equal(_server_tensor(server, name), new[name].flatten()), name
     finally:
-        sync.close()
+        pub.close()
 
 
 def test_a_refused_update_raises_and_leaves_the_servers_paused(client, loop_runner, server, base_state,
                                                                shm_dir):
     run = loop_runner
     # bfloat16 slots for a float32 server: the server refuses, naming the dtype.
-    sync = ShmWeightSync(_cfg(shm_dir=str(shm_dir)), client, run, server_dtype=torch.bfloat16)
-    sync.init()
+    sync = ShmTransfer(_cfg(shm_dir=str(shm_dir)), client.admin, run, server_dtype=torch.bfloat16)
+    pub = _publisher(sync, client, run, Weights(perturbed_weights(base_state, 5)))
     before = _server_tensor(server, "model.norm.weight")
+    version_before = client.get_version()
     try:
         with pytest.raises(WeightSyncError) as err:
-            sync.push(StateDictSource(perturbed_weights(base_state, 5)), 5)
+            pub.publish(5)
         assert "dtype" in str(err.value) and server in str(err.value)
+        assert client.get_version() == version_before, "a failed update sets no version"
         status, info = _post(server, "/get_server_info", {})
         assert info["internal_states"][0]["paused"] is True
         assert torch.equal(_server_tensor(server, "model.norm.weight"), before), "no half-applied update"
     finally:
-        sync.close()
+        pub.close()
         run(client.continue_generation())
 
 
@@ -293,10 +332,10 @@ def test_bad_requests_get_400_naming_the_problem(server, base_state, shm_dir):
 
 def test_init_refuses_servers_on_another_host(shm_dir):
     c = RemoteSGLangEngine(["10.255.255.1:30000"])
-    sync = ShmWeightSync(_cfg(shm_dir=str(shm_dir)), c, run=None)
+    sync = ShmTransfer(_cfg(shm_dir=str(shm_dir)), c.admin, run=None)
     with pytest.raises(WeightSyncError, match=r"weight_sync.method=shm needs every server on this host"):
         sync.init()
-    bad_dir = ShmWeightSync(_cfg(shm_dir=str(shm_dir / "nope")), c, run=None)
+    bad_dir = ShmTransfer(_cfg(shm_dir=str(shm_dir / "nope")), c.admin, run=None)
     with pytest.raises(WeightSyncError, match="weight_sync.shm_dir"):
         bad_dir.init()
 
@@ -304,8 +343,8 @@ def test_init_refuses_servers_on_another_host(shm_dir):
 def test_config_accepts_shm_only_for_embedded_servers_on_this_host(tmp_path):
     cfg = ArealiteConfig.model_validate({"weight_sync": {"method": "shm", "shm_dir": "/dev/shm"}})
     check_config(cfg, check_paths=False)
-    sync = make_weight_sync(cfg, client=None, train_engine=None, run=None)
-    assert isinstance(sync, ShmWeightSync) and sync.shm_dir == Path("/dev/shm")
+    sync = make_transfer(cfg, RemoteSGLangEngine(["127.0.0.1:1"]).admin, run=None)
+    assert isinstance(sync, ShmTransfer) and sync.shm_dir == Path("/dev/shm")
 
     cfg.launch.server_backend = "sglang"
     with pytest.raises(ConfigError) as err:

@@ -118,7 +118,8 @@ class DistributedUpdateAdmin(WeightUpdateAdmin, Protocol):
     async def update_weights_from_distributed(self, names: Sequence[str], dtypes: Sequence[Any],
                                               shapes: Sequence[Sequence[int]], group_name: str = ...,
                                               version: int | None = None, flattened_bucket: bool = False, *,
-                                              flush_cache: bool = True, timeout: float | None = None) -> dict[str, Any]: ...
+                                              flush_cache: bool = True,
+                                              timeout: float | None = None) -> dict[str, Any]: ...
 
     async def destroy_weights_update_group(self, group_name: str = ...) -> dict[str, Any]: ...
 

@@ -1,17 +1,19 @@
 """Weight sync: new trainer weights reach every inference server after each step.
 
-    sync = make_weight_sync(cfg, client, engine, controller.run)
-    sync.init()                      # once, on every trainer rank
-    timings = sync.push(engine, v)   # after each training step, on every trainer rank
-    sync.close()
+    publisher = make_publisher(cfg, client, train_engine, controller)
+    publisher.init()                      # once, on every trainer rank
+    timings = publisher.publish(v)        # after each training step, on every trainer rank
+    publisher.close()
 
-`weight_sync.method` picks the transport: ``distributed`` (broadcast over a
-gloo/NCCL group; see `distributed.py`), ``disk`` (safetensors directory; see
-`disk.py`) or ``shm`` (one shared-memory file reused by every update, for
-embedded servers on the trainer's host; see `shm.py`). A server that is gone (dead or hung: no answer to ``/health``) is
-dropped from rotation and weight updates and the push goes on with the others;
-any other failure, or no server left, raises `WeightSyncError` and leaves the
-servers paused.
+`publish` pauses the controller and the servers, moves the weights, verifies them,
+sets version ``v`` on the train engine, the controller and the client, and resumes
+(`publisher.WeightPublisher`). `weight_sync.method` picks the transfer
+(`make_transfer`): ``distributed`` (broadcast over a gloo/NCCL group; see
+`distributed.py`), ``disk`` (safetensors directory; see `disk.py`) or ``shm`` (one
+shared-memory file reused by every update, for embedded servers on the trainer's host;
+see `shm.py`). A server that is gone (dead or hung: no answer to its health route) is
+dropped from rotation and weight updates and the update goes on with the others; any
+other failure, or no server left, raises `WeightSyncError` and leaves the servers paused.
 """
 
 from __future__ import annotations
@@ -20,27 +22,43 @@ from pathlib import Path
 
 import torch
 
+from arealite.api.engine import (
+    InferenceClient,
+    Pausable,
+    Runner,
+    TrainEngine,
+    WeightSource,
+    WeightTransfer,
+    WeightUpdateAdmin,
+    require,
+)
 from arealite.weight_sync.base import (
     ReadbackSample,
     StateDictSource,
-    WeightSource,
     WeightSyncError,
     compare_readback,
 )
-from arealite.weight_sync.disk import DiskWeightSync
-from arealite.weight_sync.distributed import DistributedWeightSync
-from arealite.weight_sync.shm import ShmWeightSync
+from arealite.weight_sync.disk import DiskTransfer
+from arealite.weight_sync.distributed import DistributedTransfer
+from arealite.weight_sync.publisher import WeightPublisher
+from arealite.weight_sync.shm import ShmTransfer
+from arealite.weight_sync.verify import ReadbackVerifier, WeightVerifier
 
 __all__ = [
-    "DiskWeightSync",
-    "DistributedWeightSync",
+    "DiskTransfer",
+    "DistributedTransfer",
     "ReadbackSample",
-    "ShmWeightSync",
+    "ReadbackVerifier",
+    "ShmTransfer",
     "StateDictSource",
+    "WeightPublisher",
     "WeightSource",
     "WeightSyncError",
+    "WeightVerifier",
+    "admin_of",
     "compare_readback",
-    "make_weight_sync",
+    "make_publisher",
+    "make_transfer",
     "server_weight_dtype",
 ]
 
@@ -60,23 +78,50 @@ def server_weight_dtype(config) -> torch.dtype | None:
     return None
 
 
-def make_weight_sync(config, client, train_engine, run):
-    """Build the weight sync `config.weight_sync.method` asks for.
+def admin_of(client: InferenceClient | WeightUpdateAdmin) -> WeightUpdateAdmin:
+    """The servers' administration of a client: its ``admin``, or the client itself."""
+    admin = getattr(client, "admin", client)
+    require(admin, WeightUpdateAdmin, "the inference client's admin")
+    return admin
 
-    `config` is the whole `ArealiteConfig`; `client` an initialized
-    ``RemoteSGLangEngine``; `train_engine` the trainer's engine (its model path
-    and weights); `run(coro)` runs a client coroutine on the client's loop and
-    returns its result (``RolloutController.run``).
+
+def make_transfer(config, admin: WeightUpdateAdmin, run: Runner,
+                  model_path: str | None = None) -> WeightTransfer:
+    """The transfer `config.weight_sync.method` asks for.
+
+    `config` is the whole `ArealiteConfig`; `admin` the servers' administration;
+    `run(coro)` runs an admin coroutine on the client's loop; `model_path` the trained
+    model's directory (the disk transfer copies its ``config.json``).
     """
     ws = config.weight_sync
     dtype = server_weight_dtype(config)
     if ws.method == "distributed":
         layout = "sglang" if config.launch.server_backend == "sglang" else "auto"
-        return DistributedWeightSync(ws, client, run, wire_dtype=dtype, layout=layout)
+        return DistributedTransfer(ws, admin, run, wire_dtype=dtype, layout=layout)
     if ws.method == "shm":
-        return ShmWeightSync(ws, client, run, shm_dir=ws.shm_dir, server_dtype=dtype)
+        return ShmTransfer(ws, admin, run, shm_dir=ws.shm_dir, server_dtype=dtype)
     exp = config.experiment
     root = ws.disk_dir or str(Path(exp.output_root) / exp.name / exp.trial / "weight_sync")
+    return DiskTransfer(ws, admin, run, root, model_path or config.actor.model_path or None,
+                        server_dtype=dtype)
+
+
+def make_publisher(config, client: InferenceClient, train_engine: TrainEngine, controller: Pausable, *,
+                   run: Runner | None = None, source: WeightSource | None = None) -> WeightPublisher:
+    """The publisher of a run: `train_engine`'s weights to `client`'s servers.
+
+    `config` is the whole `ArealiteConfig`; `client` an initialized inference client
+    whose ``admin`` administers its servers (``RemoteSGLangEngine``); `controller` the
+    rollout controller (paused around each update; its ``run`` runs admin coroutines on
+    the client's loop unless `run` is given). The train engine, the controller and the
+    client get the new version. `source` overrides what is read (default: the engine).
+    """
+    admin = admin_of(client)
+    run = run if run is not None else controller.run
     model_path = getattr(getattr(train_engine, "config", None), "model_path", None)
-    return DiskWeightSync(ws, client, run, root, model_path or config.actor.model_path or None,
-                          server_dtype=dtype)
+    transfer = make_transfer(config, admin, run, model_path)
+    verifier = ReadbackVerifier(admin, config.weight_sync.verify_n_tensors,
+                                dtype=lambda: getattr(transfer, "server_dtype", None))
+    return WeightPublisher(transfer, source if source is not None else train_engine, admin, run,
+                           parties=[train_engine, controller, client], controller=controller,
+                           verifier=verifier)

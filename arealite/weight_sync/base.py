@@ -1,16 +1,16 @@
-"""Pieces shared by the weight-sync methods: errors, ranks, the read-back check.
+"""Pieces shared by the weight publisher and the transfers: errors, ranks, the read-back check.
 
-A weight sync moves the trainer's weights to every inference server. Whatever
-the transport, the same rules hold:
+A weight update moves the trainer's weights to every inference server. Whatever
+the transfer, the same rules hold (`publisher.WeightPublisher` enforces them):
 
 - only trainer rank 0 talks to the servers; every rank still iterates
-  ``engine.named_weight_buckets`` (unsharding is a collective) and then meets
-  the others at a barrier;
+  ``engine.named_weight_buckets`` (unsharding is a collective) and then learns from
+  rank 0 how the update ended (`agree`);
 - every update carries its ``weight_version``;
-- afterwards a sample of tensors is read back with ``get_weights_by_name`` and
-  compared with the trainer's copy; any failure raises ``WeightSyncError``
-  and the servers are left paused, so that none of them keeps serving old
-  weights as if nothing had happened.
+- afterwards the update is verified (by default a sample of tensors is read back
+  with ``get_weights_by_name`` and compared with the trainer's copy); any failure
+  raises ``WeightSyncError`` and the servers are left paused, so that none of them
+  keeps serving old weights as if nothing had happened.
 """
 
 from __future__ import annotations
@@ -18,12 +18,13 @@ from __future__ import annotations
 import logging
 import random
 import time
-from collections.abc import Callable, Coroutine, Iterable, Iterator
-from typing import Any, Protocol
+from collections.abc import Callable, Coroutine, Iterator
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from arealite.api.engine import Runner, WeightSource, WeightUpdateAdmin
 from arealite.utils.buckets import buckets_of  # noqa: F401  (re-exported)
 
 logger = logging.getLogger("arealite.weight_sync")
@@ -31,9 +32,8 @@ logger = logging.getLogger("arealite.weight_sync")
 #: Values compared per read-back tensor.
 VERIFY_TRUNCATE = 100
 
-Runner = Callable[[Coroutine[Any, Any, Any]], Any]
-"""Runs a coroutine on the inference client's event loop and returns its result
-(``RolloutController.run``); called from the trainer thread."""
+#: Runs one admin call, surviving dead servers: ``call(make_coro, what)`` (see `call_dropping_dead`).
+AdminCall = Callable[[Callable[[], Coroutine[Any, Any, Any]], str], Any]
 
 
 class WeightSyncError(RuntimeError):
@@ -57,13 +57,6 @@ class WeightSyncError(RuntimeError):
         super().__init__(
             f"{prefix} failed: {cause}. The servers stay paused so that none serves stale "
             "weights; stop the run and check the server logs.")
-
-
-class WeightSource(Protocol):
-    """What a weight sync reads from: a train engine (``FSDPEngine``) or `StateDictSource`."""
-
-    def named_weight_buckets(self, bucket_bytes: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
-        ...
 
 
 class StateDictSource:
@@ -107,21 +100,16 @@ def trainer_rank() -> tuple[int, int]:
     return 0, 1
 
 
-def barrier() -> None:
-    """Wait for every trainer rank (no-op without a default process group)."""
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        dist.barrier()
-
-
-#: `agree` statuses: the push is done / rank 0 lost a server and every rank iterates again.
-DONE, RETRY = 0, 1
+#: `agree` statuses: done / rank 0 lost a server and every rank iterates again / rank 0 failed.
+DONE, RETRY, FAILED = 0, 1, 2
 
 
 def agree(status: int | None = None) -> int:
     """Every trainer rank learns rank 0's `status` (a collective; returns it as is alone).
 
-    Replaces a plain barrier at the end of an attempt, so that after a server dies
-    mid-push all ranks iterate the (collective) weight buckets once more together.
+    Replaces a plain barrier at the end of a step, so that after a server dies
+    mid-transfer all ranks iterate the (collective) weight buckets once more together,
+    and so that a failure on rank 0 stops every rank with an error rather than a hang.
     """
     if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
         return DONE if status is None else status
@@ -130,8 +118,13 @@ def agree(status: int | None = None) -> int:
     return int(box[0])
 
 
-def call_dropping_dead(run: Runner, client, make_coro: Callable[[], Coroutine[Any, Any, Any]],
-                       version: int, what: str) -> Any:
+def rank0_failed(version: int | None) -> WeightSyncError:
+    """What ranks other than 0 raise when rank 0 reports `FAILED`."""
+    return WeightSyncError("trainer rank 0 failed (its log has the cause)", version=version)
+
+
+def call_dropping_dead(run: Runner, admin: WeightUpdateAdmin,
+                       make_coro: Callable[[], Coroutine[Any, Any, Any]], version: int, what: str) -> Any:
     """Run the admin call ``make_coro()`` on the servers in rotation, surviving dead ones.
 
     When it fails, the failing servers are probed: those that are gone leave the
@@ -146,24 +139,22 @@ def call_dropping_dead(run: Runner, client, make_coro: Callable[[], Coroutine[An
         except Exception as e:  # ServerAdminError / NoHealthyServerError from the client
             failures = getattr(e, "failures", None)
             suspects = list(failures) if isinstance(failures, dict) and failures else None
-            dropped = run(client.drop_unreachable(suspects, why=f"{what} failed"))
-            if not client.healthy_servers:
-                raise no_server_left(client, version) from e
+            dropped = run(admin.drop_unreachable(suspects, why=f"{what} failed"))
+            if not admin.healthy_servers:
+                raise no_server_left(admin, version) from e
             # A failing server that the generation path took out meanwhile is gone too.
-            healthy = set(client.healthy_servers)
+            healthy = set(admin.healthy_servers)
             dropped = sorted(set(dropped) | {a for a in suspects or () if a not in healthy})
             if not dropped:
                 raise admin_error(e, version) from e
             logger.warning("inference server(s) %s did not answer %s and are gone: dropped from "
                            "rotation and weight updates; %d server(s) left: %s", ", ".join(dropped),
-                           what, len(client.healthy_servers), ", ".join(client.healthy_servers))
+                           what, len(admin.healthy_servers), ", ".join(admin.healthy_servers))
 
 
-def no_server_left(client, version: int | None) -> WeightSyncError:
+def no_server_left(admin: WeightUpdateAdmin, version: int | None) -> WeightSyncError:
     """The error when every inference server is gone."""
-    servers = client.stats()["servers"]
-    detail = "; ".join(f"{a}: {s['excluded'] or s['reason'] or 'out of rotation'}"
-                       for a, s in servers.items())
+    detail = "; ".join(f"{a}: {why}" for a, why in admin.out_of_rotation().items())
     return WeightSyncError(f"no inference server is left to update (all of them died or left "
                            f"the rotation: {detail})", version=version)
 
@@ -175,7 +166,7 @@ def drain(source: WeightSource, bucket_bytes: int) -> None:
 
 
 class ReadbackSample:
-    """Reservoir sample of `k` tensors seen during a push, kept for the read-back check.
+    """Reservoir sample of `k` tensors seen during an update, kept for the read-back check.
 
     The sample is drawn anew each version (seeded by it), so successive updates
     check different tensors. What is kept is what `get_weights_by_name`
@@ -278,7 +269,7 @@ def admin_error(e: Exception, version: int, tensor: str | None = None) -> Weight
 
 
 class Timer:
-    """Accumulates named phase durations for the timings a push returns."""
+    """Accumulates named phase durations for the timings an update returns."""
 
     def __init__(self):
         self.t0 = time.perf_counter()

@@ -1,33 +1,32 @@
-"""Weight sync over a process group: trainer rank 0 broadcasts, every server receives.
+"""Weight transfer over a process group: trainer rank 0 broadcasts, every server receives.
 
 Handshake (SGLang's protocol, see DESIGN.md): rank 0 hosts a TCP store, posts
 ``/init_weights_update_group`` to every server (the call blocks until the
 rendezvous, so it runs in the background) and joins the group itself as rank 0.
 
-Per update (``push``), on rank 0:
+Per update (``transfer``, the servers paused by the publisher), on rank 0:
 
-    pause_generation (in-flight requests come back as ``abort``; the client resumes them later)
+    rebuild the group if its members are not the servers in rotation
     begin_weight_update                      (SGLang >= 0.5.21; skipped on older servers)
     for each bucket of ``weight_sync.bucket_size_mb``:
         post /update_weights_from_distributed {names, dtypes, shapes, weight_version}
         broadcast the bucket's tensors in ``names`` order  (concurrently with the HTTP call)
         await the HTTP answer
     end_weight_update
-    read back ``verify_n_tensors`` tensors with get_weights_by_name and compare
-    continue_generation
 
 A bucket whose tensors share one dtype is sent as a single flattened broadcast
 (``load_format: flattened_bucket``); bytes on the wire are the same as SGLang's
-uint8-flattened bucket. Other ranks iterate the buckets (unsharding is a
-collective) and then learn from rank 0 whether the push is done.
+uint8-flattened bucket. ``stage`` does nothing: a broadcast needs the servers paused.
+It is used on trainer rank 0; the publisher keeps the other ranks reading the source
+(unsharding is a collective) in step, again each time the transfer starts over.
 
-Server faults: a server that fails an admin call and then ``/health`` is dropped
+Server faults: a server that fails an admin call and then its health probe is dropped
 from rotation and weight updates, and the call is repeated on the others. Before
-each push the group is compared with the servers in rotation and rebuilt (new
+each update the group is compared with the servers in rotation and rebuilt (new
 group name and port) when they differ. A member dying during the transfer fails
-the broadcast; rank 0 then finishes iterating, rebuilds the group over the
-survivors and every rank iterates the buckets again. With no server left the
-push raises `WeightSyncError`.
+the broadcast; rank 0 then finishes reading, rebuilds the group over the
+survivors and reads the buckets again (and so does every rank). With no server left the
+transfer raises `WeightSyncError`.
 """
 
 from __future__ import annotations
@@ -39,25 +38,16 @@ from typing import Any, Callable, Literal
 
 import torch
 
+from arealite.api.engine import DistributedUpdateAdmin, Runner, WeightSource, require
 from arealite.utils.net import free_port, host_ip, split_addr
 from arealite.weight_sync.base import (
-    VERIFY_TRUNCATE,
-    ReadbackSample,
-    Runner,
     Timer,
-    WeightSource,
-    DONE,
-    RETRY,
     WeightSyncError,
     admin_error,
-    agree,
     bucket_bytes_of,
     call_dropping_dead,
-    compare_readback,
-    drain,
     logger,
     no_server_left,
-    trainer_rank,
 )
 from arealite.weight_sync.group import Layout, UpdateGroup
 
@@ -87,20 +77,22 @@ def resolve_backend(backend: str) -> str:
     return backend
 
 
-class DistributedWeightSync:
-    """Push weights from trainer rank 0 to every server over a gloo/NCCL group.
+class DistributedTransfer:
+    """Moves weights from trainer rank 0 to every server over a gloo/NCCL group.
 
-    `client` is a ``RemoteSGLangEngine`` (initialized); `run(coro)` runs one of its
-    coroutines on its event loop and returns the result (``RolloutController.run``).
-    `wire_dtype` casts the weights before sending (the servers' dtype, e.g.
-    bfloat16 on GPUs; None keeps the trainer's). `layout` picks the store key
-    layout (``auto`` asks the servers which engine they run).
+    `admin` is the servers' administration (of an initialized client); `run(coro)` runs
+    one of its coroutines on the client's event loop and returns the result
+    (``RolloutController.run``). `wire_dtype` casts the weights before sending (the
+    servers' dtype, e.g. bfloat16 on GPUs; None keeps the trainer's). `layout` picks the
+    store key layout (``auto`` asks the servers which engine they run).
     """
 
-    def __init__(self, config, client, run: Runner, *, wire_dtype: torch.dtype | None = None,
-                 layout: Literal["auto"] | Layout = "auto", flattened: bool = False):
+    def __init__(self, config, admin: DistributedUpdateAdmin, run: Runner, *,
+                 wire_dtype: torch.dtype | None = None, layout: Literal["auto"] | Layout = "auto",
+                 flattened: bool = False):
+        require(admin, DistributedUpdateAdmin, "the servers' admin of weight_sync.method=distributed")
         self.config = config
-        self.client = client
+        self.admin = admin
         self.run = run
         self.wire_dtype = wire_dtype
         self.layout = layout
@@ -113,14 +105,23 @@ class DistributedWeightSync:
         self._broken: str | None = None
         self._initialized = False
 
+    @property
+    def server_dtype(self) -> torch.dtype | None:
+        """The dtype the servers receive (None: the trainer's)."""
+        return self.wire_dtype
+
+    @property
+    def bucket_bytes(self) -> int:
+        return bucket_bytes_of(self.config)
+
     # -- set-up --------------------------------------------------------------------------
 
     def _detect_layout(self) -> Layout:
         if self.layout != "auto":
             return self.layout
         kinds = set()
-        for addr in self.client.servers:
-            info = self.client.server_info(addr)
+        for addr in self.admin.servers:
+            info = self.admin.server_info(addr)
             kinds.add("embedded" if info.get("engine") == "arealite-embedded" else "sglang")
         if len(kinds) > 1:
             raise WeightSyncError("the servers mix arealite-embedded and SGLang engines; one "
@@ -128,17 +129,14 @@ class DistributedWeightSync:
         return kinds.pop() if kinds else "sglang"
 
     def _master_addr(self) -> str:
-        hosts = {split_addr(a)[0] for a in self.client.servers}
+        hosts = {split_addr(a)[0] for a in self.admin.servers}
         return "127.0.0.1" if hosts <= _LOCAL_HOSTS else host_ip()
 
     def init(self, master_addr: str | None = None) -> None:
-        """Build the weight-update group (rank 0 and every server); other ranks do nothing."""
+        """Build the weight-update group (this trainer rank and every server)."""
         if self._initialized:
             return
-        rank, _ = trainer_rank()
         self._initialized = True
-        if rank != 0:
-            return
         self._layout = self._detect_layout()
         self._master = master_addr or self._master_addr()
         self._build_group(version=None)
@@ -149,11 +147,11 @@ class DistributedWeightSync:
         master_addr = self._master
         port = free_port("0.0.0.0" if master_addr not in _LOCAL_HOSTS else master_addr)
         store = UpdateGroup.host_store(master_addr, port, timeout)
-        world_size = self.client.weights_update_world_size()
+        world_size = self.admin.weights_update_world_size()
         if world_size < 2:
-            raise no_server_left(self.client, version)
+            raise no_server_left(self.admin, version)
         name = self.group_name
-        http = in_thread(lambda: self.run(self.client.init_weights_update_group(
+        http = in_thread(lambda: self.run(self.admin.init_weights_update_group(
             master_addr, port, world_size, name, self.backend, timeout=timeout)),
             "weight-sync-init-http")
         join = in_thread(lambda: UpdateGroup.join(
@@ -171,25 +169,25 @@ class DistributedWeightSync:
 
         Closing our end first also ends any receive a survivor is still blocked in.
         """
-        old_name, old_members = self.group_name, self.client.group_members(self.group_name)
+        old_name, old_members = self.group_name, self.admin.group_members(self.group_name)
         if self.group is not None:
             self.group.close()
             self.group = None
         # The survivors drop their end in the background: one may still be blocked in a
         # receive of the old group until its own timeout (gloo does not notice our close),
         # and that must not hold up the new group, which it joins in another thread.
-        fut = in_thread(lambda: self.run(self.client.destroy_weights_update_group(old_name)),
+        fut = in_thread(lambda: self.run(self.admin.destroy_weights_update_group(old_name)),
                         "weight-sync-destroy")
         fut.add_done_callback(lambda f: f.exception() and logger.warning(
             "destroy_weights_update_group %s failed (ignored): %s", old_name, f.exception()))
         # Make sure that nobody who is gone is asked to join (the rendezvous would time out).
-        self.run(self.client.drop_unreachable(why="a weight-update group change"))
+        self.run(self.admin.drop_unreachable(why="a weight-update group change"))
         self.group_name = f"arealite_weights_{uuid.uuid4().hex[:8]}"
-        left = sorted(set(old_members) - set(self.client.healthy_servers))
-        joined = sorted(set(self.client.healthy_servers) - set(old_members))
+        left = sorted(set(old_members) - set(self.admin.healthy_servers))
+        joined = sorted(set(self.admin.healthy_servers) - set(old_members))
         logger.warning("weight-update group rebuilt as %s for version %d over %d server(s) (%s)%s%s",
-                       self.group_name, version, len(self.client.healthy_servers),
-                       ", ".join(self.client.healthy_servers),
+                       self.group_name, version, len(self.admin.healthy_servers),
+                       ", ".join(self.admin.healthy_servers),
                        f"; dropped: {', '.join(left)}" if left else "",
                        f"; joined: {', '.join(joined)}" if joined else "")
         self._build_group(version)
@@ -197,7 +195,7 @@ class DistributedWeightSync:
     # -- one update ----------------------------------------------------------------------
 
     def _admin(self, make_coro: Callable[[], Any], version: int, what: str) -> Any:
-        return call_dropping_dead(self.run, self.client, make_coro, version, what)
+        return call_dropping_dead(self.run, self.admin, make_coro, version, what)
 
     def _wait_both(self, http: cf.Future, bcast: cf.Future, timeout: float, version: int | None,
                    what: str, names: list[str]) -> None:
@@ -228,23 +226,17 @@ class DistributedWeightSync:
         device = self.group.device if self.group is not None else t.device
         return t.to(device).contiguous()
 
-    def push(self, engine: WeightSource, version: int) -> dict[str, float]:
-        """Send `engine`'s weights as `version` to every server; returns timings (rank 0).
+    def stage(self, source: WeightSource, version: int) -> dict[str, float]:
+        """Nothing to stage: the weights go out in `transfer`, with the servers paused."""
+        return {}
 
-        Every trainer rank must call it. A server that is gone (before or during the
-        push) is dropped, the group is rebuilt over the others and the push repeated;
-        any other failure, or no server left, raises `WeightSyncError`.
+    def transfer(self, source: WeightSource, version: int) -> dict[str, float]:
+        """Send `source`'s weights as `version` to every server; returns timings (rank 0).
+
+        A server that is gone (before or during the transfer) is dropped, the group is
+        rebuilt over the others and the transfer repeated (reading `source` anew); any
+        other failure, or no server left, raises `WeightSyncError`.
         """
-        if not self._initialized:
-            raise RuntimeError("DistributedWeightSync.push before init(): call init() once first")
-        rank, _ = trainer_rank()
-        bucket_bytes = bucket_bytes_of(self.config)
-        if rank != 0:
-            # Unsharding is collective: iterate as often as rank 0 does (once, unless it retries).
-            while True:
-                drain(engine, bucket_bytes)
-                if agree() == DONE:
-                    return {}
         if self._broken:
             raise WeightSyncError(f"the weight-update group is broken ({self._broken}); "
                                   "restart the run", version=version)
@@ -252,55 +244,50 @@ class DistributedWeightSync:
         attempts = 0
         while True:
             attempts += 1
-            self._admin(self.client.pause_generation, version, "pause_generation")
-            if self.group is None or (set(self.client.group_members(self.group_name))
-                                      != set(self.client.healthy_servers)):
+            if self.group is None or (set(self.admin.group_members(self.group_name))
+                                      != set(self.admin.healthy_servers)):
                 self._regroup(version)
-            self._admin(self.client.begin_weight_update, version, "begin_weight_update")
-            timer.lap("pause_s")
-            sample = ReadbackSample(self.config.verify_n_tensors, version)
-            buckets = iter(engine.named_weight_buckets(bucket_bytes))
-            try:
-                counts = self._transfer(buckets, sample, version)
-            except (WeightSyncError, RuntimeError) as e:
-                lost = self._lost_members(version)
-                if not lost:
-                    raise
-                for _ in buckets:  # the other ranks unshard every bucket: keep in step
-                    pass
-                logger.warning("version %d: inference server(s) %s died during the weight push "
-                               "(%s); dropped from rotation and weight updates, pushing again "
-                               "to the %d left", version, ", ".join(lost), e,
-                               len(self.client.healthy_servers))
-                agree(RETRY)
-                continue
-            timer.lap("transfer_s")
-            break
+            self._admin(self.admin.begin_weight_update, version, "begin_weight_update")
+            timer.lap("group_s")
+            counts = self._attempt(source, version)
+            if counts is not None:
+                break
+        timer.lap("transfer_s")
+        self._admin(self.admin.end_weight_update, version, "end_weight_update")
         n_buckets, n_tensors, n_bytes = counts
-        self._admin(self.client.end_weight_update, version, "end_weight_update")
-        self.verify(sample.expected, version)
-        timer.lap("verify_s")
-        self._admin(self.client.continue_generation, version, "continue_generation")
-        timer.lap("continue_s")
-        agree(DONE)
-        out = timer.total()
-        out.update(bytes=float(n_bytes), n_buckets=float(n_buckets), n_tensors=float(n_tensors),
-                   attempts=float(attempts), n_servers=float(len(self.client.healthy_servers)))
-        logger.info("pushed version %d: %d tensors, %.1f MB in %d bucket(s), %.3fs",
-                    version, n_tensors, n_bytes / 2**20, n_buckets, out["total_s"])
+        out = dict(timer.timings, bytes=float(n_bytes), n_buckets=float(n_buckets),
+                   n_tensors=float(n_tensors), attempts=float(attempts),
+                   n_servers=float(len(self.admin.healthy_servers)))
+        logger.info("version %d broadcast: %d tensors, %.1f MB in %d bucket(s), %d attempt(s)",
+                    version, n_tensors, n_bytes / 2**20, n_buckets, attempts)
         return out
 
-    def _transfer(self, buckets, sample: ReadbackSample, version: int) -> tuple[int, int, int]:
+    def _attempt(self, source: WeightSource, version: int) -> tuple[int, int, int] | None:
+        """Broadcast every bucket once; None when a member died and the transfer goes again."""
+        buckets = iter(source.named_weight_buckets(self.bucket_bytes))
+        try:
+            return self._broadcast_all(buckets, version)
+        except (WeightSyncError, RuntimeError) as e:
+            lost = self._lost_members(version)
+            if not lost:
+                raise
+            for _ in buckets:  # the other ranks unshard every bucket: keep in step
+                pass
+            logger.warning("version %d: inference server(s) %s died during the weight transfer "
+                           "(%s); dropped from rotation and weight updates, sending again "
+                           "to the %d left", version, ", ".join(lost), e,
+                           len(self.admin.healthy_servers))
+            return None
+
+    def _broadcast_all(self, buckets, version: int) -> tuple[int, int, int]:
         """Broadcast every bucket to the group; returns (buckets, tensors, bytes)."""
         timeout = self.config.timeout_s
         n_bytes = n_tensors = n_buckets = 0
         for bucket in buckets:
             names = [n for n, _ in bucket]
             tensors = [self._prepare(t) for _, t in bucket]
-            for n, t in zip(names, tensors):
-                sample.offer(n, t)
             flat = self.flattened and len(tensors) > 1 and len({t.dtype for t in tensors}) == 1
-            coro = self.client.update_weights_from_distributed(
+            coro = self.admin.update_weights_from_distributed(
                 names, [t.dtype for t in tensors], [list(t.shape) for t in tensors],
                 self.group_name, version, flattened_bucket=flat, timeout=timeout)
             http = in_thread(lambda c=coro: self.run(c), "weight-sync-http")
@@ -319,22 +306,13 @@ class DistributedWeightSync:
 
     def _lost_members(self, version: int) -> list[str]:
         """Group members that are gone (dead, or out of rotation) after a failed transfer."""
-        members = self.client.group_members(self.group_name)
-        self.run(self.client.drop_unreachable(members, why=f"a failed push of version {version}"))
-        healthy = set(self.client.healthy_servers)
+        members = self.admin.group_members(self.group_name)
+        self.run(self.admin.drop_unreachable(members, why=f"a failed transfer of version {version}"))
+        healthy = set(self.admin.healthy_servers)
         lost = [a for a in members if a not in healthy]
         if lost and not healthy:
-            raise no_server_left(self.client, version)
+            raise no_server_left(self.admin, version)
         return lost
-
-    def verify(self, expected: dict[str, torch.Tensor], version: int) -> None:
-        """Read `expected`'s tensors back from every server and compare (raises on mismatch)."""
-        answers = {}
-        for name in expected:
-            answers[name] = self._admin(
-                lambda n=name: self.client.get_weights_by_name(n, VERIFY_TRUNCATE),
-                version, "get_weights_by_name")
-        compare_readback(expected, answers, version, self.wire_dtype)
 
     def close(self) -> None:
         """Tear the group down on the servers and here (rank 0); safe to call twice."""
@@ -342,7 +320,7 @@ class DistributedWeightSync:
             return
         if not self._broken:
             try:
-                self.run(self.client.destroy_weights_update_group(self.group_name))
+                self.run(self.admin.destroy_weights_update_group(self.group_name))
             except Exception as e:  # closing must not mask the error that led here
                 logger.warning("destroy_weights_update_group failed: %s", e)
         self.group.close()

@@ -1,27 +1,26 @@
-"""Weight sync through one shared-memory file, for embedded servers on the trainer's host.
+"""Weight transfer through one shared-memory file, for embedded servers on the trainer's host.
 
-Rank 0 keeps a single file under `weight_sync.shm_dir` (``/dev/shm``: RAM) that
+Used on trainer rank 0 (the publisher keeps the other ranks reading the source in step),
+which keeps a single file under `weight_sync.shm_dir` (``/dev/shm``: RAM) that
 holds every tensor at a fixed, 64-byte aligned offset in the servers' dtype. The
-file is mapped once and reused by every update, so after the first push its pages
+file is mapped once and reused by every update, so after the first one its pages
 are already there (first-touch faults on tmpfs cost more than the copy itself);
-the server keeps its own mapping too. Per update:
+the server keeps its own mapping too (it copies out of it at each update, so rewriting
+the file while the servers generate is safe). Per update:
 
-    every rank iterates engine.named_weight_buckets (collective); rank 0 copies each
-        tensor into its slot of the file
-    pause_generation
-    post /update_weights_from_shm {path, names, dtypes, shapes, offsets, weight_version}
-        (the server checks everything, then copies the slots into its parameters)
-    read back verify_n_tensors tensors with get_weights_by_name and compare
-    continue_generation
+    stage:    copy each tensor of engine.named_weight_buckets into its slot of the file
+              (servers still generating)
+    transfer: (servers paused by the publisher) post
+              /update_weights_from_shm {path, names, dtypes, shapes, offsets, weight_version}
+              (the server checks everything, then copies the slots into its parameters)
 
 That is two memory copies in all (trainer -> file -> server), against the disk
 method's serialize + read + copy. When the tensors' names, dtypes or shapes change
-between pushes, the file is re-created with the new layout. `close` deletes it (a
+between updates, the file is re-created with the new layout. `close` deletes it (a
 finalizer does too when the trainer exits without calling it).
 
-Server faults are handled as by the other methods (`call_dropping_dead`): a server
-that is gone is dropped; any other failure raises `WeightSyncError` and leaves the
-servers paused.
+Server faults are handled as by the other transfers (`call_dropping_dead`): a server
+that is gone is dropped; any other failure raises `WeightSyncError`.
 """
 
 from __future__ import annotations
@@ -35,21 +34,14 @@ from pathlib import Path
 
 import torch
 
+from arealite.api.engine import Runner, ShmUpdateAdmin, WeightSource, require
 from arealite.utils.net import is_local_host, split_addr
 from arealite.weight_sync.base import (
-    VERIFY_TRUNCATE,
-    ReadbackSample,
-    Runner,
     Timer,
-    WeightSource,
     WeightSyncError,
-    barrier,
     bucket_bytes_of,
     call_dropping_dead,
-    compare_readback,
-    drain,
     logger,
-    trainer_rank,
 )
 
 #: Slot alignment in bytes: keeps every dtype view legal and copies cache-line aligned.
@@ -123,45 +115,46 @@ def _unlink(path: str) -> None:
         pass
 
 
-class ShmWeightSync:
-    """Push weights through one persistent shared-memory file (embedded servers on this host).
+class ShmTransfer:
+    """Moves weights through one persistent shared-memory file (embedded servers on this host).
 
     `server_dtype` is the servers' weight dtype (None: ask the servers at `init`).
-    `run(coro)` runs client coroutines on the client's loop.
+    `run(coro)` runs `admin` coroutines on the client's loop.
     """
 
-    def __init__(self, config, client, run: Runner, *, shm_dir: str | Path | None = None,
+    def __init__(self, config, admin: ShmUpdateAdmin, run: Runner, *, shm_dir: str | Path | None = None,
                  server_dtype: torch.dtype | None = None):
+        require(admin, ShmUpdateAdmin, "the servers' admin of weight_sync.method=shm")
         self.config = config
-        self.client = client
+        self.admin = admin
         self.run = run
         self.shm_dir = Path(shm_dir if shm_dir is not None else getattr(config, "shm_dir", "/dev/shm"))
         self.server_dtype = server_dtype
         self.layout: ShmLayout | None = None
         self.buffer: ShmBuffer | None = None
-        self._initialized = False
+        self._staged: tuple[int, bool] | None = None  # (bytes, whether the file was re-created)
+
+    @property
+    def bucket_bytes(self) -> int:
+        return bucket_bytes_of(self.config)
 
     @property
     def path(self) -> Path | None:
-        """The shared-memory file (None before the first push or after `close`)."""
+        """The shared-memory file (None before the first update or after `close`)."""
         return None if self.buffer is None else self.buffer.path
 
     def init(self, master_addr: str | None = None) -> None:
-        """Check that every server is an embedded one on this host; learn their dtype (rank 0)."""
-        rank, _ = trainer_rank()
-        self._initialized = True
-        if rank != 0:
-            return
+        """Check that every server is an embedded one on this host; learn their dtype."""
         if not self.shm_dir.is_dir() or not os.access(self.shm_dir, os.W_OK):
             raise WeightSyncError(f"weight_sync.shm_dir={str(self.shm_dir)!r} is not a writable directory; "
                                   "point it at a tmpfs directory such as /dev/shm")
         dtypes = set()
-        for addr in self.client.servers:
+        for addr in self.admin.servers:
             host, _ = split_addr(addr)
             if not is_local_host(host):
                 raise WeightSyncError(f"weight_sync.method=shm needs every server on this host; {addr} is "
                                       "not: use weight_sync.method=distributed or disk", server=addr)
-            info = self.client.server_info(addr)
+            info = self.admin.server_info(addr)
             if info.get("engine") != _EMBEDDED:
                 raise WeightSyncError(f"weight_sync.method=shm needs the embedded server; {addr} runs "
                                       f"{info.get('engine') or 'an unknown engine'}: use "
@@ -174,16 +167,13 @@ class ShmWeightSync:
                                       "set server.dtype so that they agree")
             self.server_dtype = getattr(torch, dtypes.pop())
 
-    def _admin(self, make_coro, version: int, what: str):
-        return call_dropping_dead(self.run, self.client, make_coro, version, what)
-
     def _prepare(self, t: torch.Tensor) -> torch.Tensor:
         t = t.detach()
         if self.server_dtype is not None and t.dtype != self.server_dtype:
             t = t.to(self.server_dtype)
         return t
 
-    def _fill(self, engine: WeightSource, bucket_bytes: int, sample: ReadbackSample) -> tuple[int, bool]:
+    def _fill(self, engine: WeightSource, bucket_bytes: int) -> tuple[int, bool]:
         """Copy every tensor into the file; returns (bytes, whether the file was re-created)."""
         old, buf = self.layout, self.buffer
         entries: list[Entry] = []
@@ -199,7 +189,6 @@ class ShmWeightSync:
                 i = len(entries)
                 entry = (name, t.dtype, tuple(t.shape))
                 entries.append(entry)
-                sample.offer(name, t)
                 n_bytes += t.numel() * t.element_size()
                 if buf is not None and not pending and i < len(old) and old.entries[i] == entry:
                     buf.slot(old.offsets[i], *entry[1:]).copy_(t)
@@ -227,40 +216,29 @@ class ShmWeightSync:
                     new.path, len(entries), layout.size / 2**20)
         return n_bytes, True
 
-    def push(self, engine: WeightSource, version: int) -> dict[str, float]:
-        """Copy into the file, load on every server, verify; returns timings (rank 0). Every rank calls it."""
-        if not self._initialized:
-            raise RuntimeError("ShmWeightSync.push before init(): call init() once first")
-        rank, _ = trainer_rank()
-        bucket_bytes = bucket_bytes_of(self.config)
-        if rank != 0:
-            drain(engine, bucket_bytes)
-            barrier()
-            return {}
+    def stage(self, source: WeightSource, version: int) -> dict[str, float]:
+        """Copy every tensor into the file (the servers still generate)."""
         timer = Timer()
-        sample = ReadbackSample(self.config.verify_n_tensors, version)
-        n_bytes, recreated = self._fill(engine, bucket_bytes, sample)
+        self._staged = None
+        self._staged = self._fill(source, self.bucket_bytes)
         timer.lap("write_s")
+        return timer.timings
+
+    def transfer(self, source: WeightSource, version: int) -> dict[str, float]:
+        """Load the file on every server (paused)."""
+        if self._staged is None:
+            raise RuntimeError("ShmTransfer.transfer without stage(): the publisher calls stage first")
+        (n_bytes, recreated), self._staged = self._staged, None
+        timer = Timer()
         layout, path = self.layout, str(self.buffer.path)
-        self._admin(self.client.pause_generation, version, "pause_generation")
-        timer.lap("pause_s")
-        self._admin(lambda: self.client.update_weights_from_shm(
+        call_dropping_dead(self.run, self.admin, lambda: self.admin.update_weights_from_shm(
             path, [e[0] for e in layout.entries], [e[1] for e in layout.entries],
             [e[2] for e in layout.entries], layout.offsets, version, timeout=self.config.timeout_s),
             version, "update_weights_from_shm")
         timer.lap("load_s")
-        answers = {name: self._admin(
-            lambda n=name: self.client.get_weights_by_name(n, VERIFY_TRUNCATE), version,
-            "get_weights_by_name") for name in sample.expected}
-        compare_readback(sample.expected, answers, version, self.server_dtype)
-        timer.lap("verify_s")
-        self._admin(self.client.continue_generation, version, "continue_generation")
-        timer.lap("continue_s")
-        barrier()
-        out = timer.total()
-        out.update(bytes=float(n_bytes), n_tensors=float(len(layout)), recreated=float(recreated))
-        logger.info("pushed version %d through shared memory: %d tensors, %.1f MB, %.3fs",
-                    version, len(layout), n_bytes / 2**20, out["total_s"])
+        out = dict(timer.timings, bytes=float(n_bytes), n_tensors=float(len(layout)), recreated=float(recreated))
+        logger.info("version %d loaded through shared memory: %d tensors, %.1f MB",
+                    version, len(layout), n_bytes / 2**20)
         return out
 
     def close(self) -> None:

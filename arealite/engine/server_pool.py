@@ -1,0 +1,469 @@
+"""The inference servers as the client sees them: rotation, health, routing, HTTP.
+
+`ServerPool` holds one `ServerState` per server and everything shared by the
+generation path (`remote_client.py`) and the administration (`sglang_admin.py`):
+
+- **Rotation**: a server that fails several times in a row leaves the rotation
+  (`take_out`: its queued and in-flight attempts are cancelled so that they move)
+  until a health probe brings it back; one that missed a weight update while out is
+  ``excluded`` and never comes back (it would serve an old policy).
+- **The servers' pause**: while an admin ``pause_generation`` lasts (`hold`), requests
+  wait in the client rather than on the paused servers (`running`).
+- **HTTP**: one aiohttp session (admin calls, probes, https) and, per plain-http
+  server, an `Http1Pool` for the generation hot path; `call_all` sends one admin
+  call to many servers at once and raises one `ServerAdminError` naming every failure.
+
+`Router` picks the server of a request: affinity first, else round-robin.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+import aiohttp
+
+from arealite.engine.errors import NoHealthyServerError, ServerAdminError, ServerStartupError
+from arealite.engine.http1 import Http1Pool
+from arealite.engine.wire import JSON_HEADERS, WireFormat, describe, dumps, error_message, loads, snippet
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["Attempt", "Router", "ServerPool", "ServerState", "normalize_addr"]
+
+_AFFINITY_CACHE = 100_000  # affinity keys remembered (LRU); old groups are done anyway
+
+
+def normalize_addr(addr: Any) -> tuple[str, str]:
+    """ "host:port" or "http(s)://host:port[/]" -> (host:port, base url)."""
+    if not isinstance(addr, str) or not addr.strip():
+        raise ValueError(f"server address {addr!r} is not a 'host:port' string")
+    text = addr.strip().rstrip("/")
+    scheme = "http"
+    if "://" in text:
+        scheme, _, text = text.partition("://")
+        if scheme not in ("http", "https"):
+            raise ValueError(f"server address {addr!r}: scheme must be http or https, got {scheme!r}")
+    host, sep, port = text.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536 or "/" in text:
+        raise ValueError(
+            f"server address {addr!r} is not of the form 'host:port' (e.g. '127.0.0.1:30000')"
+        )
+    return text, f"{scheme}://{text}"
+
+
+class Attempt:
+    """An HTTP attempt, queued for a slot or in flight; eviction cancels its task so it
+    can move elsewhere."""
+
+    __slots__ = ("task", "evicted")
+
+    def __init__(self, task: asyncio.Task | None):
+        self.task = task
+        self.evicted: str | None = None
+
+
+class ServerState:
+    """One server: its slot semaphore, health, what it said about itself, its connections."""
+
+    __slots__ = (
+        "addr", "base_url", "sem", "healthy", "reason", "consecutive_failures", "inflight",
+        "attempts", "info", "version_text", "version", "tp_size", "last_probe", "probing",
+        "excluded", "n_ok", "n_failed", "conns",
+    )
+
+    def __init__(self, addr: str, base_url: str, max_inflight: int):
+        self.addr = addr
+        self.base_url = base_url
+        self.sem = asyncio.Semaphore(max_inflight)
+        self.healthy = True
+        self.reason = ""  # why it left the rotation
+        self.consecutive_failures = 0
+        self.inflight = 0
+        self.attempts: set[Attempt] = set()
+        self.info: dict[str, Any] = {}
+        self.version_text: str | None = None
+        self.version: tuple[int, int, int, int] | None = None
+        self.tp_size = 1  # ranks this server contributes to a weight-update group
+        self.last_probe = 0.0
+        self.probing = False
+        # Set when the server missed a weight update while out of rotation: a health
+        # probe must not bring it back, or it would serve an old policy.
+        self.excluded: str | None = None
+        self.n_ok = 0
+        self.n_failed = 0
+        # Keep-alive connections for generation (plain http only; https goes through aiohttp).
+        self.conns: Http1Pool | None = None
+
+
+class ServerPool:
+    """The servers of one client: rotation, health probes, the servers' pause, HTTP.
+
+    ``owner`` names the client in error messages. A server leaves the rotation after
+    ``unhealthy_after`` consecutive failures and is probed every ``probe_interval_s``
+    seconds to come back.
+    """
+
+    def __init__(self, addrs: Sequence[str] | str, *, wire: WireFormat, max_inflight: int,
+                 request_timeout_s: float, api_key: str | None = None, unhealthy_after: int = 3,
+                 probe_interval_s: float = 5.0, owner: str = "RemoteSGLangEngine"):
+        if isinstance(addrs, str):
+            addrs = [a for a in addrs.split(",") if a.strip()]
+        if not addrs:
+            raise ValueError(f"{owner} needs at least one server address 'host:port'")
+        if unhealthy_after < 1:
+            raise ValueError(f"unhealthy_after={unhealthy_after} must be >= 1")
+        self.wire, self.owner = wire, owner
+        self.states: list[ServerState] = []
+        self.by_addr: dict[str, ServerState] = {}
+        for a in addrs:
+            addr, base = normalize_addr(a)
+            if addr in self.by_addr:
+                raise ValueError(f"server address {a!r} is listed twice")
+            s = ServerState(addr, base, max_inflight)
+            self.states.append(s)
+            self.by_addr[addr] = s
+        self.max_inflight = max_inflight
+        self.request_timeout_s = request_timeout_s
+        self.unhealthy_after = int(unhealthy_after)
+        self.probe_interval = float(probe_interval_s)
+        self.probe_timeout = aiohttp.ClientTimeout(total=min(5.0, request_timeout_s))
+        self._api_key = api_key
+        self.n_unhealthy = 0
+        self.counts = {"marked_unhealthy": 0, "recovered": 0}
+        # Cleared by the admin's pause_generation, set by continue_generation: while clear,
+        # requests wait in the client, so that the time a weight update takes is no
+        # request's timeout.
+        self.running = asyncio.Event()
+        self.running.set()
+        self.paused_at = 0.0
+        self.session: aiohttp.ClientSession | None = None
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self.closed = False
+        self._bg_tasks: set[asyncio.Task] = set()
+
+    # ------------------------------------------------------------------ state
+
+    @property
+    def addrs(self) -> list[str]:
+        return [s.addr for s in self.states]
+
+    @property
+    def healthy(self) -> list[str]:
+        return [s.addr for s in self.states if s.healthy]
+
+    def get(self, addr: str) -> ServerState:
+        key, _ = normalize_addr(addr)
+        if key not in self.by_addr:
+            raise ValueError(f"unknown server {addr!r}; known servers: {self.addrs}")
+        return self.by_addr[key]
+
+    def out_of_rotation(self) -> dict[str, str]:
+        """Every server out of rotation and why."""
+        return {s.addr: s.excluded or s.reason or "out of rotation" for s in self.states if not s.healthy}
+
+    def hold(self) -> None:
+        """The servers are being paused: hold (re)submissions in the client."""
+        if self.running.is_set():
+            self.paused_at = time.monotonic()
+            self.running.clear()
+
+    def release(self) -> None:
+        """The servers continue: release what `hold` kept."""
+        self.running.set()
+
+    # --------------------------------------------------------------- rotation
+
+    def take_out(self, s: ServerState, reason: str) -> None:
+        """Take `s` out of rotation; its queued and in-flight attempts are cancelled (they move)."""
+        if s.healthy:
+            s.healthy = False
+            self.n_unhealthy += 1
+            self.counts["marked_unhealthy"] += 1
+            s.last_probe = time.monotonic()
+            logger.warning("inference server %s leaves the rotation: %s", s.addr, reason)
+        s.reason = reason
+        for att in list(s.attempts):
+            if att.evicted is None and att.task is not None and not att.task.done():
+                att.evicted = reason
+                att.task.cancel()
+
+    def bring_back(self, s: ServerState) -> None:
+        if not s.healthy and s.excluded is None:
+            s.healthy = True
+            s.reason = ""
+            s.consecutive_failures = 0
+            self.n_unhealthy -= 1
+            self.counts["recovered"] += 1
+            logger.warning("inference server %s is back in rotation", s.addr)
+
+    def record_admin_fault(self, s: ServerState) -> None:
+        # A dead server should not fail every later admin call forever: count it.
+        s.consecutive_failures += 1
+        if s.healthy and s.consecutive_failures >= self.unhealthy_after:
+            self.take_out(s, f"{s.consecutive_failures} consecutive failures (admin calls)")
+
+    def exclude_unhealthy(self, why: str) -> None:
+        """Servers out of rotation miss a weight update: keep them out for good."""
+        for s in self.states:
+            if not s.healthy and s.excluded is None:
+                s.excluded = why
+                logger.warning("%s missed %s; it stays out of rotation", s.addr, why)
+
+    def schedule_probes(self) -> None:
+        """Probe, in the background, the servers out of rotation whose probe is due."""
+        now = time.monotonic()
+        for s in self.states:
+            if (not s.healthy and s.excluded is None and not s.probing
+                    and now - s.last_probe >= self.probe_interval):
+                t = asyncio.get_running_loop().create_task(self.probe(s))
+                self._bg_tasks.add(t)
+                t.add_done_callback(self._bg_tasks.discard)
+
+    async def probe(self, s: ServerState) -> bool:
+        """Check health once; a server that answers 200 comes back into rotation."""
+        if s.probing:
+            return False
+        s.probing = True
+        s.last_probe = time.monotonic()
+        try:
+            ok = await self._alive(s)
+        finally:
+            s.probing = False
+        if ok:
+            self.bring_back(s)
+        return ok
+
+    async def _alive(self, s: ServerState) -> bool:
+        try:
+            async with self.ensure_session().get(s.base_url + self.wire.health_route,
+                                                 timeout=self.probe_timeout) as r:
+                await r.read()
+                return r.status == 200
+        except (aiohttp.ClientError, TimeoutError):
+            return False
+
+    async def drop_unreachable(self, addrs: Iterable[str] | None = None, why: str = "") -> list[str]:
+        """Probe the given servers in rotation (default: all); those that do not answer leave it
+        for good and are returned."""
+        targets = [self.get(a) for a in addrs] if addrs is not None else list(self.states)
+        targets = [s for s in dict.fromkeys(targets) if s.healthy]
+        oks = await asyncio.gather(*(self._alive(s) for s in targets))
+        dropped = []
+        for s, ok in zip(targets, oks):
+            if ok:
+                continue
+            reason = f"no answer to {self.wire.health_route}{f' after {why}' if why else ''}"
+            self.take_out(s, reason)
+            s.excluded = s.excluded or reason
+            dropped.append(s.addr)
+        return dropped
+
+    # -------------------------------------------------------------- lifecycle
+
+    def ensure_session(self) -> aiohttp.ClientSession:
+        if self.closed:
+            raise RuntimeError(f"{self.owner} is closed (aclose() was called)")
+        if self.session is None:
+            self.loop = asyncio.get_running_loop()
+            per_host = self.max_inflight
+            # Headroom above the in-flight bound, so that admin calls (pause_generation
+            # during a weight update) never queue behind generation requests for a socket.
+            connector = aiohttp.TCPConnector(limit=len(self.states) * (per_host + 16),
+                                             limit_per_host=per_host + 16, keepalive_timeout=60)
+            headers = {"Authorization": f"Bearer {self._api_key}"} if self._api_key else None
+            self.session = aiohttp.ClientSession(connector=connector, headers=headers,
+                                                 timeout=aiohttp.ClientTimeout(total=None), trust_env=False)
+            for s in self.states:
+                if s.base_url.startswith("http://"):
+                    host, _, port = s.addr.rpartition(":")
+                    s.conns = Http1Pool(host.strip("[]"), int(port), headers)
+        return self.session
+
+    async def initialize(self, timeout: float) -> None:
+        """Wait until every server is healthy (at most ``timeout`` s), then read what each
+        says about itself. Raises `ServerStartupError` naming the servers that never answered."""
+        self.ensure_session()
+        deadline = time.monotonic() + timeout
+        causes = await asyncio.gather(*(self._wait_healthy(s, deadline) for s in self.states))
+        failed = {s.addr: c for s, c in zip(self.states, causes) if c is not None}
+        if failed:
+            detail = "; ".join(f"{a} ({c})" for a, c in failed.items())
+            raise ServerStartupError(
+                f"{len(failed)} of {len(self.states)} server(s) never answered "
+                f"{self.wire.health_route} within {timeout:g}s: {detail}")
+        await asyncio.gather(*(self._read_info(s) for s in self.states))
+
+    async def _wait_healthy(self, s: ServerState, deadline: float) -> str | None:
+        session = self.ensure_session()
+        cause, pause_s = "no answer", 0.05
+        while True:
+            left = deadline - time.monotonic()
+            try:
+                async with session.get(s.base_url + self.wire.health_route,
+                                       timeout=aiohttp.ClientTimeout(total=max(0.1, min(5.0, left)))) as resp:
+                    await resp.read()
+                    if resp.status == 200:
+                        return None
+                    cause = f"HTTP {resp.status}"
+                    if resp.status in (401, 403):
+                        return f"HTTP {resp.status}: the server rejected the api key"
+            except (aiohttp.ClientError, TimeoutError) as e:
+                cause = describe(e)
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return cause
+            await asyncio.sleep(min(pause_s, left))
+            pause_s = min(pause_s * 2, 1.0)
+
+    async def _read_info(self, s: ServerState) -> None:
+        route = self.wire.info_route
+        try:
+            async with self.ensure_session().get(s.base_url + route, timeout=self.probe_timeout) as resp:
+                raw = await resp.read()
+                status = resp.status
+        except (aiohttp.ClientError, TimeoutError) as e:
+            raise ServerStartupError(f"{s.addr}{route} failed: {describe(e)}") from None
+        if status != 200:
+            raise ServerStartupError(f"{s.addr}{route} answered HTTP {status}: {snippet(raw)}")
+        try:
+            info = loads(raw)
+        except ValueError:
+            raise ServerStartupError(f"{s.addr}{route} did not return JSON: {snippet(raw)}") from None
+        if not isinstance(info, dict):
+            raise ServerStartupError(f"{s.addr}{route} returned {type(info).__name__}, not an object")
+        s.info = info
+        s.version_text, s.version, s.tp_size = self.wire.server_facts(s.addr, info)
+
+    async def aclose(self) -> None:
+        """Stop background probes, close every connection."""
+        self.closed = True
+        for t in list(self._bg_tasks):
+            t.cancel()
+        if self._bg_tasks:
+            await asyncio.gather(*self._bg_tasks, return_exceptions=True)
+        for s in self.states:
+            if s.conns is not None:
+                await s.conns.aclose()
+        if self.session is not None:
+            session, self.session = self.session, None
+            await session.close()
+
+    # ----------------------------------------------------------- admin calls
+
+    async def call_all(
+        self, route: str, payload: dict[str, Any] | None = None, *,
+        servers: list[ServerState] | None = None,
+        per_server: Callable[[int, ServerState], dict[str, Any]] | None = None,
+        timeout: float | None = None, method: str = "POST",
+    ) -> dict[str, Any]:
+        """Send one call to every target (default: the servers in rotation) concurrently.
+
+        Returns ``{addr: answer}``; raises `ServerAdminError` naming every server that failed
+        (no answer, HTTP error, or ``success: false``).
+        """
+        self.ensure_session()
+        targets = servers if servers is not None else [s for s in self.states if s.healthy]
+        if not targets:
+            detail = "; ".join(f"{x.addr}: {x.excluded or x.reason}" for x in self.states)
+            raise NoHealthyServerError(f"{route}: no healthy inference server ({detail})")
+        t = aiohttp.ClientTimeout(total=timeout if timeout is not None else self.request_timeout_s)
+        answers = await asyncio.gather(*(
+            self._call_one(s, route, per_server(i, s) if per_server is not None else payload, t, method)
+            for i, s in enumerate(targets)))
+        results = {s.addr: r for s, (r, err) in zip(targets, answers) if err is None}
+        failures = {s.addr: err for s, (r, err) in zip(targets, answers) if err is not None}
+        if failures:
+            raise ServerAdminError(route, failures, results)
+        return results
+
+    async def _call_one(self, s: ServerState, route: str, body: dict[str, Any] | None,
+                        t: aiohttp.ClientTimeout, method: str) -> tuple[Any, str | None]:
+        """(answer, None) or (answer or None, why it failed)."""
+        try:
+            async with self.ensure_session().request(
+                method, s.base_url + route, data=dumps(body) if body is not None else None,
+                headers=JSON_HEADERS if body is not None else None, timeout=t,
+            ) as resp:
+                raw = await resp.read()
+                status = resp.status
+        except TimeoutError:
+            self.record_admin_fault(s)
+            return None, f"no answer within {t.total:g}s"
+        except aiohttp.ClientError as e:
+            self.record_admin_fault(s)
+            return None, describe(e)
+        try:
+            result: Any = loads(raw) if raw else None
+        except ValueError:
+            result = raw.decode("utf-8", "replace")
+        if status != 200:
+            return result, f"HTTP {status}: {error_message(raw)}"
+        if isinstance(result, dict) and result.get("success") is False:
+            return result, f"success false: {result.get('message', '(no message)')}"
+        return result, None
+
+
+class Router:
+    """Chooses the server of each request: affinity first, else round-robin over the
+    servers in rotation, preferring one with a free slot."""
+
+    def __init__(self, pool: ServerPool):
+        self.pool = pool
+        self._affinity: OrderedDict[Any, str] = OrderedDict()
+        self._rr = 0
+
+    async def pick(self, key: Any, exclude: set[str]) -> ServerState:
+        """`choose`, probing the servers out of rotation when it finds nobody."""
+        pool = self.pool
+        if pool.n_unhealthy:
+            pool.schedule_probes()
+        s = self.choose(key, exclude)
+        if s is None:
+            # Nobody is in rotation: probe everyone now rather than fail on stale news.
+            await asyncio.gather(*(pool.probe(x) for x in pool.states if not x.healthy and x.excluded is None))
+            s = self.choose(key, exclude)
+            if s is None:
+                detail = "; ".join(f"{x.addr}: {x.excluded or x.reason}" for x in pool.states)
+                raise NoHealthyServerError(f"no healthy inference server ({detail})")
+        return s
+
+    def choose(self, key: Any, exclude: set[str]) -> ServerState | None:
+        """Affinity first; else round-robin, preferring a server with a free slot."""
+        owner = None
+        if key is not None:
+            addr = self._affinity.get(key)
+            if addr is not None:
+                owner = self.pool.by_addr[addr]
+                if owner.healthy and addr not in exclude:
+                    self._affinity.move_to_end(key)
+                    return owner
+        servers = self.pool.states
+        n = len(servers)
+        best = None
+        for _ in range(n):
+            s = servers[self._rr % n]
+            self._rr += 1
+            if not s.healthy or s.addr in exclude:
+                continue
+            if not s.sem.locked():
+                best = s
+                break
+            if best is None:
+                best = s
+        if best is None:
+            if exclude:  # every healthy server was tried already: try them again
+                return self.choose(key, set())
+            return None
+        # A retry after a one-off failure moves only this attempt; a key whose server
+        # left the rotation moves for good.
+        if key is not None and (owner is None or not owner.healthy):
+            self._affinity[key] = best.addr
+            self._affinity.move_to_end(key)
+            if len(self._affinity) > _AFFINITY_CACHE:
+                self._affinity.popitem(last=False)
+        return best

@@ -1,0 +1,249 @@
+"""SGLang's administration routes: what a weight update asks of the servers.
+
+`SGLangAdmin` implements ``WeightUpdateAdmin`` (and its distributed and shared-memory
+extensions, see `arealite.api.engine`) over the `ServerPool` that the generation
+client uses, so that both see the same rotation: a server that leaves it for one
+leaves it for the other, and while ``pause_generation`` lasts the client holds its
+requests. Every call goes to the servers in rotation concurrently and raises one
+`ServerAdminError` naming every server that failed.
+
+Only trainer rank 0 uses it, through the weight publisher (`arealite.weight_sync`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+from arealite.engine.errors import ServerAdminError
+from arealite.engine.server_pool import ServerPool, ServerState
+from arealite.engine.sglang_wire import has_weight_update_brackets
+
+__all__ = ["SGLangAdmin"]
+
+
+def _dtype_names(dtypes: Sequence[Any]) -> list[str]:
+    return [str(d).removeprefix("torch.") for d in dtypes]
+
+
+def _shape_lists(shapes: Sequence[Sequence[int]]) -> list[list[int]]:
+    return [[int(x) for x in shp] for shp in shapes]
+
+
+class SGLangAdmin:
+    """Pause/continue, cache, weight loading and the weight-update group on SGLang servers.
+
+    It sets no version on anyone: the servers are tagged by the update itself, and the
+    trainer's parties (client included) learn the version from the weight publisher once
+    the update is verified.
+    """
+
+    def __init__(self, pool: ServerPool):
+        self.pool = pool
+        self._groups: dict[str, list[str]] = {}  # weight-update group -> member servers
+
+    def __repr__(self) -> str:
+        return f"SGLangAdmin(servers={self.servers}, healthy={self.healthy_servers})"
+
+    # ------------------------------------------------------------------ state
+
+    @property
+    def servers(self) -> list[str]:
+        """All server addresses ("host:port"), in the order given."""
+        return self.pool.addrs
+
+    @property
+    def healthy_servers(self) -> list[str]:
+        """Addresses of the servers currently in rotation."""
+        return self.pool.healthy
+
+    def server_info(self, addr: str) -> dict[str, Any]:
+        """What a server reported in ``/get_server_info`` at start-up (empty if unknown)."""
+        return dict(self.pool.get(addr).info)
+
+    def out_of_rotation(self) -> dict[str, str]:
+        """Every server out of rotation and why."""
+        return self.pool.out_of_rotation()
+
+    async def drop_unreachable(self, addrs: Iterable[str] | None = None, why: str = "") -> list[str]:
+        """Probe the given servers in rotation (default: all); those that do not answer leave
+        it for good (they miss weight updates) and are returned."""
+        return await self.pool.drop_unreachable(addrs, why)
+
+    # ------------------------------------------------------------ generation
+
+    async def pause_generation(self) -> dict[str, Any]:
+        """Pause every server: in-flight requests return with finish reason ``abort``.
+
+        Until ``continue_generation``, their resubmissions and new requests wait in
+        the client (at most its ``max_pause_s``), not on the servers.
+        """
+        self.pool.hold()
+        return await self.pool.call_all("/pause_generation", {"mode": "abort"})
+
+    async def continue_generation(self) -> dict[str, Any]:
+        """Resume generation on every server after ``pause_generation``; held requests go out."""
+        try:
+            return await self.pool.call_all("/continue_generation", {})
+        finally:
+            # Even after a failure: a server still paused holds its requests, as without the
+            # client's pause, and the fault handling moves them.
+            self.pool.release()
+
+    async def flush_cache(self) -> dict[str, Any]:
+        """Drop every server's prefix (KV) cache."""
+        return await self.pool.call_all("/flush_cache", {})
+
+    # --------------------------------------------------------------- weights
+
+    async def update_weights_from_disk(self, path: str, version: int, *,
+                                       timeout: float | None = None) -> dict[str, Any]:
+        """Load an HF-format directory on every healthy server, tagged ``version``."""
+        self.pool.exclude_unhealthy(f"the weight update to version {version}")
+        return await self.pool.call_all(
+            "/update_weights_from_disk", {"model_path": str(path), "weight_version": str(int(version))},
+            timeout=timeout)
+
+    async def update_weights_from_shm(self, path: str, names: Sequence[str], dtypes: Sequence[Any],
+                                      shapes: Sequence[Sequence[int]], offsets: Sequence[int],
+                                      version: int, *, timeout: float | None = None) -> dict[str, Any]:
+        """Load every weight from a shared-memory file on every healthy server, tagged ``version``.
+
+        Tensor ``names[i]`` lies at byte ``offsets[i]`` of ``path`` with ``dtypes[i]``
+        (torch dtypes or strings) and ``shapes[i]``. Embedded servers on this host only.
+        """
+        route = "/update_weights_from_shm"
+        if not len(names) == len(dtypes) == len(shapes) == len(offsets):
+            raise ValueError(
+                f"{route}: names ({len(names)}), dtypes ({len(dtypes)}), shapes ({len(shapes)}) "
+                f"and offsets ({len(offsets)}) must have the same length")
+        self.pool.exclude_unhealthy(f"the weight update to version {version}")
+        return await self.pool.call_all(route, {
+            "path": str(path), "names": list(names), "dtypes": _dtype_names(dtypes),
+            "shapes": _shape_lists(shapes), "offsets": [int(o) for o in offsets],
+            "weight_version": str(int(version)),
+        }, timeout=timeout)
+
+    async def get_weights_by_name(self, name: str, truncate_size: int = 100) -> dict[str, Any]:
+        """Read a weight back from every healthy server: {addr: values (truncated)}."""
+        return await self.pool.call_all("/get_weights_by_name", {"name": name, "truncate_size": int(truncate_size)})
+
+    async def update_weight_version(self, version: int) -> dict[str, Any]:
+        """Set the ``weight_version`` every healthy server reports."""
+        self.pool.exclude_unhealthy(f"the version update to {version}")
+        return await self.pool.call_all(
+            "/update_weight_version", {"new_version": str(int(version)), "abort_all_requests": False})
+
+    # ----------------------------------------------------- update sessions
+
+    async def begin_weight_update(self) -> dict[str, Any]:
+        """``/begin_weight_update`` on the servers that have it (SGLang >= 0.5.21); others skip."""
+        return await self._bracket("/begin_weight_update")
+
+    async def end_weight_update(self) -> dict[str, Any]:
+        """``/end_weight_update`` on the servers that have it (SGLang >= 0.5.21); others skip."""
+        return await self._bracket("/end_weight_update")
+
+    def supports_weight_update_brackets(self, addr: str) -> bool:
+        """Whether a server's release has begin/end_weight_update."""
+        return has_weight_update_brackets(self.pool.get(addr).version)
+
+    async def _bracket(self, route: str) -> dict[str, Any]:
+        targets = [s for s in self.pool.states if s.healthy and has_weight_update_brackets(s.version)]
+        if not targets:
+            return {}
+        return await self.pool.call_all(route, {}, servers=targets)
+
+    # ----------------------------------------------- the weight-update group
+
+    def weights_update_world_size(self) -> int:
+        """World size of a weight-update group over the healthy servers (+1 trainer rank)."""
+        return 1 + sum(s.tp_size for s in self.pool.states if s.healthy)
+
+    def group_members(self, group_name: str) -> list[str]:
+        """The servers that joined weight-update group ``group_name`` (empty if unknown)."""
+        return list(self._groups.get(group_name, ()))
+
+    async def init_weights_update_group(self, master_address: str, master_port: int,
+                                        world_size: int | None = None, group_name: str = "arealite_weights",
+                                        backend: str = "gloo", *, timeout: float | None = None) -> dict[str, Any]:
+        """Ask every healthy server to join the trainer's weight-update group.
+
+        Rank 0 is the trainer; server i gets ``rank_offset`` 1 + the ranks of the
+        servers before it (its ``tp_size`` from ``/get_server_info``, 1 by
+        default). The call blocks until the rendezvous: run it as a task while
+        the trainer joins the group.
+        """
+        members = [s for s in self.pool.states if s.healthy]
+        expected = 1 + sum(s.tp_size for s in members)
+        if world_size is None:
+            world_size = expected
+        elif int(world_size) != expected:
+            raise ValueError(
+                f"init_weights_update_group: world_size={world_size}, but the "
+                f"{len(members)} healthy server(s) hold {expected - 1} rank(s) plus 1 trainer "
+                f"rank = {expected}; pass world_size={expected} (or None)")
+        offsets, nxt = [], 1
+        for s in members:
+            offsets.append(nxt)
+            nxt += s.tp_size
+        self.pool.exclude_unhealthy(f"weight-update group {group_name!r}")
+        self._groups[group_name] = [s.addr for s in members]
+        return await self.pool.call_all(
+            "/init_weights_update_group", servers=members, timeout=timeout,
+            per_server=lambda i, s: {
+                "master_address": master_address, "master_port": int(master_port),
+                "rank_offset": offsets[i], "world_size": int(world_size),
+                "group_name": group_name, "backend": backend,
+            })
+
+    def _members(self, group_name: str, route: str) -> list[ServerState]:
+        if group_name not in self._groups:
+            raise ValueError(
+                f"{route}: unknown weight-update group {group_name!r} "
+                f"(known: {sorted(self._groups)}); call init_weights_update_group first")
+        members = [self.pool.by_addr[a] for a in self._groups[group_name]]
+        gone = [s for s in members if not s.healthy]
+        if gone:
+            # A collective with a dead member would hang: fail clearly instead.
+            raise ServerAdminError(
+                route, {s.addr: f"out of rotation ({s.reason}); group {group_name!r} is broken, "
+                        "destroy and re-create it" for s in gone}, {})
+        return members
+
+    async def update_weights_from_distributed(
+        self, names: Sequence[str], dtypes: Sequence[Any], shapes: Sequence[Sequence[int]],
+        group_name: str = "arealite_weights", version: int | None = None, flattened_bucket: bool = False,
+        *, flush_cache: bool = True, timeout: float | None = None,
+    ) -> dict[str, Any]:
+        """Tell every group member to receive the tensors ``names`` (broadcast from rank 0).
+
+        ``dtypes`` may be torch dtypes or strings ("bfloat16"). Post this while
+        the trainer broadcasts, in ``names`` order.
+        """
+        route = "/update_weights_from_distributed"
+        if not len(names) == len(dtypes) == len(shapes):
+            raise ValueError(f"{route}: names ({len(names)}), dtypes ({len(dtypes)}) and shapes "
+                             f"({len(shapes)}) must have the same length")
+        members = self._members(group_name, route)
+        payload: dict[str, Any] = {
+            "names": list(names), "dtypes": _dtype_names(dtypes), "shapes": _shape_lists(shapes),
+            "group_name": group_name, "flush_cache": bool(flush_cache),
+        }
+        if version is not None:
+            payload["weight_version"] = str(int(version))
+        if flattened_bucket:
+            payload["load_format"] = "flattened_bucket"
+        return await self.pool.call_all(route, payload, servers=members, timeout=timeout)
+
+    async def destroy_weights_update_group(self, group_name: str = "arealite_weights") -> dict[str, Any]:
+        """Tear down a weight-update group on its (healthy) members."""
+        addrs = self._groups.pop(group_name, None)
+        if addrs is None:
+            raise ValueError(f"destroy_weights_update_group: unknown group {group_name!r} "
+                             f"(known: {sorted(self._groups)})")
+        members = [self.pool.by_addr[a] for a in addrs if self.pool.by_addr[a].healthy]
+        if not members:
+            return {}
+        return await self.pool.call_all("/destroy_weights_update_group", {"group_name": group_name},
+                                        servers=members)

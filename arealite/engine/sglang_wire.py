@@ -1,0 +1,146 @@
+"""SGLang's wire format (0.5.x), also spoken by arealite's embedded server.
+
+``POST /generate {input_ids, sampling_params, return_logprob: true, rid}`` answers
+``{output_ids, meta_info: {finish_reason: {type}, output_token_logprobs: [[lp, id, _]...],
+weight_version}}``; ``GET /get_server_info`` tells the release and ``tp_size``.
+See "Speaking SGLang" in DESIGN.md.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from typing import Any
+
+from arealite.api.types import SamplingParams
+from arealite.engine.errors import AttemptFailure
+from arealite.engine.wire import Segment, ServerFacts, count, loads, snippet
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["SGLangWire", "WEIGHT_UPDATE_BRACKETS_SINCE", "has_weight_update_brackets",
+           "parse_sglang_version"]
+
+#: First SGLang release with ``/begin_weight_update`` and ``/end_weight_update``.
+WEIGHT_UPDATE_BRACKETS_SINCE = (0, 5, 21)
+
+_FINISH_REASONS = ("stop", "length", "abort")
+
+_VERSION_RE = re.compile(
+    r"^\s*v?(\d+)(?:\.(\d+))?(?:\.(\d+))?"
+    r"(?:[.\-_]?(?P<tag>a|alpha|b|beta|c|rc|pre|preview|dev|post)\.?\d*)?",
+    re.IGNORECASE,
+)
+
+
+def parse_sglang_version(text: Any) -> tuple[int, int, int, int] | None:
+    """Parse a release string such as "0.5.23", "0.5.21rc1", "0.5.3.post1".
+
+    Returns ``(major, minor, patch, stage)`` where ``stage`` is -1 for a
+    pre-release (a/b/rc/dev), 0 for a release and 1 for a post-release, so that
+    tuples order as PEP 440 does ("0.5.21rc1" < "0.5.21" < "0.5.21.post1").
+    Returns None when the text holds no version.
+    """
+    if not isinstance(text, str):
+        return None
+    m = _VERSION_RE.match(text)
+    if m is None:
+        return None
+    tag = (m.group("tag") or "").lower()
+    stage = 1 if tag == "post" else (-1 if tag else 0)
+    return (int(m.group(1)), int(m.group(2) or 0), int(m.group(3) or 0), stage)
+
+
+def has_weight_update_brackets(version: tuple[int, int, int, int] | None) -> bool:
+    """Whether a release (parsed) has begin/end_weight_update."""
+    return version is not None and version >= (*WEIGHT_UPDATE_BRACKETS_SINCE, 0)
+
+
+def _weight_version(wv: Any) -> int | None:
+    """SGLang reports "default" until the first update_weight_version: that is None."""
+    if type(wv) is int:
+        return wv
+    if isinstance(wv, str):
+        try:
+            return int(wv)
+        except ValueError:
+            pass
+    return None
+
+
+def _malformed(why: str) -> AttemptFailure:
+    return AttemptFailure("malformed", why)
+
+
+def _split_logprobs(token_lps: Any) -> tuple[list[float], list[int]]:
+    """``[[logprob, token_id, text-or-null], ...]`` -> (logprobs, token ids)."""
+    if not isinstance(token_lps, list):
+        raise _malformed("meta_info.output_token_logprobs is missing (was return_logprob honoured?)")
+    if not token_lps:
+        return [], []
+    try:  # column split in C
+        cols = list(zip(*token_lps))
+        lps, lp_ids = list(cols[0]), list(cols[1])
+    except (TypeError, IndexError):
+        lps = lp_ids = None
+    if lps is None or len(lps) != len(token_lps) or None in lps:
+        raise _malformed("meta_info.output_token_logprobs entries are not [logprob, token_id, ...]")
+    return lps, lp_ids
+
+
+class SGLangWire:
+    """`WireFormat` of SGLang 0.5.x (and the embedded server)."""
+
+    name = "sglang"
+    generate_route = "/generate"
+    info_route = "/get_server_info"
+    health_route = "/health"
+
+    def sampling_params(self, sp: SamplingParams) -> dict[str, Any]:
+        return sp.to_sglang()
+
+    def generate_body(self, input_ids: list[int], params: dict[str, Any], rid: str,
+                      max_new_tokens: int | None = None) -> dict[str, Any]:
+        if max_new_tokens is not None:
+            params = {**params, "max_new_tokens": max_new_tokens}
+        return {"input_ids": input_ids, "sampling_params": params, "return_logprob": True, "rid": rid}
+
+    def parse_generate(self, raw: bytes) -> Segment:
+        try:
+            data = loads(raw)
+        except ValueError as e:
+            raise _malformed(f"response is not JSON ({e}): {snippet(raw)}") from None
+        if isinstance(data, list) and len(data) == 1:
+            data = data[0]
+        if not isinstance(data, dict):
+            raise _malformed(f"response is {type(data).__name__}, not an object: {snippet(raw)}")
+        meta = data.get("meta_info")
+        if not isinstance(meta, dict):
+            raise _malformed(f"response has no 'meta_info' object: {snippet(raw)}")
+        fr = meta.get("finish_reason")
+        finish = fr.get("type") if isinstance(fr, dict) else fr
+        if finish not in _FINISH_REASONS:
+            raise _malformed(f"meta_info.finish_reason is {fr!r}; expected type stop, length or abort")
+        lps, lp_ids = _split_logprobs(meta.get("output_token_logprobs"))
+        ids = data.get("output_ids")
+        if ids is None:
+            ids = lp_ids
+        elif ids != lp_ids:
+            raise _malformed(f"output_ids ({count(ids)} tokens) disagree with "
+                             f"meta_info.output_token_logprobs ({len(lp_ids)} tokens)")
+        if ids and (type(ids[0]) is not int or type(lps[0]) not in (float, int)):
+            raise _malformed(f"output tokens/logprobs have types {type(ids[0]).__name__}/"
+                             f"{type(lps[0]).__name__}, expected int/float")
+        return Segment(ids, lps, finish, _weight_version(meta.get("weight_version")))
+
+    def server_facts(self, addr: str, info: dict[str, Any]) -> ServerFacts:
+        release = info.get("version") if isinstance(info.get("version"), str) else None
+        version = parse_sglang_version(release)
+        if version is None:
+            logger.warning(
+                "%s: /get_server_info has no parsable 'version' (%r); assuming an SGLang "
+                "release older than %s (begin/end_weight_update will be skipped)",
+                addr, info.get("version"), ".".join(map(str, WEIGHT_UPDATE_BRACKETS_SINCE)),
+            )
+        tp = info.get("tp_size", 1)
+        return ServerFacts(release, version, tp if isinstance(tp, int) and tp >= 1 else 1)

@@ -1,0 +1,121 @@
+"""The wire format of an inference backend: the one piece a new backend replaces.
+
+The client core (`remote_client.RemoteInferenceClient`) routes, retries, resubmits
+after aborts and tracks server health the same way for every backend. What differs
+between SGLang and, say, vLLM is small and lives behind `WireFormat`:
+
+- how one generation request is written (route and JSON body),
+- how the answer is read (tokens, log-probs, finish reason, weight version),
+- what a server says about itself (release, tensor-parallel size) and on which routes.
+
+Adding a backend is one module with its `WireFormat`, its administration (as
+`sglang_admin.py` for SGLang) and the engine that joins them (as `sglang_remote.py`),
+plus one entry in `arealite.engine.backends`.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple, Protocol, runtime_checkable
+
+from arealite.api.types import SamplingParams
+
+try:  # orjson is several times faster on token-id lists; plain json is the fallback.
+    import orjson
+
+    def dumps(obj: Any) -> bytes:
+        return orjson.dumps(obj)
+
+    loads = orjson.loads
+except ImportError:  # pragma: no cover - exercised only without orjson
+    import json
+
+    def dumps(obj: Any) -> bytes:
+        return json.dumps(obj, separators=(",", ":")).encode()
+
+    loads = json.loads
+
+__all__ = ["Segment", "ServerFacts", "WireFormat", "describe", "dumps", "error_message", "loads",
+           "snippet"]
+
+JSON_HEADERS = {"Content-Type": "application/json"}
+
+
+class Segment(NamedTuple):
+    """What one ``/generate`` answer holds (one segment of a possibly interrupted completion)."""
+
+    ids: list[int]
+    logprobs: list[float]
+    finish: str  # stop | length | abort
+    version: int | None  # the weight version the server reported; None when it did not
+
+
+class ServerFacts(NamedTuple):
+    """What the client keeps from a server's self-description."""
+
+    release: str | None  # e.g. "0.5.23"
+    version: tuple[int, int, int, int] | None  # the release, parsed (None when unknown)
+    tp_size: int  # ranks the server contributes to a weight-update group
+
+
+@runtime_checkable
+class WireFormat(Protocol):
+    """How one backend's servers are spoken to (requests and answers only; no I/O)."""
+
+    name: str
+    generate_route: str  # POST, body from `generate_body`
+    info_route: str  # GET, read once at start-up (`server_facts`)
+    health_route: str  # GET, 200 = alive (start-up, probes of servers out of rotation)
+
+    def sampling_params(self, sp: SamplingParams) -> dict[str, Any]:
+        """The backend's sampling parameters for `sp` (computed once per request)."""
+        ...
+
+    def generate_body(self, input_ids: list[int], params: dict[str, Any], rid: str,
+                      max_new_tokens: int | None = None) -> dict[str, Any]:
+        """One generation request; ``max_new_tokens`` overrides ``params``' own when given."""
+        ...
+
+    def parse_generate(self, raw: bytes) -> Segment:
+        """Read an answer; raise ``AttemptFailure("malformed", why)`` when it is not one."""
+        ...
+
+    def server_facts(self, addr: str, info: dict[str, Any]) -> ServerFacts:
+        """What `info` (the JSON object of `info_route`) says about server `addr`."""
+        ...
+
+
+# ---------------------------------------------------------------------------
+# Small helpers shared by the client and the admin calls
+# ---------------------------------------------------------------------------
+
+
+def describe(e: BaseException) -> str:
+    text = str(e)
+    return f"{type(e).__name__}: {text}" if text else type(e).__name__
+
+
+def snippet(raw: bytes, n: int = 200) -> str:
+    text = raw[:n].decode("utf-8", "replace")
+    return repr(text) + ("..." if len(raw) > n else "")
+
+
+def count(x: Any) -> Any:
+    return len(x) if isinstance(x, list) else type(x).__name__
+
+
+def error_message(raw: bytes) -> str:
+    """The server's own words: SGLang puts them in {"error": {"message"}} or {"message"}."""
+    try:
+        data = loads(raw)
+    except ValueError:
+        return raw[:500].decode("utf-8", "replace")
+    if isinstance(data, dict):
+        err = data.get("error")
+        if isinstance(err, dict) and "message" in err:
+            return str(err["message"])
+        if isinstance(err, str):
+            return err
+        for key in ("message", "detail"):
+            if key in data:
+                return str(data[key])
+    return raw[:500].decode("utf-8", "replace")

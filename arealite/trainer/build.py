@@ -1,0 +1,65 @@
+"""Builders of the run's parts from config: data, train engines, actor, inference client.
+
+Each returns an object typed by its contract (`arealite.api.engine`); `RLTrainer`
+wires them together. A second backend is one more branch here and one module.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from arealite.algo.actor import PPOActor
+from arealite.api.engine import InferenceClient, TrainEngine
+from arealite.config.schema import ArealiteConfig
+from arealite.data.dataset import StatefulDataLoader, load_items
+from arealite.data.validate import validate_datasets
+from arealite.utils import accounting
+from arealite.utils.run import server_addrs, server_api_key
+
+
+def rank_and_world() -> tuple[int, int]:
+    """This trainer process's rank and the number of ranks (torchrun's environment)."""
+    return int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def load_data(cfg: ArealiteConfig, tokenizer: Any) -> tuple[list[dict], list[dict]]:
+    """Training and held-out items, every bad prompt named before anything starts."""
+    d = cfg.data
+    train = load_items(d.train_path, d.prompt_key, d.answer_key)
+    held_out = load_items(d.eval_path, d.prompt_key, d.answer_key) if d.eval_path else []
+    held_out = held_out[: cfg.evaluation.max_prompts or len(held_out)]
+    validate_datasets(cfg, tokenizer, train, held_out)
+    return train, held_out
+
+
+def make_loader(cfg: ArealiteConfig, items: list[dict], rank: int, world: int) -> accounting.EpochTagged:
+    """This rank's share of every batch of prompts; items remember their epoch (accounting)."""
+    loader = StatefulDataLoader(items, cfg.rollout.consumer_batch_size // world, shuffle=cfg.data.shuffle,
+                                seed=cfg.experiment.seed, rank=rank, world_size=world)
+    return accounting.EpochTagged(loader)
+
+
+def build_train_engines(cfg: ArealiteConfig, total_steps: int) -> tuple[TrainEngine, TrainEngine | None]:
+    """The actor's engine (joins the torchrun process group) and, with a KL term, a frozen
+    reference engine."""
+    from arealite.engine.fsdp import FSDPEngine
+
+    actor = FSDPEngine(cfg.actor).initialize(total_steps=total_steps)
+    ref = FSDPEngine(cfg.actor, frozen=True).initialize() if cfg.algorithm.kl_coef > 0 else None
+    return actor, ref
+
+
+def build_actor(cfg: ArealiteConfig, engine: TrainEngine, ref_engine: TrainEngine | None) -> PPOActor:
+    """The PPO actor: log-probs with the rollout temperature, advantages, the policy loss."""
+    temperature = cfg.actor.temperature or cfg.generation.temperature or 1.0
+    return PPOActor(cfg.algorithm, engine, temperature=temperature, ref_engine=ref_engine,
+                    max_new_tokens=cfg.generation.max_new_tokens)
+
+
+def build_inference_client(cfg: ArealiteConfig, tokenizer: Any) -> InferenceClient:
+    """The client of `launch.server_backend`'s servers (`arealite.engine.backends`)."""
+    from arealite.engine.backends import make_remote_engine
+
+    return make_remote_engine(cfg.launch.server_backend, server_addrs(cfg), cfg.rollout,
+                              api_key=server_api_key(cfg), eos_token_ids=[tokenizer.eos_token_id])

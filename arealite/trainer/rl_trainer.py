@@ -1,0 +1,207 @@
+"""`RLTrainer`: the asynchronous RL loop, as a library.
+
+    RLTrainer(config).train()                        # workflow named in config
+    RLTrainer(config, workflow=MyWorkflow(...)).train()
+
+Every trainer rank (under torchrun) runs the same loop on its own share of the prompts;
+rank 0 alone talks to the servers about weights and writes stats. One step:
+
+1. take a batch of trajectory groups from the rollout controller (generated while the
+   previous step trained, within the staleness bound);
+2. recompute proximal and reference log-probs where the loss needs them, then compute
+   advantages (pure functions of the batch);
+3. PPO/GRPO update on packed micro-batches;
+4. publish the new weights (pause, transfer, verify, set the version everywhere, resume);
+5. log the step's stats, evaluate and checkpoint when due.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from transformers import AutoTokenizer
+
+from arealite.config.schema import ArealiteConfig
+from arealite.rollout.controller import RolloutController
+from arealite.trainer import build
+from arealite.trainer.evaluation import evaluate
+from arealite.trainer.hooks import TrainerHook
+from arealite.trainer.step_stats import StepStats
+from arealite.utils import accounting
+from arealite.utils.checkpoint import Checkpointer, fault_point
+from arealite.utils.progress import Progress
+from arealite.utils.run import reduce_stats, run_dir
+from arealite.utils.stats_logger import StatsLogger, plot_reward_curve
+from arealite.workflow.base import RolloutWorkflow
+from arealite.workflow.registry import build_workflow
+
+logger = logging.getLogger("arealite.trainer")
+
+
+class RLTrainer:
+    """Owns one run: data, engines, rollout, weight publishing, checkpoints, stats.
+
+    ``workflow``: the training workflow (default: built from ``rollout.workflow``).
+    ``eval_workflow``: the held-out evaluation workflow (default: the configured workflow
+    built with greedy, one-sample generation; or ``workflow`` itself when one is given).
+    ``hooks``: `TrainerHook` instances called at the loop's fixed points.
+    """
+
+    def __init__(self, config: ArealiteConfig, workflow: RolloutWorkflow | None = None,
+                 eval_workflow: RolloutWorkflow | None = None, hooks: Sequence[TrainerHook] = ()):
+        for name, wf in (("workflow", workflow), ("eval_workflow", eval_workflow)):
+            if wf is not None and not callable(getattr(wf, "arun_episode", None)):
+                raise TypeError(f"RLTrainer {name} is a {type(wf).__name__}, which has no "
+                                "`async arun_episode(engine, item)`: pass a RolloutWorkflow")
+        self.config = config
+        self.hooks = list(hooks)
+        self.workflow = workflow
+        self.eval_workflow = eval_workflow
+        self.rank, self.world = build.rank_and_world()
+        self.out_dir: Path = run_dir(config)
+        self.step = 0
+        self._closers: list[Any] = []
+
+    # ------------------------------------------------------------------ the loop
+    def train(self) -> dict[str, Any]:
+        """Run (or resume) the whole training; returns the final record (evaluations included)."""
+        try:
+            self._setup()
+            start = self._resume()
+            self._call("on_train_start", start)
+            before = self._evaluate(start, label="before RL")
+            for step in range(start, self.total_steps):
+                self._train_step(step)
+            return self._finish(before)
+        finally:
+            self._teardown()
+
+    def _train_step(self, step: int) -> None:
+        cfg, version = self.config, step  # the servers hold version `step` now
+        stats = StepStats(version)
+        batch = self.controller.prepare_batch(self.loader, self.workflow)
+        stats.lap("rollout_wait")
+        self._call("on_batch", step, batch)
+        actor = self.actor
+        if actor.needs_prox_logp:  # decoupled PPO with several mini-batches
+            batch["prox_logp"] = actor.compute_logp(batch)
+        if self.ref_engine is not None:
+            batch["ref_logp"] = actor.compute_logp(batch, engine=self.ref_engine)
+        actor.compute_advantages(batch)
+        stats.add_train(actor.ppo_update(batch))
+        stats.lap("train")
+        stats.add("weight_sync", self.publisher.publish(version + 1))
+        stats.lap("weight_sync")
+        stats.add_batch(batch)
+        stats.add_accounting(self.controller.last_batch_items, self.controller.take_dropped())
+        stats.add_rollout_side(self.controller.stats(), self.client.stats())
+        record = stats.finish()
+        done = step + 1
+        if cfg.evaluation.freq_steps and done % cfg.evaluation.freq_steps == 0 and done < self.total_steps:
+            record.update(evaluate(self.controller, self.eval_items, self.eval_workflow))
+        self.stats_logger.log(done, record)
+        fault_point("step", done)
+        self.progress.update(done, record)
+        self.checkpointer.maybe_save(done, self.actor_engine, self.controller, self.loader)
+        self.step = done
+        self._call("on_step_end", done, record)
+
+    # ------------------------------------------------------------------ setup
+    def _setup(self) -> None:
+        cfg = self.config
+        self.tokenizer = AutoTokenizer.from_pretrained(cfg.actor.model_path)
+        self.train_items, self.eval_items = build.load_data(cfg, self.tokenizer)
+        self.loader = build.make_loader(cfg, self.train_items, self.rank, self.world)
+        self.total_steps = cfg.data.max_train_steps or len(self.loader) * cfg.data.total_train_epochs
+        self.checkpointer = Checkpointer(self.out_dir / "checkpoints", cfg.saver, cfg.recover)
+        self.checkpointer.check_mode()  # recover.mode=required without a checkpoint fails before engines
+        if self.workflow is None:
+            self.workflow = build_workflow(cfg, self.tokenizer)
+            if self.eval_workflow is None and self.eval_items:
+                self.eval_workflow = build_workflow(cfg, self.tokenizer, evaluation=True)
+        self._eval_greedy = self.eval_workflow is not None and self.eval_workflow is not self.workflow
+        self.eval_workflow = self.eval_workflow or self.workflow
+        self.actor_engine, self.ref_engine = build.build_train_engines(cfg, self.total_steps)
+        self._closers.append(self.actor_engine.destroy)
+        self.actor = build.build_actor(cfg, self.actor_engine, self.ref_engine)
+        self.client = build.build_inference_client(cfg, self.tokenizer)
+        self.controller = RolloutController(self.client, cfg.rollout, world_size=self.world)
+        self.controller.record_dropped = True  # rejected/failed prompts are listed in the stats too
+
+    def _resume(self) -> int:
+        """Restore the latest checkpoint (per `recover.mode`), start the rollout side, and
+        bring the servers to the resumed version; returns the step to start from."""
+        from arealite.weight_sync import make_publisher
+
+        cfg = self.config
+        start = self.checkpointer.maybe_resume(self.actor_engine, self.controller, self.loader)
+        self.controller.set_version(start)
+        self.controller.start()
+        self._closers.append(self.controller.stop)
+        self.publisher = make_publisher(cfg, self.client, self.actor_engine, self.controller)
+        self.publisher.init()
+        self._closers.append(self.publisher.close)
+        if start > 0:  # the servers may hold older weights than the checkpoint
+            self.publisher.publish(start)
+        self.stats_logger = StatsLogger(self.out_dir, cfg.stats, rank=self.rank,
+                                        run_name=f"{cfg.experiment.name}/{cfg.experiment.trial}",
+                                        full_config=cfg.model_dump(mode="json"))
+        self._closers.append(self.stats_logger.close)
+        self.stats_logger.log(start, {accounting.START: start})  # supersedes a killed run's later records
+        self.progress = Progress(self.total_steps, start, enabled=cfg.stats.progress_bar and self.rank == 0)
+        self._closers.append(self.progress.close)
+        self.step = start
+        return start
+
+    # ------------------------------------------------------------------ end
+    @property
+    def _eval_name(self) -> str:
+        return "greedy accuracy" if self._eval_greedy else "accuracy"
+
+    def _evaluate(self, step: int, label: str) -> dict[str, float]:
+        if not self.eval_items:
+            return {}
+        out = evaluate(self.controller, self.eval_items, self.eval_workflow)
+        self.stats_logger.log(step, out)
+        if self.rank == 0:
+            print(f"[arealite] held-out {self._eval_name} {label}: {out['eval/accuracy']:.1%}", flush=True)
+        return out
+
+    def _finish(self, before: dict[str, float]) -> dict[str, Any]:
+        """Close the accounting, evaluate, plot and export; returns the final record."""
+        cfg, total = self.config, self.total_steps
+        end = accounting.unfinished_fields(self.controller.state_dict())
+        end["data/epochs_handed_out_per_rank"] = [self.loader.epochs_handed_out()]
+        end = reduce_stats(end)
+        end[accounting.EPOCHS_DONE] = min(end["data/epochs_handed_out_per_rank"])
+        self.stats_logger.log(total, {accounting.END: total, **end})
+        after = self._evaluate(total, label="after RL")
+        self.progress.close()
+        if self.rank == 0 and before and after:
+            print(f"[arealite] held-out {self._eval_name}: before RL {before['eval/accuracy']:.1%}, "
+                  f"after RL {after['eval/accuracy']:.1%}", flush=True)
+        if self.rank == 0 and cfg.stats.plot:
+            png = plot_reward_curve(self.stats_logger.path, self.out_dir / "reward_curve.png",
+                                    title=f"{cfg.experiment.name}/{cfg.experiment.trial}")
+            print(f"[arealite] stats: {self.stats_logger.path}  reward curve: {png}", flush=True)
+        if cfg.saver.export_hf_at_end:
+            self.actor_engine.export_hf(self.out_dir / "final_model")
+        final = {**{f"before/{k}": v for k, v in before.items()}, **after, **end}
+        self._call("on_train_end", final)
+        return final
+
+    def _teardown(self) -> None:
+        """Close what was opened, newest first; a failing close is logged, never masks the error."""
+        while self._closers:
+            close = self._closers.pop()
+            try:
+                close()
+            except Exception:  # teardown goes on: the remaining parts must still be closed
+                logger.exception("teardown: %s failed", getattr(close, "__qualname__", close))
+
+    def _call(self, event: str, *args: Any) -> None:
+        for hook in self.hooks:
+            getattr(hook, event)(self, *args)

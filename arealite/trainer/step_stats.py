@@ -1,0 +1,77 @@
+"""The stats of one training step, assembled in one small object.
+
+`StepStats` is filled in the order the step runs (rollout wait, training, weight
+publish) and `finish()` merges it over trainer ranks (a collective) into the record
+the stats logger writes. Every key a user may want to plot is here, with a prefix
+that says where it comes from: ``rollout/``, ``train/``, ``weight_sync/``, ``time/``,
+``perf/``, ``controller/``, ``client/`` and the per-prompt accounting fields.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from arealite.utils import accounting
+from arealite.utils.run import batch_stats, reduce_stats
+
+#: Client counters that add up over ranks (each rank has its own client).
+CLIENT_COUNTS = ("requests", "retries", "timeouts", "connection_errors", "http_5xx", "malformed",
+                 "evicted", "interrupted_requests", "marked_unhealthy", "recovered")
+
+
+class StepStats:
+    """Collects one step's figures; `lap(name)` records ``time/<name>_s`` since the last lap."""
+
+    def __init__(self, version: int):
+        self.version = version
+        self.values: dict[str, Any] = {}
+        self._t0 = self._last = time.perf_counter()
+
+    def lap(self, name: str) -> float:
+        """Record the time since the previous lap as ``time/<name>_s``; returns it."""
+        now = time.perf_counter()
+        dt = now - self._last
+        self.values[f"time/{name}_s"] = dt
+        self._last = now
+        return dt
+
+    def add(self, prefix: str, values: Mapping[str, Any]) -> None:
+        """Add numeric `values` under ``<prefix>/`` (non-numbers are skipped)."""
+        for k, v in values.items():
+            if isinstance(v, (int, float)) and not isinstance(v, bool):
+                self.values[f"{prefix}/{k}"] = float(v)
+
+    def add_batch(self, batch: Any) -> None:
+        """Reward, length and staleness figures of this rank's training batch."""
+        self.values.update(batch_stats(batch, self.version))
+
+    def add_train(self, minibatch_stats: Sequence[Mapping[str, float]]) -> None:
+        """The PPO update's stats, averaged over mini-batches, under ``train/``."""
+        n = max(len(minibatch_stats), 1)
+        for mb in minibatch_stats:
+            for k, v in mb.items():
+                key = f"train/{k}"
+                self.values[key] = self.values.get(key, 0.0) + v / n
+
+    def add_accounting(self, items: Sequence[Any], dropped: Sequence[Any]) -> None:
+        """Which prompts this step trained on and which were rejected or failed."""
+        self.values.update(accounting.step_fields(items, dropped))
+
+    def add_rollout_side(self, controller_stats: Mapping[str, Any], client_stats: Mapping[str, Any]) -> None:
+        """The controller's queue and staleness counters and the client's failure counters."""
+        self.add("controller", controller_stats)
+        self.add("client", {k: client_stats[k] for k in (*CLIENT_COUNTS, "n_healthy") if k in client_stats})
+
+    def finish(self) -> dict[str, Any]:
+        """Merge over ranks (collective) and add the derived figures; returns the record."""
+        v = self.values
+        v["time/step_s"] = time.perf_counter() - self._t0
+        train_s = v.get("time/train_s")
+        if train_s and "rollout/n_tokens" in v:
+            v["perf/train_tokens_per_s"] = v["rollout/n_tokens"] / max(train_s, 1e-9)
+        out = reduce_stats(v, sum_keys=[f"client/{k}" for k in CLIENT_COUNTS])
+        if accounting.EPOCHS in out:
+            out["rollout/epoch"] = min(out[accounting.EPOCHS], default=-1)
+        return out

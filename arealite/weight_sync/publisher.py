@@ -1,0 +1,258 @@
+"""One call publishes a new version of the weights: `WeightPublisher.publish(version)`.
+
+Every trainer rank calls it after each training step; only rank 0 talks to the servers.
+The sequence, the same for every transfer (disk, shm, distributed):
+
+    controller.pause()                   every rank: admit no new episodes
+    transfer.stage(source, version)      rank 0: what needs no pause (write the weights)
+    pause_generation                     rank 0: in-flight requests come back as `abort`
+    transfer.transfer(source, version)   rank 0: load the weights on every server
+    verify                               rank 0: read a sample back (`WeightVerifier`)
+    set_version(version) on every party  train engine, controller, client
+    continue_generation                  rank 0: aborted requests resume on the new weights
+    controller.resume()                  every rank
+
+Reading the source is a collective on a sharded engine: the other ranks read it along
+with rank 0 (again each time the transfer starts over, `RETRY`), then learn from rank 0
+how the update ended (`agree`) before they set the version and resume.
+
+A server that is gone (no answer to its health route) is dropped from rotation and
+the update goes on with the others. Any other failure, or no server left,
+raises `WeightSyncError` on every rank with the servers left paused and the controller
+not resumed, so that nothing generates with weights that are not the trainer's.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Coroutine, Iterator, Sequence
+from typing import Any
+
+import torch
+
+from arealite.api.engine import (
+    Pausable,
+    Runner,
+    Versioned,
+    WeightSource,
+    WeightTransfer,
+    WeightUpdateAdmin,
+    require,
+)
+from arealite.weight_sync.base import (
+    DONE,
+    FAILED,
+    RETRY,
+    Timer,
+    agree,
+    call_dropping_dead,
+    drain,
+    rank0_failed,
+    trainer_rank,
+)
+from arealite.weight_sync.verify import WeightVerifier
+
+logger = logging.getLogger("arealite.weight_sync")
+
+__all__ = ["WeightPublisher"]
+
+
+class _InStep:
+    """Rank 0's reads of the source, kept in step with the other ranks' reads.
+
+    Reading a sharded engine is a collective, so every rank must read it as often as rank
+    0 does. The other ranks read it once, then once more each time rank 0 says `RETRY`
+    (`agree`), until it says `DONE` or `FAILED`. This wrapper says `RETRY` whenever the
+    transfer starts reading anew (a server died mid-way), and `settle` makes up for what
+    rank 0 did not read: the rest of an unfinished read, or the read the others are in.
+    """
+
+    def __init__(self, inner: WeightSource, bucket_bytes: int):
+        self.inner, self.bucket_bytes = inner, bucket_bytes
+        self.reads = 0
+        self.broken = False  # the source itself raised: no use reading it further
+        self._open: Iterator | None = None
+
+    def named_weight_buckets(self, bucket_bytes: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
+        if bucket_bytes != self.bucket_bytes:
+            raise ValueError(f"the transfer reads buckets of {bucket_bytes} bytes but announced "
+                             f"bucket_bytes={self.bucket_bytes}: the other ranks would read other buckets")
+        if self.reads:
+            self._finish_open()
+            agree(RETRY)
+        self.reads += 1
+        it = iter(self.inner.named_weight_buckets(bucket_bytes))
+        self._open = it
+        return self._watch(it)
+
+    def _watch(self, it: Iterator) -> Iterator[list[tuple[str, torch.Tensor]]]:
+        while True:
+            try:
+                bucket = next(it)
+            except StopIteration:
+                if self._open is it:
+                    self._open = None
+                return
+            except BaseException:
+                self.broken = True
+                self._open = None
+                raise
+            yield bucket
+
+    def _finish_open(self) -> None:
+        if self._open is not None:
+            for _ in self._watch(self._open):
+                pass
+
+    def settle(self) -> None:
+        """Read what the other ranks read and rank 0 did not (raises if the source fails)."""
+        if self.reads == 0:
+            for _ in self.named_weight_buckets(self.bucket_bytes):
+                pass
+        else:
+            self._finish_open()
+
+    def settle_after_failure(self) -> bool:
+        """`settle` after rank 0 failed; False when the ranks cannot be brought in step."""
+        if self.broken:
+            return False
+        try:
+            self.settle()
+        except Exception:  # noqa: BLE001 - the original failure is the one to report
+            logger.exception("weight update: reading the source along with the other trainer ranks failed")
+            return False
+        return True
+
+
+class WeightPublisher:
+    """Publishes new weights to the inference servers: pause, transfer, verify, set the
+    version on every party, continue (see the module's docstring).
+
+    ``transfer`` moves the weights (disk, shm, distributed; used on rank 0 only);
+    ``source`` is what it reads (the train engine; every rank reads it); ``admin`` the
+    servers' administration (rank 0 uses it); ``run`` runs an admin coroutine on the
+    client's event loop (``RolloutController.run``).
+    ``parties`` get ``set_version`` once the servers hold the version (the train engine,
+    the client); ``controller`` is paused for the update and resumed after it (and is a
+    party too). ``verifier`` checks the servers (by default nothing is read back: give a
+    `ReadbackVerifier`; `make_publisher` does).
+    """
+
+    def __init__(self, transfer: WeightTransfer, source: WeightSource, admin: WeightUpdateAdmin,
+                 run: Runner, parties: Sequence[Versioned] = (), *, controller: Pausable | None = None,
+                 verifier: WeightVerifier | None = None):
+        require(transfer, WeightTransfer, "the weight transfer")
+        require(source, WeightSource, "the weight source")
+        require(admin, WeightUpdateAdmin, "the servers' admin")
+        if controller is not None:
+            require(controller, Pausable, "the controller")
+        self.transfer, self.source, self.admin, self.run = transfer, source, admin, run
+        self.controller = controller
+        self.parties: list[Versioned] = list(parties)
+        if controller is not None and not any(p is controller for p in self.parties):
+            self.parties.append(controller)  # type: ignore[arg-type]
+        for p in self.parties:
+            if not callable(getattr(p, "set_version", None)):
+                raise TypeError(f"party {type(p).__name__} has no set_version(version)")
+        self.verifier = verifier
+        self._initialized = False
+
+    # ------------------------------------------------------------ lifecycle
+
+    def init(self) -> None:
+        """Set the transfer up (every rank calls it, once; rank 0 does the work and its
+        failure stops every rank)."""
+        if self._initialized:
+            return
+        rank, _ = trainer_rank()
+        if rank != 0:
+            if agree() == FAILED:
+                raise rank0_failed(None)
+            self._initialized = True
+            return
+        try:
+            self.transfer.init()
+        except BaseException:
+            agree(FAILED)
+            raise
+        agree(DONE)
+        self._initialized = True
+
+    def close(self) -> None:
+        """Release the transfer's resources (its group, files; rank 0); safe to call twice."""
+        if trainer_rank()[0] == 0:
+            self.transfer.close()
+
+    # --------------------------------------------------------------- publish
+
+    def publish(self, version: int) -> dict[str, float]:
+        """Make every server serve ``version`` of ``source``'s weights; returns timings and
+        sizes (rank 0; ``{}`` elsewhere). Every trainer rank calls it."""
+        if not self._initialized:
+            raise RuntimeError("WeightPublisher.publish before init(): call init() once first")
+        version = int(version)
+        rank, _ = trainer_rank()
+        if self.controller is not None:
+            self.controller.pause()
+        if rank != 0:
+            return self._follow(version)
+        return self._lead(version)
+
+    def _follow(self, version: int) -> dict[str, float]:
+        """Ranks other than 0: read the source along with rank 0, then do as it says."""
+        while True:
+            drain(self.source, self.transfer.bucket_bytes)
+            status = agree()
+            if status == FAILED:
+                raise rank0_failed(version)
+            if status == DONE:
+                break
+        self._set_versions(version)
+        if self.controller is not None:
+            self.controller.resume()
+        return {}
+
+    def _lead(self, version: int) -> dict[str, float]:
+        """Rank 0: the whole sequence; the other ranks learn how it ended."""
+        timer = Timer()
+        observed = self.verifier.observe(self.source, version) if self.verifier is not None else self.source
+        source = _InStep(observed, self.transfer.bucket_bytes)
+        try:
+            out = dict(self.transfer.stage(source, version))
+            timer.lap("stage_s")
+            self.call(self.admin.pause_generation, version, "pause_generation")
+            timer.lap("pause_s")
+            out.update(self.transfer.transfer(source, version))
+            source.settle()
+            timer.lap("transfer_s")
+            self.verify(version)
+            timer.lap("verify_s")
+            self._set_versions(version)
+            self.call(self.admin.continue_generation, version, "continue_generation")
+            timer.lap("continue_s")
+        except BaseException:
+            if source.settle_after_failure():
+                agree(FAILED)
+            raise
+        agree(DONE)
+        if self.controller is not None:
+            self.controller.resume()
+        out.update({k: v for k, v in timer.total().items() if k not in out})
+        logger.info("published version %d to %d server(s) in %.3fs", version,
+                    len(self.admin.healthy_servers), out["total_s"])
+        return out
+
+    def _set_versions(self, version: int) -> None:
+        for party in self.parties:
+            party.set_version(version)
+
+    # ----------------------------------------------------------- overridable
+
+    def call(self, make_coro: Callable[[], Coroutine[Any, Any, Any]], version: int, what: str) -> Any:
+        """Run an admin call on the servers in rotation; the ones that are gone are dropped."""
+        return call_dropping_dead(self.run, self.admin, make_coro, version, what)
+
+    def verify(self, version: int) -> None:
+        """Check that every server holds ``version`` (rank 0, servers paused); raise if not."""
+        if self.verifier is not None:
+            self.verifier.verify(version, lambda make_coro, what: self.call(make_coro, version, what))
