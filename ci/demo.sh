@@ -9,7 +9,6 @@ DEMO_DIR=${DEMO_DIR:-runs/demo}
 python3 examples/reverse_digits/prepare.py --out "$DEMO_DIR"
 # A fresh trial each time unless the caller names one (re-using a name resumes it).
 TRIAL=${TRIAL:-demo-$(date +%Y%m%d-%H%M%S)}
-exec python3 -m arealite.launcher.local examples/rlvr/train.py \
-    --config examples/reverse_digits/config.yaml \
+exec python3 -m arealite.train --config examples/reverse_digits/config.yaml \
     experiment.trial="$TRIAL" actor.model_path="$DEMO_DIR/model" \
     data.train_path="$DEMO_DIR/train.jsonl" data.eval_path="$DEMO_DIR/eval.jsonl" "$@"

@@ -3,7 +3,8 @@
 Each part is written against these Protocols, never against a concrete class, so that a
 second backend is one new module that satisfies the same contract:
 
-- `InferenceClient`: generates (the rollout side). `RemoteSGLangEngine` is one; a vLLM
+- `Generator` (what a workflow sees: ``agenerate``) and `InferenceClient` (the rollout
+  side's whole client: generation, pause/resume, versions). `RemoteSGLangEngine` is one; a vLLM
   client would be another. Workflows and the rollout controller see only this.
 - `WeightUpdateAdmin`: the inference servers' administration routes that a weight
   update needs (pause/continue, load from disk, read back); `DistributedUpdateAdmin`
@@ -44,7 +45,15 @@ Runner = Callable[[Coroutine[Any, Any, Any]], Any]
 
 
 @runtime_checkable
-class InferenceClient(Protocol):
+class Generator(Protocol):
+    """All a workflow needs from an inference client: one completion per request.
+    Workflows are typed against this, so a test can hand them a scripted stand-in."""
+
+    async def agenerate(self, req: GenerationRequest) -> Completion: ...
+
+
+@runtime_checkable
+class InferenceClient(Generator, Protocol):
     """Generates completions on inference servers. It only generates.
 
     ``pause``/``resume`` hold and release the client's own new submissions (the servers
@@ -55,8 +64,6 @@ class InferenceClient(Protocol):
     async def initialize(self, timeout: float = 300.0) -> None: ...
 
     async def aclose(self) -> None: ...
-
-    async def agenerate(self, req: GenerationRequest) -> Completion: ...
 
     def get_version(self) -> int: ...
 

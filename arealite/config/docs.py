@@ -31,8 +31,8 @@ sections below; every key is optional (the default is the recommended value)
 and every key can be overridden on the command line with its dotted path:
 
 ```bash
-python -m arealite.launcher.local examples/rlvr/train.py \\
-    --config examples/configs/default.yaml actor.optimizer.lr=1e-5 generation.stop_token_ids=[1,2]
+python -m arealite.train --config examples/configs/default.yaml \\
+    actor.optimizer.lr=1e-5 generation.stop_token_ids=[1,2]
 python -m arealite.config show examples/configs/default.yaml server.api_key=null   # effective config
 python -m arealite.config check examples/configs/default.yaml                      # validate, paths too
 ```

@@ -19,18 +19,17 @@ from __future__ import annotations
 import itertools
 import os
 from array import array
-from typing import Any, Protocol, Sequence
+from typing import Any, Sequence
 
 import torch
 from tensordict import TensorDict
 
+from arealite.api.engine import Generator
 from arealite.api.types import mark_well_formed
 
 
-class InferenceEngine(Protocol):
-    """What a workflow needs from an engine: ``RemoteSGLangEngine`` or a test fake."""
-
-    async def agenerate(self, req: Any) -> Any: ...
+#: What a workflow calls: ``await engine.agenerate(GenerationRequest) -> Completion``.
+InferenceEngine = Generator
 
 
 class RolloutWorkflow:
