@@ -461,7 +461,9 @@ def _requests_on(addr: str) -> int:
 
 @pytest.mark.slow
 def test_training_survives_losing_one_of_two_servers(demo_dir, tmp_path):
-    steps = 8  # 4 prompts a step, 32 prompts: one whole epoch
+    # 4 prompts a step, 32 prompts: two whole epochs, so that the run is still going when
+    # the victim is frozen after step 2 (the rollout worker makes steps quick).
+    steps = 16
     run_dir = tmp_path / "runs" / "reverse_digits" / "faults"
     stats = run_dir / "stats.jsonl"
     run = _Launch(
@@ -473,7 +475,7 @@ def test_training_survives_losing_one_of_two_servers(demo_dir, tmp_path):
         "rollout.consumer_batch_size=4", "generation.n_samples=4", "evaluation.freq_steps=null",
         "saver.freq_steps=null", "saver.export_hf_at_end=false", "stats.plot=false",
         "stats.progress_bar=false", "weight_sync.method=distributed", "weight_sync.timeout_s=60",
-        "weight_sync.bucket_size_mb=0.05", f"data.max_train_steps={steps}")
+        "weight_sync.bucket_size_mb=0.05", f"data.max_train_steps={steps}", "data.total_train_epochs=2")
     try:
         def trained(n: int) -> bool:
             return stats.exists() and sum('"rollout/n_trajectories"' in line

@@ -222,6 +222,56 @@ class Pausable(Protocol):
     def resume(self) -> None: ...
 
 
+class Stateful(Protocol):
+    """What a checkpoint saves and restores."""
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
+
+@runtime_checkable
+class RolloutSide(Pausable, Versioned, Protocol):
+    """The rollout side of one trainer rank as the trainer sees it: client, controller,
+    dataloader and workflows together (`arealite.rollout.side.LocalRollout` in the trainer's
+    process, `arealite.rollout.worker.RolloutWorker` in a child process).
+
+    ``admin``/``run`` serve the weight publisher; ``controller_state``/``loader_state`` the
+    checkpointer; ``last_batch_items``/``take_dropped`` the per-prompt accounting.
+    """
+
+    @property
+    def admin(self) -> WeightUpdateAdmin: ...
+
+    @property
+    def run(self) -> Runner: ...
+
+    @property
+    def controller_state(self) -> Stateful: ...
+
+    @property
+    def loader_state(self) -> Stateful: ...
+
+    @property
+    def last_batch_items(self) -> list[Any]: ...
+
+    def start(self, version: int) -> None: ...
+
+    def prepare_batch(self) -> Any: ...
+
+    def take_dropped(self) -> list[Any]: ...
+
+    def stats(self) -> dict[str, dict[str, Any]]: ...
+
+    def unfinished_state(self) -> dict[str, Any]: ...
+
+    def epochs_handed_out(self) -> int: ...
+
+    def eval_sums(self, items: Sequence[dict[str, Any]]) -> list[float]: ...
+
+    def stop(self) -> None: ...
+
+
 def require(obj: Any, contract: type, what: str) -> None:
     """Raise a `TypeError` naming the missing methods when `obj` does not satisfy `contract`."""
     if isinstance(obj, contract):

@@ -148,6 +148,12 @@ class RolloutConfig(Section):
     workflow_kwargs: dict[str, Any] = Field(default_factory=dict)
     """Keyword arguments of the workflow's constructor, checked against its signature
     before anything starts."""
+    worker: Literal["process", "thread"] = "process"
+    """Where each trainer rank's rollout runs (client, controller, workflows, rewards):
+    `process`, a child process with its own GIL, so that handling responses never slows
+    the training step that runs meanwhile (on the servers' cores when `launch.server_cpus`
+    pins them); `thread`, a thread of the trainer process (a workflow object passed to
+    `RLTrainer` that cannot be pickled needs it)."""
     max_concurrent_rollouts: int = Field(64, ge=1)
     """Most episodes (workflow calls) in flight at once, per trainer rank."""
     queue_size: int = Field(1024, ge=1)

@@ -29,7 +29,6 @@ died while the trainer ran, 4 bad arguments or config,
 from __future__ import annotations
 
 import argparse
-import ctypes
 import enum
 import importlib.util
 import os
@@ -46,7 +45,7 @@ from typing import IO, Callable, Sequence
 
 from arealite.launcher.server_cmd import gpus_per_server, masked, server_command
 from arealite.utils import procs
-from arealite.utils.run import ENV_SERVER_ADDRS, ENV_SERVER_API_KEY
+from arealite.utils.run import ENV_ROLLOUT_CPUS, ENV_SERVER_ADDRS, ENV_SERVER_API_KEY
 from arealite.utils.net import free_ports, ports_from
 
 
@@ -92,16 +91,6 @@ def log(msg: str) -> None:
     print(f"[launcher {time.monotonic() - _T0:6.1f}s] {msg}", file=sys.stderr, flush=True)
 
 
-def _set_parent_death_signal() -> None:
-    """Ask Linux to SIGTERM this child if the launcher dies without cleaning up (e.g. SIGKILL)."""
-    try:
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        PR_SET_PDEATHSIG = 1
-        libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
-    except OSError:  # not Linux: the process-group teardown still applies
-        pass
-
-
 def cpu_plan(n_servers: int, server_cpus: int | None, cpus: list[int]) -> tuple[list[list[int]], list[int]]:
     """Cores of each server and of the trainer: the first ``server_cpus`` of ``cpus``
     split evenly (in order) between the servers, the rest to the trainer. No pinning
@@ -122,7 +111,7 @@ def cpu_plan(n_servers: int, server_cpus: int | None, cpus: list[int]) -> tuple[
 def _child_setup(cpus: list[int]) -> Callable[[], None]:
     """``preexec_fn`` of a child: the parent-death signal, then its cores (if any)."""
     def setup() -> None:
-        _set_parent_death_signal()
+        procs.die_with_parent(signal.SIGTERM)  # the launcher's SIGKILL leaves no orphan
         if cpus:
             os.sched_setaffinity(0, cpus)
     return setup
@@ -343,13 +332,17 @@ class LocalLauncher:
         log_path = self.log_dir / "trainer.log"
         log_file = open(log_path, "ab", buffering=0)
         log_file.write(f"[launcher] {masked(cmd)}\n".encode())
-        _, cpus = self._cpu_plan()
+        server_cpus, cpus = self._cpu_plan()
+        if cpus:
+            # The trainers' rollout workers (HTTP, workflows) run beside the servers, off the
+            # cores that train.
+            env[ENV_ROLLOUT_CPUS] = ",".join(str(c) for plan in server_cpus for c in plan)
         proc = subprocess.Popen(
             cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
             env=env, start_new_session=True, preexec_fn=_child_setup(cpus),
         )
         if cpus:
-            log(f"trainer processes pinned to cores {cpus}")
+            log(f"trainer processes pinned to cores {cpus}, their rollout workers to {env[ENV_ROLLOUT_CPUS]}")
         child = Child("trainer", proc, log_path, log_file)
         child.pump = threading.Thread(target=self._pump, args=(child,), daemon=True,
                                       name="trainer-log")

@@ -6,16 +6,22 @@ wires them together. A second backend is one more branch here and one module.
 
 from __future__ import annotations
 
+import logging
 import os
 from typing import Any
 
+
 from arealite.algo.actor import PPOActor
-from arealite.api.engine import InferenceClient, TrainEngine
+from arealite.api.engine import InferenceClient, RolloutSide, TrainEngine
 from arealite.config.schema import ArealiteConfig
 from arealite.data.dataset import StatefulDataLoader, load_items
 from arealite.data.validate import validate_datasets
 from arealite.utils import accounting
 from arealite.utils.run import server_addrs, server_api_key
+from arealite.workflow.base import RolloutWorkflow
+from arealite.workflow.registry import build_workflow
+
+logger = logging.getLogger("arealite.trainer")
 
 
 def rank_and_world() -> tuple[int, int]:
@@ -63,3 +69,26 @@ def build_inference_client(cfg: ArealiteConfig, tokenizer: Any) -> InferenceClie
 
     return make_remote_engine(cfg.launch.server_backend, server_addrs(cfg), cfg.rollout,
                               api_key=server_api_key(cfg), eos_token_ids=[tokenizer.eos_token_id])
+
+
+def build_rollout(cfg: ArealiteConfig, tokenizer: Any, loader: Any, world: int,
+                  workflow: RolloutWorkflow | None, eval_workflow: RolloutWorkflow | None) -> RolloutSide:
+    """This rank's rollout side (`rollout.worker`): a child process, or this process.
+
+    ``workflow`` None: built from ``rollout.workflow`` (and its greedy copy for evaluation);
+    a given workflow without an ``eval_workflow`` also evaluates.
+    """
+    from arealite.rollout.worker import RolloutWorker, WorkerSpec, runs_in_a_worker
+
+    why_not = runs_in_a_worker(workflow, eval_workflow) if cfg.rollout.worker == "process" else None
+    if why_not:
+        logger.warning("the rollout runs in a thread of the trainer process (rollout.worker=thread): %s",
+                       why_not)
+    if cfg.rollout.worker == "thread" or why_not:
+        from arealite.rollout.side import LocalRollout
+
+        wf = workflow or build_workflow(cfg, tokenizer)
+        ev = eval_workflow or (build_workflow(cfg, tokenizer, evaluation=True) if workflow is None else wf)
+        return LocalRollout(build_inference_client(cfg, tokenizer), cfg.rollout, loader, world, wf, ev)
+    spec = WorkerSpec(cfg, world, loader, workflow, eval_workflow)
+    return RolloutWorker(spec, admin_client=build_inference_client(cfg, tokenizer))

@@ -25,7 +25,6 @@ from typing import Any
 from transformers import AutoTokenizer
 
 from arealite.config.schema import ArealiteConfig
-from arealite.rollout.controller import RolloutController
 from arealite.trainer import build
 from arealite.trainer.evaluation import evaluate
 from arealite.trainer.hooks import TrainerHook
@@ -36,7 +35,6 @@ from arealite.utils.progress import Progress
 from arealite.utils.run import reduce_stats, run_dir
 from arealite.utils.stats_logger import StatsLogger, plot_reward_curve
 from arealite.workflow.base import RolloutWorkflow
-from arealite.workflow.registry import build_workflow
 
 logger = logging.getLogger("arealite.trainer")
 
@@ -47,6 +45,8 @@ class RLTrainer:
     ``workflow``: the training workflow (default: built from ``rollout.workflow``).
     ``eval_workflow``: the held-out evaluation workflow (default: the configured workflow
     built with greedy, one-sample generation; or ``workflow`` itself when one is given).
+    With ``rollout.worker: process`` (the default) both are pickled to the rank's rollout
+    worker process.
     ``hooks``: `TrainerHook` instances called at the loop's fixed points.
     """
 
@@ -82,7 +82,7 @@ class RLTrainer:
     def _train_step(self, step: int) -> None:
         cfg, version = self.config, step  # the servers hold version `step` now
         stats = StepStats(version)
-        batch = self.controller.prepare_batch(self.loader, self.workflow)
+        batch = self.rollout.prepare_batch()
         stats.lap("rollout_wait")
         self._call("on_batch", step, batch)
         actor = self.actor
@@ -96,16 +96,18 @@ class RLTrainer:
         stats.add("weight_sync", self.publisher.publish(version + 1))
         stats.lap("weight_sync")
         stats.add_batch(batch)
-        stats.add_accounting(self.controller.last_batch_items, self.controller.take_dropped())
-        stats.add_rollout_side(self.controller.stats(), self.client.stats())
+        stats.add_accounting(self.rollout.last_batch_items, self.rollout.take_dropped())
+        side = self.rollout.stats()
+        stats.add_rollout_side(side["controller"], side["client"])
         record = stats.finish()
         done = step + 1
         if cfg.evaluation.freq_steps and done % cfg.evaluation.freq_steps == 0 and done < self.total_steps:
-            record.update(evaluate(self.controller, self.eval_items, self.eval_workflow))
+            record.update(evaluate(self.rollout, self.eval_items))
         self.stats_logger.log(done, record)
         fault_point("step", done)
         self.progress.update(done, record)
-        self.checkpointer.maybe_save(done, self.actor_engine, self.controller, self.loader)
+        self.checkpointer.maybe_save(done, self.actor_engine, self.rollout.controller_state,
+                                     self.rollout.loader_state)
         self.step = done
         self._call("on_step_end", done, record)
 
@@ -118,18 +120,13 @@ class RLTrainer:
         self.total_steps = cfg.data.max_train_steps or len(self.loader) * cfg.data.total_train_epochs
         self.checkpointer = Checkpointer(self.out_dir / "checkpoints", cfg.saver, cfg.recover)
         self.checkpointer.check_mode()  # recover.mode=required without a checkpoint fails before engines
-        if self.workflow is None:
-            self.workflow = build_workflow(cfg, self.tokenizer)
-            if self.eval_workflow is None and self.eval_items:
-                self.eval_workflow = build_workflow(cfg, self.tokenizer, evaluation=True)
-        self._eval_greedy = self.eval_workflow is not None and self.eval_workflow is not self.workflow
-        self.eval_workflow = self.eval_workflow or self.workflow
+        self._eval_greedy = self.workflow is None or self.eval_workflow is not None
         self.actor_engine, self.ref_engine = build.build_train_engines(cfg, self.total_steps)
         self._closers.append(self.actor_engine.destroy)
         self.actor = build.build_actor(cfg, self.actor_engine, self.ref_engine)
-        self.client = build.build_inference_client(cfg, self.tokenizer)
-        self.controller = RolloutController(self.client, cfg.rollout, world_size=self.world)
-        self.controller.record_dropped = True  # rejected/failed prompts are listed in the stats too
+        self.rollout = build.build_rollout(cfg, self.tokenizer, self.loader, self.world,
+                                           self.workflow, self.eval_workflow)
+        self._closers.append(self.rollout.stop)
 
     def _resume(self) -> int:
         """Restore the latest checkpoint (per `recover.mode`), start the rollout side, and
@@ -137,11 +134,10 @@ class RLTrainer:
         from arealite.weight_sync import make_publisher
 
         cfg = self.config
-        start = self.checkpointer.maybe_resume(self.actor_engine, self.controller, self.loader)
-        self.controller.set_version(start)
-        self.controller.start()
-        self._closers.append(self.controller.stop)
-        self.publisher = make_publisher(cfg, self.client, self.actor_engine, self.controller)
+        start = self.checkpointer.maybe_resume(self.actor_engine, self.rollout.controller_state,
+                                               self.rollout.loader_state)
+        self.rollout.start(start)
+        self.publisher = make_publisher(cfg, self.rollout, self.actor_engine, self.rollout)
         self.publisher.init()
         self._closers.append(self.publisher.close)
         if start > 0:  # the servers may hold older weights than the checkpoint
@@ -164,7 +160,7 @@ class RLTrainer:
     def _evaluate(self, step: int, label: str) -> dict[str, float]:
         if not self.eval_items:
             return {}
-        out = evaluate(self.controller, self.eval_items, self.eval_workflow)
+        out = evaluate(self.rollout, self.eval_items)
         self.stats_logger.log(step, out)
         if self.rank == 0:
             print(f"[arealite] held-out {self._eval_name} {label}: {out['eval/accuracy']:.1%}", flush=True)
@@ -173,8 +169,8 @@ class RLTrainer:
     def _finish(self, before: dict[str, float]) -> dict[str, Any]:
         """Close the accounting, evaluate, plot and export; returns the final record."""
         cfg, total = self.config, self.total_steps
-        end = accounting.unfinished_fields(self.controller.state_dict())
-        end["data/epochs_handed_out_per_rank"] = [self.loader.epochs_handed_out()]
+        end = accounting.unfinished_fields(self.rollout.unfinished_state())
+        end["data/epochs_handed_out_per_rank"] = [self.rollout.epochs_handed_out()]
         end = reduce_stats(end)
         end[accounting.EPOCHS_DONE] = min(end["data/epochs_handed_out_per_rank"])
         self.stats_logger.log(total, {accounting.END: total, **end})

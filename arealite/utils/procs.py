@@ -1,4 +1,4 @@
-"""Process-tree lookups through /proc (Linux; empty answers elsewhere).
+"""Process-tree lookups through /proc, and a child dying with its parent (Linux; no-ops elsewhere).
 
 The one place arealite reads /proc for processes: the local launcher finds and
 signals the processes below its children with it, and fault-injection tests and
@@ -7,7 +7,9 @@ the recovery benchmark find trainer workers to kill.
 
 from __future__ import annotations
 
+import ctypes
 import os
+import signal
 
 
 def _stat_fields(pid: int | str) -> list[bytes] | None:
@@ -75,3 +77,14 @@ def trainer_workers(launcher_pid: int, script: str = "examples/rlvr/train.py") -
         if cmd is not None and script in cmd and "torch.distributed.run" not in cmd:
             out.append(pid)
     return out
+
+
+def die_with_parent(sig: int = signal.SIGTERM) -> None:
+    """Ask Linux to send `sig` to this process when its parent dies, however it dies
+    (a no-op elsewhere: process-group teardown still applies)."""
+    try:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        PR_SET_PDEATHSIG = 1
+        libc.prctl(PR_SET_PDEATHSIG, sig)
+    except OSError:
+        pass

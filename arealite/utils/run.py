@@ -19,6 +19,8 @@ from arealite.rollout.staleness import trajectory_staleness
 
 ENV_SERVER_ADDRS = "AREALITE_SERVER_ADDRS"
 ENV_SERVER_API_KEY = "AREALITE_SERVER_API_KEY"
+#: Cores for the trainers' rollout workers (comma-separated); the launcher sets the servers' cores.
+ENV_ROLLOUT_CPUS = "AREALITE_ROLLOUT_CPUS"
 
 
 def run_dir(cfg: ArealiteConfig) -> Path:

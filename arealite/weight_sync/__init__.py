@@ -123,5 +123,10 @@ def make_publisher(config, client: InferenceClient, train_engine: TrainEngine, c
     verifier = ReadbackVerifier(admin, config.weight_sync.verify_n_tensors,
                                 dtype=lambda: getattr(transfer, "server_dtype", None))
     return WeightPublisher(transfer, source if source is not None else train_engine, admin, run,
-                           parties=[train_engine, controller, client], controller=controller,
+                           parties=_distinct([train_engine, controller, client]), controller=controller,
                            verifier=verifier)
+
+
+def _distinct(parties: list) -> list:
+    """Each party once (a rollout side may be both the controller and the client)."""
+    return list({id(p): p for p in parties}.values())

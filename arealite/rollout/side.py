@@ -1,0 +1,114 @@
+"""The rollout side of one trainer rank, as the trainer sees it: `LocalRollout`.
+
+It joins what produces training batches: the inference client, the `RolloutController`,
+this rank's dataloader and the workflows (training and evaluation). The trainer talks to
+it through the `RolloutSide` contract (`arealite.api.engine`), so that the same loop runs
+it in the trainer's own process (`LocalRollout`) or in a child process
+(`arealite.rollout.worker.RolloutWorker`, which runs a `LocalRollout` there).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+from typing import Any
+
+from tensordict import TensorDictBase
+
+from arealite.api.engine import InferenceClient, Runner, WeightUpdateAdmin
+from arealite.config.schema import RolloutConfig
+from arealite.rollout.controller import RolloutController
+from arealite.workflow.base import RolloutWorkflow
+
+
+def episode_sums(run: Runner, engine: InferenceClient, items: Sequence[dict[str, Any]],
+                 workflow: RolloutWorkflow, max_concurrency: int = 64) -> list[float]:
+    """Run `workflow` once on every item (outside the training queue and the staleness
+    accounting); returns ``[rows with reward > 0.5, rows, reward sum]``."""
+
+    async def run_all() -> list:
+        sem = asyncio.Semaphore(max_concurrency)
+
+        async def one(item):
+            async with sem:
+                return await workflow.arun_episode(engine, item)
+
+        return await asyncio.gather(*(one(it) for it in items))
+
+    correct = total = reward = 0.0
+    for td in run(run_all()) if items else []:
+        if td is not None:
+            rewards = td["rewards"].float()
+            correct += float((rewards > 0.5).sum().item())
+            reward += float(rewards.sum().item())
+            total += float(rewards.numel())
+    return [correct, total, reward]
+
+
+class LocalRollout:
+    """Client, controller, dataloader and workflows of one rank, in this process."""
+
+    def __init__(self, client: InferenceClient, config: RolloutConfig, loader: Any, world_size: int,
+                 workflow: RolloutWorkflow, eval_workflow: RolloutWorkflow):
+        self.client = client
+        self.controller = RolloutController(client, config, world_size=world_size)
+        self.controller.record_dropped = True  # rejected/failed prompts are listed in the stats too
+        self.loader = loader
+        self.workflow, self.eval_workflow = workflow, eval_workflow
+
+    # What the checkpointer saves and restores ("controller", "dataloader").
+    @property
+    def controller_state(self) -> RolloutController:
+        return self.controller
+
+    @property
+    def loader_state(self) -> Any:
+        return self.loader
+
+    @property
+    def last_batch_items(self) -> list[Any]:
+        return self.controller.last_batch_items
+
+    @property
+    def admin(self) -> WeightUpdateAdmin:
+        return self.client.admin  # type: ignore[attr-defined]
+
+    @property
+    def run(self) -> Runner:
+        return self.controller.run
+
+    def start(self, version: int) -> None:
+        self.controller.set_version(version)
+        self.controller.start()
+
+    def prepare_batch(self) -> TensorDictBase:
+        return self.controller.prepare_batch(self.loader, self.workflow)
+
+    def take_dropped(self) -> list[Any]:
+        return self.controller.take_dropped()
+
+    def pause(self) -> None:
+        self.controller.pause()
+
+    def resume(self) -> None:
+        self.controller.resume()
+
+    def set_version(self, version: int) -> None:
+        self.controller.set_version(version)
+        self.client.set_version(version)
+
+    def stats(self) -> dict[str, dict[str, Any]]:
+        return {"controller": self.controller.stats(), "client": self.client.stats()}
+
+    def unfinished_state(self) -> dict[str, Any]:
+        """The controller's state: what is in flight, ready or not yet submitted."""
+        return self.controller.state_dict()
+
+    def epochs_handed_out(self) -> int:
+        return self.loader.epochs_handed_out()
+
+    def eval_sums(self, items: Sequence[dict[str, Any]]) -> list[float]:
+        return episode_sums(self.controller.run, self.client, items, self.eval_workflow)
+
+    def stop(self) -> None:
+        self.controller.stop()
