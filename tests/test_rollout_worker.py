@@ -18,7 +18,7 @@ from transformers import AutoTokenizer
 
 from arealite.config.loader import load_config
 from arealite.rollout.side import LocalRollout
-from arealite.rollout.worker import RolloutWorker, RolloutWorkerError, WorkerSpec, runs_in_a_worker
+from arealite.rollout.worker import Placement, RolloutWorker, RolloutWorkerError, WorkerSpec, runs_in_a_worker
 from arealite.server.process import ServerProcess
 from arealite.trainer import build
 from arealite.utils import procs
@@ -148,3 +148,24 @@ def test_workflows_a_worker_cannot_import_run_in_a_thread(cfg, caplog):
         side = build.build_rollout(cfg, tok, build.make_loader(cfg, list(ITEMS), 0, 1), 1, unpicklable, None)
     assert isinstance(side, LocalRollout) and side.workflow is unpicklable
     assert "rollout.worker=thread" in caplog.text
+
+
+def test_placement_moves_the_worker_to_the_trainers_cores_when_the_trainer_waits():
+    cpus = sorted(os.sched_getaffinity(0))
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        os.sched_setaffinity(child.pid, {cpus[0]})
+        busy = Placement(child.pid, set(cpus), window=3, warmup=1, threshold=0.1)
+        for _ in range(4):  # warm-up + a window in which the trainer never waits
+            busy.observe(0.0, 1.0)
+        assert not busy.moved and os.sched_getaffinity(child.pid) == {cpus[0]}
+        for _ in range(3):  # then a window in which it waits half the time: move, for good
+            busy.observe(0.5, 1.0)
+        assert busy.moved and os.sched_getaffinity(child.pid) == set(cpus)
+        os.sched_setaffinity(child.pid, {cpus[0]})
+        for _ in range(6):
+            busy.observe(0.9, 1.0)
+        assert os.sched_getaffinity(child.pid) == {cpus[0]}  # one move only
+    finally:
+        child.kill()
+        child.wait()

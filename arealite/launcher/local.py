@@ -336,7 +336,7 @@ class LocalLauncher:
         if cpus:
             # The trainers' rollout workers (HTTP, workflows) run beside the servers, off the
             # cores that train.
-            env[ENV_ROLLOUT_CPUS] = ",".join(str(c) for plan in server_cpus for c in plan)
+            env.setdefault(ENV_ROLLOUT_CPUS, ",".join(str(c) for plan in server_cpus for c in plan))
         proc = subprocess.Popen(
             cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
             env=env, start_new_session=True, preexec_fn=_child_setup(cpus),

@@ -22,6 +22,7 @@ import pickle
 import signal
 import subprocess
 import sys
+import time
 import traceback
 from multiprocessing.connection import Connection, Pipe
 from dataclasses import dataclass
@@ -146,6 +147,51 @@ def runs_in_a_worker(*workflows: RolloutWorkflow | None) -> str | None:
     return None
 
 
+class Placement:
+    """Moves the rollout worker to the trainer's cores when the trainer waits for batches.
+
+    The worker starts beside the servers (``AREALITE_ROLLOUT_CPUS``), which is right when
+    training is the longer phase: generation leaves room on the servers' cores. When the
+    trainer instead waits for batches (synchronous RL, or generation the longer phase), the
+    servers' cores are the bottleneck and the trainer's own are idle while it waits: the
+    first window of `window` steps in which the trainer waited more than `threshold` of
+    the time moves the worker's threads there, for good (moving back and forth would chase
+    its own effect).
+    """
+
+    def __init__(self, pid: int, to_cpus: set[int], window: int = 5, warmup: int = 2,
+                 threshold: float = 0.1):
+        self.pid, self.to_cpus = pid, to_cpus
+        self.window, self.warmup, self.threshold = window, warmup, threshold
+        self.steps = 0
+        self.wait = self.total = 0.0
+        self.moved = False
+
+    def observe(self, wait_s: float, step_s: float) -> None:
+        """One step: `wait_s` of `step_s` were spent waiting for the batch."""
+        self.steps += 1
+        if self.moved or self.steps <= self.warmup:
+            return
+        self.wait += wait_s
+        self.total += step_s
+        if (self.steps - self.warmup) % self.window:
+            return
+        if self.total > 0 and self.wait / self.total > self.threshold:
+            self._move()
+            self.moved = True
+        self.wait = self.total = 0.0  # the next window
+
+    def _move(self) -> None:
+        try:
+            for tid in os.listdir(f"/proc/{self.pid}/task"):
+                os.sched_setaffinity(int(tid), self.to_cpus)
+        except OSError as e:  # the worker is gone or the cores are not ours: keep the placement
+            logger.warning("could not move the rollout worker to cores %s: %s", sorted(self.to_cpus), e)
+            return
+        logger.warning("the trainer waited %.0f%% of each step for batches: the rollout worker moved "
+                       "to the trainer's cores %s", 100 * self.wait / self.total, sorted(self.to_cpus))
+
+
 class _Remote:
     """A stateful object of the child (its controller or dataloader), for the checkpointer."""
 
@@ -171,6 +217,9 @@ class RolloutWorker:
                                      stdin=subprocess.DEVNULL)
         child_conn.close()
         self._stopped = False
+        self._placement = (Placement(self.proc.pid, os.sched_getaffinity(0))
+                           if os.environ.get(ENV_ROLLOUT_CPUS) and hasattr(os, "sched_getaffinity") else None)
+        self._last_batch_at: float | None = None
         _send(self._conn, spec)
         self._receive("start", start_timeout)
         self.controller_state = _Remote(self, "controller")
@@ -234,7 +283,12 @@ class RolloutWorker:
         self.call("start", version)
 
     def prepare_batch(self) -> Any:
+        t0 = time.monotonic()
         batch = self.call("prepare_batch")
+        now = time.monotonic()
+        if self._placement is not None and self._last_batch_at is not None:
+            self._placement.observe(now - t0, now - self._last_batch_at)
+        self._last_batch_at = now
         self.last_batch_items = self.call("last_batch_items")
         return batch
 
