@@ -28,11 +28,11 @@ from arealite.config.schema import ArealiteConfig
 from arealite.trainer import build
 from arealite.trainer.evaluation import evaluate
 from arealite.trainer.hooks import TrainerHook
-from arealite.trainer.step_stats import StepStats
+from arealite.trainer.step_stats import StepStats, reduce_stats
 from arealite.utils import accounting
 from arealite.utils.checkpoint import Checkpointer, fault_point
 from arealite.utils.progress import Progress
-from arealite.utils.run import reduce_stats, run_dir
+from arealite.utils.run import run_dir
 from arealite.utils.stats_logger import StatsLogger, plot_reward_curve
 from arealite.workflow.base import RolloutWorkflow
 

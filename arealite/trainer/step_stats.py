@@ -9,12 +9,15 @@ that says where it comes from: ``rollout/``, ``train/``, ``weight_sync/``, ``tim
 
 from __future__ import annotations
 
+import collections
 import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+import torch.distributed as dist
+
+from arealite.rollout.staleness import trajectory_staleness
 from arealite.utils import accounting
-from arealite.utils.run import batch_stats, reduce_stats
 
 #: Client counters that add up over ranks (each rank has its own client).
 CLIENT_COUNTS = ("requests", "retries", "timeouts", "connection_errors", "http_5xx", "malformed",
@@ -75,3 +78,52 @@ class StepStats:
         if accounting.EPOCHS in out:
             out["rollout/epoch"] = min(out[accounting.EPOCHS], default=-1)
         return out
+
+
+def batch_stats(batch, version: int) -> dict[str, float]:
+    """Reward, length and staleness figures of one training batch (this rank's rows)."""
+    rewards = batch["rewards"].float()
+    lm = batch["loss_mask"].bool()
+    resp_len = lm.sum(-1).float()
+    staleness = trajectory_staleness(batch["versions"], lm, version)
+    out = {
+        "rollout/reward_mean": rewards.mean().item(),
+        "rollout/reward_std": rewards.std().item() if rewards.numel() > 1 else 0.0,
+        "rollout/accuracy": (rewards > 0.5).float().mean().item(),
+        "rollout/response_len_mean": resp_len.mean().item(),
+        "rollout/response_len_max": resp_len.max().item(),
+        "rollout/n_trajectories": float(rewards.numel()),
+        "rollout/n_tokens": float(batch["attention_mask"].sum().item()),
+        "rollout/staleness_mean": staleness.float().mean().item(),
+        "rollout/staleness_max": staleness.max().item(),
+    }
+    for s, n in sorted(collections.Counter(staleness.tolist()).items()):
+        out[f"rollout/staleness_hist/{int(s)}"] = float(n)
+    return out
+
+
+def reduce_stats(stats: Mapping[str, float], sum_keys: Sequence[str] = ()) -> dict[str, float]:
+    """Merge every rank's stats (a collective): ``*_max`` keys take the max, ``sum_keys``,
+    counts and histogram buckets the sum, lists are concatenated in rank order, the rest
+    is averaged. Ranks may hold different keys (histogram buckets differ)."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return dict(stats)
+    gathered: list[dict] = [None] * dist.get_world_size()  # type: ignore[list-item]
+    dist.all_gather_object(gathered, dict(stats))
+    keys = sorted({k for g in gathered for k in g})
+    out: dict[str, float] = {}
+    for k in keys:
+        lists = [g[k] for g in gathered if isinstance(g.get(k), list)]
+        if lists:  # per-rank lists (e.g. prompt ids): concatenated in rank order
+            out[k] = [x for lst in lists for x in lst]
+            continue
+        vals = [float(g[k]) for g in gathered if k in g and isinstance(g[k], (int, float))]
+        if not vals:
+            continue
+        if k.endswith("_max"):
+            out[k] = max(vals)
+        elif k in sum_keys or "/staleness_hist/" in k or k.startswith("rollout/n_"):
+            out[k] = sum(vals)
+        else:
+            out[k] = sum(vals) / len(vals)
+    return out
