@@ -13,7 +13,7 @@ import asyncio
 import logging
 import os
 import time
-from typing import TYPE_CHECKING, Awaitable, Callable
+from typing import TYPE_CHECKING, Any, Awaitable, Callable
 
 import torch
 from aiohttp import web
@@ -91,12 +91,7 @@ class WeightRoutes:
             logger.warning("update_weights_from_disk(%s) refused: %s", path, problem)
             return web.json_response({"success": False, "message": problem, "num_paused_requests": 0}, status=400)
 
-        def load() -> None:
-            copy_into_model(self.state, tensors)
-            if version is not None:
-                self.runner.weight_version = str(version)
-
-        await self.runner.call(load)
+        await self._load(lambda: copy_into_model(self.state, tensors), version)
         self._server.model_path = path
         msg = f"loaded {len(tensors)} tensors from {path} in {time.perf_counter() - t0:.2f}s"
         logger.info("update_weights_from_disk: %s (weight_version %s)", msg, self.runner.weight_version)
@@ -140,17 +135,26 @@ class WeightRoutes:
                 logger.warning("%s(%s) refused: %s", route, path, problem)
                 return web.json_response({"success": False, "message": f"{route}: {problem}"}, status=400)
 
-            def load() -> None:
+            def copy() -> None:
                 with torch.no_grad():
                     for name, dt, shape, off in zip(names, dtypes, shapes, offsets):
                         self.state[name].copy_(shm.tensor(off, dt, shape))
-                if version is not None:
-                    self.runner.weight_version = str(version)
 
-            await self.runner.call(load)
+            await self._load(copy, version)
         msg = f"updated {len(names)} tensors from {path} in {time.perf_counter() - t0:.3f}s"
         logger.debug("%s: %s", route, msg)
         return web.json_response({"success": True, "message": msg})
+
+    async def _load(self, copy: Callable[[], None], version: Any) -> None:
+        """Run `copy` (new tensors into the model) on the runner's thread, between two
+        decode steps, and take on `version` with it (None keeps the current one)."""
+
+        def load() -> None:
+            copy()
+            if version is not None:
+                self.runner.weight_version = str(version)
+
+        await self.runner.call(load)
 
     def _map_shm(self, path: str) -> ShmWeightFile:
         """The mapping of `path`, reusing the cached one while it is the same file."""
@@ -250,12 +254,7 @@ class WeightRoutes:
             logger.warning("%s refused: %s", route, problem)
             return web.json_response({"success": False, "message": problem}, status=400)
 
-        def load() -> None:
-            copy_into_model(self.state, dict(zip(names, tensors)))
-            if version is not None:
-                self.runner.weight_version = str(version)
-
-        await self.runner.call(load)
+        await self._load(lambda: copy_into_model(self.state, dict(zip(names, tensors))), version)
         msg = f"updated {len(names)} tensors in {time.perf_counter() - t0:.3f}s"
         logger.debug("%s: %s", route, msg)
         return web.json_response({"success": True, "message": msg})
