@@ -32,7 +32,8 @@ from typing import Callable, NamedTuple
 
 import torch
 
-from arealite.algo.named import register_into, resolve_named
+from arealite.algo.named import resolve_named
+from arealite.utils.imports import register_into
 
 __all__ = [
     "ADVANTAGE_ESTIMATORS",

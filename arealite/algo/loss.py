@@ -34,7 +34,8 @@ from typing import TYPE_CHECKING, Any, Callable, Literal, Optional
 import torch
 
 from arealite.algo.logprob import gather_logprobs_entropy, gather_logprobs_entropy_stat
-from arealite.algo.named import register_into, resolve_named
+from arealite.algo.named import resolve_named
+from arealite.utils.imports import register_into
 
 if TYPE_CHECKING:
     from arealite.config.schema import AlgorithmConfig

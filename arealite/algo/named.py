@@ -48,15 +48,3 @@ def _check_arity(fn: Callable, n: int, spec: str, what: str, signature: str) -> 
         sig.bind(*([None] * n))
     except TypeError as e:
         raise ValueError(f"{what} {spec!r} cannot be called as {signature}: {e}") from None
-
-
-def register_into(registry: dict[str, Callable], name: str, what: str) -> Callable[[Callable], Callable]:
-    """A decorator that adds a function to ``registry`` under ``name`` (one name, one function)."""
-
-    def register(fn: Callable) -> Callable:
-        if name in registry and registry[name] is not fn:
-            raise ValueError(f"two built-in {what}s are named {name!r}")
-        registry[name] = fn
-        return fn
-
-    return register

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import importlib
 import re
-from typing import Any
+from typing import Any, Callable, TypeVar
 
 SPEC_RE = re.compile(r"^[\w.]+:[\w.]+$")
 
@@ -42,3 +42,20 @@ def import_callable(spec: str, what: str = "function") -> Any:
     if not callable(obj):
         raise TypeError(f"{what} {spec!r} is a {type(obj).__name__}, not a callable")
     return obj
+
+
+_F = TypeVar("_F", bound=Callable)
+
+
+def register_into(registry: dict[str, Any], name: str, what: str) -> Callable[[_F], _F]:
+    """A decorator that adds a function or class to ``registry`` under ``name`` (one name,
+    one object): how built-ins that config names by a short name are declared."""
+
+    def register(obj: _F) -> _F:
+        if name in registry and registry[name] is not obj:
+            raise ValueError(f"two built-in {what}s are named {name!r}: "
+                             f"{registry[name].__qualname__} and {obj.__qualname__}")
+        registry[name] = obj
+        return obj
+
+    return register

@@ -23,7 +23,7 @@ import inspect
 import pkgutil
 from typing import TYPE_CHECKING, Any, Callable, TypeVar
 
-from arealite.utils.imports import import_callable, is_import_spec
+from arealite.utils.imports import import_callable, is_import_spec, register_into
 
 if TYPE_CHECKING:
     from arealite.config.schema import ArealiteConfig
@@ -38,15 +38,7 @@ _T = TypeVar("_T", bound=type)
 
 def builtin_workflow(name: str) -> Callable[[_T], _T]:
     """Class decorator: make a workflow nameable in config as ``rollout.workflow: <name>``."""
-
-    def register(cls: _T) -> _T:
-        if name in _BUILTIN and _BUILTIN[name] is not cls:
-            raise ValueError(f"two built-in workflows are named {name!r}: {_BUILTIN[name].__qualname__} "
-                             f"and {cls.__qualname__}")
-        _BUILTIN[name] = cls
-        return cls
-
-    return register
+    return register_into(_BUILTIN, name, "workflow")
 
 
 def builtin_workflows() -> dict[str, type]:
