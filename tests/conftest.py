@@ -58,6 +58,16 @@ def micro_model_dir(tmp_path_factory) -> Path:
     return build_tiny_model(tmp_path_factory.mktemp("tiny_micro"), size="micro", seed=0)
 
 
+def run_env(*paths: str | Path, **extra: str) -> dict[str, str]:
+    """The environment of an end-to-end child run: one thread per op, offline, the checkout
+    (and `paths` before it) on PYTHONPATH, plus `extra`."""
+    env = dict(os.environ)
+    path = [*map(str, paths), str(REPO), env.get("PYTHONPATH", "")]
+    env.update(OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1",
+               PYTHONPATH=os.pathsep.join(path), **extra)
+    return env
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -7,23 +7,19 @@ Everything is real: processes, HTTP on 127.0.0.1, gloo process groups, files.
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from conftest import REPO
+from conftest import REPO, run_env
 
 pytestmark = pytest.mark.slow
 
 
 def _env() -> dict[str, str]:
-    env = dict(os.environ)
-    env.update(OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1",
-               PYTHONPATH=str(REPO) + os.pathsep + env.get("PYTHONPATH", ""))
-    return env
+    return run_env()
 
 
 @pytest.fixture(scope="module")

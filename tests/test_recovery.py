@@ -19,7 +19,7 @@ from typing import Iterator
 
 import pytest
 
-from conftest import REPO, free_port
+from conftest import REPO, free_port, run_env
 
 from arealite.config.schema import RecoverConfig, RolloutConfig, SaverConfig
 from arealite.data.dataset import StatefulDataLoader
@@ -32,10 +32,7 @@ from arealite.workflow.common import item_fields
 
 
 def _env(**extra: str) -> dict[str, str]:
-    env = dict(os.environ)
-    env.update(OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1",
-               PYTHONPATH=str(REPO) + os.pathsep + env.get("PYTHONPATH", ""), **extra)
-    return env
+    return run_env(**extra)
 
 
 # ------------------------------------------------------------ accounting (pure)

@@ -42,16 +42,14 @@ from arealite.weight_sync import (
     WeightPublisher,
     WeightSyncError,
 )
-from conftest import REPO, free_port, perturbed_weights
+from conftest import REPO, free_port, perturbed_weights, run_env
 
 
 # ------------------------------------------------------------------ helpers
 
 
 def _env() -> dict[str, str]:
-    env = dict(os.environ)
-    env.update(OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1",
-               PYTHONPATH=str(REPO) + os.pathsep + env.get("PYTHONPATH", ""))
+    env = run_env()
     env.pop("AREALITE_SERVER_ADDRS", None)
     return env
 

@@ -8,7 +8,6 @@ Real processes: the launcher, an embedded server, torchrun with gloo, HTTP on 12
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import textwrap
@@ -17,17 +16,14 @@ from pathlib import Path
 import pytest
 import yaml
 
-from conftest import REPO
+from conftest import REPO, run_env
 
 pytestmark = pytest.mark.slow
 TESTS = Path(__file__).resolve().parent
 
 
 def _env(**extra: str) -> dict[str, str]:
-    env = dict(os.environ)
-    env.update(OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1",
-               PYTHONPATH=os.pathsep.join([str(TESTS), str(REPO), env.get("PYTHONPATH", "")]), **extra)
-    return env
+    return run_env(TESTS, **extra)
 
 
 @pytest.fixture(scope="module")
