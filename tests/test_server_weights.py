@@ -240,9 +240,13 @@ async def push(http, server, trainer, names, tensors, *, flattened=False, versio
     if version is not None:
         meta["weight_version"] = version
     meta.update(meta_override or {})
-    req = asyncio.create_task(post(http, server, "/update_weights_from_distributed", meta, status=status))
-    await asyncio.to_thread(trainer.broadcast, tensors, flattened)
-    return await asyncio.wait_for(req, 60)
+    await post(http, server, "/begin_weight_update", {})  # SGLang >= 0.5.21: one session per update
+    try:
+        req = asyncio.create_task(post(http, server, "/update_weights_from_distributed", meta, status=status))
+        await asyncio.to_thread(trainer.broadcast, tensors, flattened)
+        return await asyncio.wait_for(req, 60)
+    finally:
+        await post(http, server, "/end_weight_update", {})
 
 
 async def test_update_weights_from_distributed(server, http, seed1_dir):

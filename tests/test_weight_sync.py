@@ -229,7 +229,9 @@ def test_corrupted_update_fails_loudly_and_server_stays_paused(client, loop_runn
     weights.set(base_state)
     with pytest.raises(WeightSyncError, match="broken"):
         pub.publish(100)
-    # Let the other tests use the server again (the failed update left it paused, mid-update).
+    # The failed attempt closed its weight-update session (SGLang would refuse the next
+    # begin otherwise): a new one opens. The server stays paused until continued.
+    run(client.begin_weight_update())
     run(client.end_weight_update())
     run(client.continue_generation())
     assert fut.result(30).output_versions[0] == version_before

@@ -73,7 +73,7 @@ class ServerState:
     __slots__ = (
         "addr", "base_url", "sem", "healthy", "reason", "consecutive_failures", "inflight",
         "attempts", "info", "version_text", "version", "tp_size", "last_probe", "probing",
-        "excluded", "n_ok", "n_failed", "conns",
+        "excluded", "n_ok", "n_failed", "conns", "routes", "liveness",
     )
 
     def __init__(self, addr: str, base_url: str, max_inflight: int):
@@ -98,6 +98,13 @@ class ServerState:
         self.n_failed = 0
         # Keep-alive connections for generation (plain http only; https goes through aiohttp).
         self.conns: Http1Pool | None = None
+        # The routes it serves (its OpenAPI document), None when it does not say.
+        self.routes: frozenset[str] | None = None
+        self.liveness = ""  # the route that tells it is alive without generating
+
+    def serves(self, route: str) -> bool | None:
+        """Whether the server has ``route`` (None: it did not list its routes)."""
+        return None if self.routes is None else route in self.routes
 
 
 class ServerPool:
@@ -231,17 +238,23 @@ class ServerPool:
         s.probing = True
         s.last_probe = time.monotonic()
         try:
-            ok = await self._alive(s)
+            # Out of a pause, coming back needs a token generated; during one, an answer.
+            ok = await self._alive(s, generating=self.running.is_set())
         finally:
             s.probing = False
         if ok:
             self.bring_back(s)
         return ok
 
-    async def _alive(self, s: ServerState) -> bool:
+    def liveness_route(self, s: ServerState) -> str:
+        """The route that proves ``s`` alive without generating (SGLang's ``/health``
+        generates, so while paused it waits and then fails)."""
+        return s.liveness or self.wire.liveness_routes[-1]
+
+    async def _alive(self, s: ServerState, generating: bool = False) -> bool:
+        route = self.wire.health_route if generating else self.liveness_route(s)
         try:
-            async with self.ensure_session().get(s.base_url + self.wire.health_route,
-                                                 timeout=self.probe_timeout) as r:
+            async with self.ensure_session().get(s.base_url + route, timeout=self.probe_timeout) as r:
                 await r.read()
                 return r.status == 200
         except (aiohttp.ClientError, TimeoutError):
@@ -257,7 +270,7 @@ class ServerPool:
         for s, ok in zip(targets, oks):
             if ok:
                 continue
-            reason = f"no answer to {self.wire.health_route}{f' after {why}' if why else ''}"
+            reason = f"no answer to {self.liveness_route(s)}{f' after {why}' if why else ''}"
             self.take_out(s, reason)
             s.excluded = s.excluded or reason
             dropped.append(s.addr)
@@ -320,14 +333,19 @@ class ServerPool:
             await asyncio.sleep(min(pause_s, left))
             pause_s = min(pause_s * 2, 1.0)
 
-    async def _read_info(self, s: ServerState) -> None:
-        route = self.wire.info_route
+    async def _get(self, s: ServerState, route: str) -> tuple[int, bytes]:
         try:
             async with self.ensure_session().get(s.base_url + route, timeout=self.probe_timeout) as resp:
-                raw = await resp.read()
-                status = resp.status
+                return resp.status, await resp.read()
         except (aiohttp.ClientError, TimeoutError) as e:
             raise ServerStartupError(f"{s.addr}{route} failed: {describe(e)}") from None
+
+    async def _read_info(self, s: ServerState) -> None:
+        """What the server says about itself (the first info route it serves) and its routes."""
+        for route in self.wire.info_routes:
+            status, raw = await self._get(s, route)
+            if status != 404:
+                break
         if status != 200:
             raise ServerStartupError(f"{s.addr}{route} answered HTTP {status}: {snippet(raw)}")
         try:
@@ -338,6 +356,25 @@ class ServerPool:
             raise ServerStartupError(f"{s.addr}{route} returned {type(info).__name__}, not an object")
         s.info = info
         s.version_text, s.version, s.tp_size = self.wire.server_facts(s.addr, info)
+        s.routes = await self._read_routes(s)
+        live = [r for r in self.wire.liveness_routes if s.serves(r)]
+        s.liveness = live[0] if live else self.wire.liveness_routes[-1]
+
+    async def _read_routes(self, s: ServerState) -> frozenset[str] | None:
+        """The paths of the server's OpenAPI document; None (logged) when it has none."""
+        route = self.wire.routes_route
+        if route is None:
+            return None
+        status, raw = await self._get(s, route)
+        try:
+            paths = loads(raw).get("paths") if status == 200 else None
+        except (ValueError, AttributeError):
+            paths = None
+        if not isinstance(paths, dict):
+            logger.warning("%s: no route list at %s (HTTP %d); optional routes are chosen by the "
+                           "release it reports (%s)", s.addr, route, status, s.version_text)
+            return None
+        return frozenset(p for p in paths if isinstance(p, str))
 
     async def aclose(self) -> None:
         """Stop background probes, close every connection."""

@@ -58,7 +58,7 @@ class SGLangAdmin:
         return self.pool.healthy
 
     def server_info(self, addr: str) -> dict[str, Any]:
-        """What a server reported in ``/get_server_info`` at start-up (empty if unknown)."""
+        """What a server reported in ``/server_info`` at start-up (empty if unknown)."""
         return dict(self.pool.get(addr).info)
 
     def out_of_rotation(self) -> dict[str, str]:
@@ -137,19 +137,37 @@ class SGLangAdmin:
     # ----------------------------------------------------- update sessions
 
     async def begin_weight_update(self) -> dict[str, Any]:
-        """``/begin_weight_update`` on the servers that have it (SGLang >= 0.5.21); others skip."""
-        return await self._bracket("/begin_weight_update")
+        """Open a weight-update session on the servers that have them (SGLang >= 0.5.21).
+
+        SGLang refuses a second begin while a session is open (and a distributed update
+        outside one), so every begin must be matched by `end_weight_update`, failure or not.
+        A server that says a session is already open (left by an earlier, failed trainer)
+        has it closed and opened again.
+        """
+        try:
+            return await self._bracket("/begin_weight_update")
+        except ServerAdminError as e:
+            stale = [a for a, why in e.failures.items() if "already open" in why]
+            if not stale or len(stale) < len(e.failures):
+                raise
+            targets = [self.pool.by_addr[a] for a in stale]
+            await self.pool.call_all("/end_weight_update", {}, servers=targets)
+            again = await self.pool.call_all("/begin_weight_update", {}, servers=targets)
+            return {**e.results, **again}
 
     async def end_weight_update(self) -> dict[str, Any]:
-        """``/end_weight_update`` on the servers that have it (SGLang >= 0.5.21); others skip."""
+        """Close the weight-update session on the servers that have them; others skip."""
         return await self._bracket("/end_weight_update")
 
     def supports_weight_update_brackets(self, addr: str) -> bool:
-        """Whether a server's release has begin/end_weight_update."""
-        return has_weight_update_brackets(self.pool.get(addr).version)
+        """Whether a server has begin/end_weight_update: the routes it lists decide, and
+        only a server that lists none is judged by its release."""
+        s = self.pool.get(addr)
+        served = s.serves("/begin_weight_update")
+        return has_weight_update_brackets(s.version) if served is None else served
 
     async def _bracket(self, route: str) -> dict[str, Any]:
-        targets = [s for s in self.pool.states if s.healthy and has_weight_update_brackets(s.version)]
+        targets = [s for s in self.pool.states if s.healthy and self.supports_weight_update_brackets(s.addr)]
         if not targets:
             return {}
         return await self.pool.call_all(route, {}, servers=targets)

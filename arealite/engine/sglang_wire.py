@@ -93,8 +93,12 @@ class SGLangWire:
 
     name = "sglang"
     generate_route = "/generate"
-    info_route = "/get_server_info"
+    info_routes = ("/server_info", "/get_server_info")  # the second is a deprecated alias
+    routes_route = "/openapi.json"  # FastAPI's; absent when SGLang runs with DISABLE_OPENAPI_DOC
+    # SGLang's /health generates one token: while paused it waits, then fails. The model-info
+    # routes answer from the tokenizer manager without generating (newest name first).
     health_route = "/health"
+    liveness_routes = ("/model_info", "/get_model_info")
 
     def sampling_params(self, sp: SamplingParams) -> dict[str, Any]:
         return sp.to_sglang()
@@ -138,8 +142,8 @@ class SGLangWire:
         version = parse_sglang_version(release)
         if version is None:
             logger.warning(
-                "%s: /get_server_info has no parsable 'version' (%r); assuming an SGLang "
-                "release older than %s (begin/end_weight_update will be skipped)",
+                "%s: the server info has no parsable 'version' (%r); the routes it serves "
+                "(/openapi.json) decide which optional routes are used, else none before %s",
                 addr, info.get("version"), ".".join(map(str, WEIGHT_UPDATE_BRACKETS_SINCE)),
             )
         tp = info.get("tp_size", 1)

@@ -63,8 +63,10 @@ class WireFormat(Protocol):
 
     name: str
     generate_route: str  # POST, body from `generate_body`
-    info_route: str  # GET, read once at start-up (`server_facts`)
-    health_route: str  # GET, 200 = alive (start-up, probes of servers out of rotation)
+    info_routes: tuple[str, ...]  # GET, read once at start-up (`server_facts`); the first served wins
+    routes_route: str | None  # GET, the routes a server serves (OpenAPI document), None: not offered
+    health_route: str  # GET, 200 = alive and generating (start-up, probes while not paused)
+    liveness_routes: tuple[str, ...]  # GET, 200 = alive, never generates (probes while paused)
 
     def sampling_params(self, sp: SamplingParams) -> dict[str, Any]:
         """The backend's sampling parameters for `sp` (computed once per request)."""
@@ -80,7 +82,7 @@ class WireFormat(Protocol):
         ...
 
     def server_facts(self, addr: str, info: dict[str, Any]) -> ServerFacts:
-        """What `info` (the JSON object of `info_route`) says about server `addr`."""
+        """What `info` (the JSON object of an `info_routes` route) says about server `addr`."""
         ...
 
 

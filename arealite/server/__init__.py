@@ -7,7 +7,7 @@ continuous batching on a dedicated model thread. In-process use:
 """
 
 from .args import ServerArgs, parse_args
-from .app import ENGINE_NAME, SGLANG_VERSION, EmbeddedServer, build_app, create_server, serve
+from .app import ENGINE_NAME, EmbeddedServer, build_app, create_server, serve
 
 __all__ = ["ServerArgs", "parse_args", "EmbeddedServer", "build_app", "create_server", "serve",
-           "ENGINE_NAME", "SGLANG_VERSION"]
+           "ENGINE_NAME"]

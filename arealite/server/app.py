@@ -21,13 +21,13 @@ from aiohttp import web
 from .args import ServerArgs
 from .body import RequestError, check_fields, error_response, json_body, want
 from .runner import ModelRunner, Sequence
+from .strict import SGLangBehaviour
 from .sampling import GenerateInput, SamplingConfig, parse_generate
 from .weight_routes import WeightRoutes
 from .weights import model_state, parse_dtype
 
 logger = logging.getLogger("arealite.server")
 
-SGLANG_VERSION = "0.5.23"
 ENGINE_NAME = "arealite-embedded"
 
 _STATE_KEY = web.AppKey("arealite_server", object)
@@ -89,6 +89,8 @@ class EmbeddedServer:
             vocab_size=self.vocab_size, max_batch_size=args.max_batch_size,
             random_seed=args.random_seed, weight_version=str(args.weight_version),
         )
+        self.behaviour = SGLangBehaviour.from_flags(
+            strict=args.strict_sglang, release=args.sglang_version, readback=args.readback_architectures)
         self.weights = WeightRoutes(self)
 
     # -- helpers ----------------------------------------------------------
@@ -109,6 +111,9 @@ class EmbeddedServer:
         }
         if seq.inp.return_logprob:
             meta["output_token_logprobs"] = [[lp, t, None] for lp, t in zip(seq.output_logprobs, seq.output_ids)]
+            if seq.input_logprobs is not None:
+                ids = seq.inp.input_ids[seq.inp.logprob_start_len:]
+                meta["input_token_logprobs"] = [[lp, t, None] for lp, t in zip(seq.input_logprobs, ids)]
         out: dict[str, Any] = {}
         if self.tokenizer is not None:
             ids = seq.output_ids
@@ -126,10 +131,26 @@ class EmbeddedServer:
     # -- routes -----------------------------------------------------------
 
     async def health(self, request: web.Request) -> web.Response:
+        if self.behaviour.health_generates:
+            return await self._health_by_generation()
+        return web.Response(status=200)
+
+    async def _health_by_generation(self) -> web.Response:
+        """SGLang's ``/health``: one greedy token; while paused it waits, then answers 503."""
+        rid = f"HEALTH_CHECK_{time.monotonic_ns()}"
+        inp = GenerateInput(rid=rid, input_ids=[0], sampling=SamplingConfig(max_new_tokens=1, temperature=0.0))
+        try:
+            await asyncio.wait_for(self.runner.generate(inp), timeout=self.behaviour.health_timeout_s)
+        except (asyncio.TimeoutError, RuntimeError):
+            await self.runner.call(lambda: self.runner.abort(rid, "health check timed out"))
+            logger.error("health check failed: no token within %gs", self.behaviour.health_timeout_s)
+            return web.Response(status=503)
         return web.Response(status=200)
 
     async def health_generate(self, request: web.Request) -> web.Response:
         r = self.runner
+        if self.behaviour.strict:
+            return await self._health_by_generation()
         if r.paused or r.in_update_bracket:
             # Generation is intentionally held; the server itself is fine.
             return web.json_response({"status": "paused"})
@@ -158,7 +179,8 @@ class EmbeddedServer:
     async def get_server_info(self, request: web.Request) -> web.Response:
         a, r = self.args, self.runner
         return web.json_response({
-            "version": SGLANG_VERSION,
+            "version": self.behaviour.release,
+            "strict_sglang": self.behaviour.strict,
             "engine": ENGINE_NAME,
             "model_path": self.model_path,
             "tokenizer_path": None if self.tokenizer is None else str(a.model_path),
@@ -183,6 +205,20 @@ class EmbeddedServer:
                 # busy machine compare work done rather than contended wall time.
                 "cpu_time_s": time.process_time(),
             }],
+        })
+
+    async def openapi(self, request: web.Request) -> web.Response:
+        """The routes served, in the shape FastAPI gives ``/openapi.json`` (clients detect features)."""
+        paths: dict[str, dict[str, Any]] = {}
+        for route in request.app.router.routes():
+            path = route.resource.canonical if route.resource is not None else None
+            if path is None or route.method in ("HEAD", "*"):
+                continue
+            paths.setdefault(path, {})[route.method.lower()] = {"summary": path.strip("/")}
+        return web.json_response({
+            "openapi": "3.1.0",
+            "info": {"title": ENGINE_NAME, "version": self.behaviour.release},
+            "paths": dict(sorted(paths.items())),
         })
 
     async def generate(self, request: web.Request) -> web.Response:
@@ -253,10 +289,15 @@ def build_app(server: EmbeddedServer) -> web.Application:
     app = web.Application(middlewares=[_make_middleware(server.args.api_key)], client_max_size=1 << 30)
     app[_STATE_KEY] = server
     s = server
-    both = ("/health", "/health_generate", "/get_model_info", "/get_server_info", "/flush_cache")
-    for path, h in zip(both, (s.health, s.health_generate, s.get_model_info, s.get_server_info, s.flush_cache)):
+    both = {"/health": s.health, "/health_generate": s.health_generate,
+            "/model_info": s.get_model_info, "/get_model_info": s.get_model_info,
+            "/server_info": s.get_server_info, "/get_server_info": s.get_server_info,
+            "/flush_cache": s.flush_cache}
+    for path, h in both.items():
         app.router.add_get(path, h)
         app.router.add_post(path, h)
+    if s.behaviour.openapi:
+        app.router.add_get("/openapi.json", s.openapi)
     for path, h in {
         "/generate": s.generate,
         "/pause_generation": s.pause_generation,

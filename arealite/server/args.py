@@ -36,6 +36,13 @@ class ServerArgs:
     weight_sync_timeout_s: float = 600.0
     """Timeout of the weight-update process group (rendezvous and broadcasts)."""
     log_level: str = "info"
+    strict_sglang: bool = False
+    """Behave as SGLang does where it is unforgiving (see ``arealite.server.strict``)."""
+    sglang_version: str = "0.5.23"
+    """The SGLang release to report and emulate (before 0.5.21: no weight-update sessions)."""
+    readback_architectures: str | None = None
+    """Model classes whose weights ``/get_weights_by_name`` reads back, comma-separated
+    (``all``); default: every class, or SGLang's list under ``--strict-sglang``."""
 
     def __repr__(self) -> str:  # never print the api key
         fields = {k: v for k, v in self.__dict__.items() if k != "api_key"}
@@ -65,6 +72,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--weight-version", default="0")
     p.add_argument("--weight-sync-timeout-s", type=float, default=600.0)
     p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
+    p.add_argument("--strict-sglang", action="store_true",
+                   help="behave as SGLang where it is unforgiving: /health generates (and waits while "
+                        "paused), read-back only for SGLang's model classes")
+    p.add_argument("--sglang-version", default="0.5.23",
+                   help="SGLang release to report and emulate (before 0.5.21: no begin/end_weight_update)")
+    p.add_argument("--readback-architectures", default=None,
+                   help="comma-separated model classes whose weights can be read back ('all')")
     return p
 
 
@@ -78,6 +92,8 @@ def parse_args(argv: list[str] | None = None) -> ServerArgs:
         p.error(f"--max-batch-size {ns.max_batch_size} must be at least 1")
     if ns.context_length is not None and ns.context_length < 2:
         p.error(f"--context-length {ns.context_length} must be at least 2")
+    if not ns.sglang_version[:1].isdigit():
+        p.error(f"--sglang-version {ns.sglang_version!r} is not a release such as 0.5.23")
     if ns.weight_sync_timeout_s <= 0:
         p.error("--weight-sync-timeout-s must be positive")
     return ServerArgs(**vars(ns))

@@ -44,6 +44,8 @@ class Sequence:
     generator: torch.Generator | None = None
     output_ids: list[int] = field(default_factory=list)
     output_logprobs: list[float] = field(default_factory=list)
+    input_logprobs: list[float | None] | None = None
+    """SGLang's ``input_token_logprobs`` values from ``logprob_start_len`` (None: not asked)."""
     finish_reason: dict[str, Any] | None = None
     weight_version: str = ""
     start_time: float = field(default_factory=time.perf_counter)
@@ -230,10 +232,27 @@ class ModelRunner:
         seq.end_time = time.perf_counter()
         seq.loop.call_soon_threadsafe(_deliver, seq.future, seq)
 
-    def _forward(self, input_ids, mask, positions, cache):
+    def _forward(self, input_ids, mask, positions, cache, all_positions: bool = False):
         out = self.model(input_ids=input_ids, attention_mask=mask, position_ids=positions,
-                         past_key_values=cache, use_cache=True, logits_to_keep=1)
-        return out.logits[:, -1, :]
+                         past_key_values=cache, use_cache=True, logits_to_keep=0 if all_positions else 1)
+        return out.logits if all_positions else out.logits[:, -1, :]
+
+    @staticmethod
+    def _input_logprobs(seqs: list[Sequence], logits: torch.Tensor, ids: torch.Tensor, lens: list[int]) -> None:
+        """SGLang's ``input_token_logprobs`` for the sequences that asked (``logprob_start_len``).
+
+        Entry j is the log-prob (temperature 1) of prompt token ``start + j`` given the tokens
+        before it; entry 0 is None, as SGLang reports it (``[None] + logprobs[:-1]``).
+        """
+        T = ids.shape[1]
+        for i, s in enumerate(seqs):
+            start = s.inp.logprob_start_len
+            if start < 0:
+                continue
+            off = T - lens[i]  # left padding
+            rows = logits[i, off + start:T - 1].float().log_softmax(-1)
+            nxt = ids[i, off + start + 1:T]
+            s.input_logprobs = [None] + rows.gather(-1, nxt[:, None]).squeeze(-1).tolist()
 
     def _prefill(self, seqs: list[Sequence]) -> None:
         """Run the prompts of newly admitted sequences and merge them into the batch."""
@@ -257,7 +276,11 @@ class ModelRunner:
         ids, mask = ids.to(self.device), mask.to(self.device)
         positions = (mask.cumsum(dim=1) - 1).clamp(min=0)
         cache = DynamicCache()
-        logits = self._forward(ids, mask, positions, cache)
+        want_input = any(s.inp.logprob_start_len >= 0 for s in ready)
+        logits = self._forward(ids, mask, positions, cache, all_positions=want_input)
+        if want_input:
+            self._input_logprobs(ready, logits, ids, lens)
+            logits = logits[:, -1, :]
         self.stats["prefills"] += 1
 
         b_old = len(self._running)

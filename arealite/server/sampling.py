@@ -51,6 +51,8 @@ class GenerateInput:
     input_ids: list[int]
     sampling: SamplingConfig
     return_logprob: bool = False
+    logprob_start_len: int = -1
+    """First prompt position whose log-prob is returned (``input_token_logprobs``); -1: none."""
 
 
 # --------------------------------------------------------------------------
@@ -114,7 +116,6 @@ _SUPPORTED_SAMPLING = {
 # (accepted only at their neutral value).
 _UNSUPPORTED_TOP: dict[str, Callable[[Any], bool]] = {
     "stream": lambda v: v is None or v is False,
-    "logprob_start_len": lambda v: v is None or v == -1,
     "top_logprobs_num": lambda v: v is None or v == 0,
     "token_ids_logprob": lambda v: v is None,
     "return_text_in_logprobs": lambda v: v is None or v is False,
@@ -134,7 +135,22 @@ _UNSUPPORTED_TOP: dict[str, Callable[[Any], bool]] = {
     "priority": lambda v: v is None,
     "log_metrics": lambda v: v is None or isinstance(v, bool),
 }
-_SUPPORTED_TOP = {"text", "input_ids", "sampling_params", "rid", "return_logprob"}
+_SUPPORTED_TOP = {"text", "input_ids", "sampling_params", "rid", "return_logprob", "logprob_start_len"}
+
+# Top-level keys SGLang 0.5.23 declares (``GenerateReqInput`` and the JSON contract
+# ``sglang.api.v1.GenerateRequest``). Keys it does not declare are ignored there, not
+# refused (``GenerateRequest`` says "unknown keys ignored"), and SGLang's router adds
+# some of its own (``model``, ``background``, ``no_logs``, ...): they are ignored here too.
+_IGNORED_TOP_NEUTRAL: dict[str, Callable[[Any], bool]] = {
+    "return_prompt_token_ids": lambda v: v is None or v is False,
+    "routed_experts_start_len": lambda v: v is None or v == 0,
+    "return_sampling_mask": lambda v: v is None or v is False,
+    "custom_labels": lambda v: v is None or isinstance(v, dict),
+    "routing_key": lambda v: v is None or isinstance(v, str),
+    "session_id": lambda v: v is None or isinstance(v, str),
+    "extra_key": lambda v: v is None or isinstance(v, (str, list)),
+    "cache_salt": lambda v: v is None or isinstance(v, (str, list)),
+}
 
 
 def parse_sampling_params(sp: Any, vocab_size: int, where: str = "sampling_params") -> SamplingConfig:
@@ -208,12 +224,12 @@ def _check_ids(name: str, ids: Any, vocab_size: int) -> list[int]:
 
 
 def _check_top_level(body: dict) -> None:
+    """Refuse a known feature this server lacks; ignore keys SGLang does not know (as it does)."""
     for key, v in body.items():
-        if key in _UNSUPPORTED_TOP:
-            if not _UNSUPPORTED_TOP[key](v):
-                raise RequestError(f"{key}={v!r} is not supported by the arealite embedded server (leave it unset)")
-        elif key not in _SUPPORTED_TOP:
-            raise RequestError(f"{key}: unknown field; known: {sorted(_SUPPORTED_TOP | set(_UNSUPPORTED_TOP))}")
+        check = _UNSUPPORTED_TOP.get(key) or _IGNORED_TOP_NEUTRAL.get(key)
+        if check is not None and not check(v):
+            raise RequestError(f"{key}={str(v)[:80]!r} is not supported by the arealite embedded server "
+                               "(leave it unset)")
 
 
 def _prompts(body: dict, vocab_size: int, encode: Callable[[str], list[int]] | None) -> tuple[list[list[int]], bool]:
@@ -253,6 +269,15 @@ def _rids(rid: Any, batch: bool, n: int) -> list[str]:
     if rid is not None and not isinstance(rid, str):
         raise RequestError(f"rid must be a string, got {rid!r}")
     return [rid or uuid.uuid4().hex]
+
+
+def _logprob_start(v: Any, return_logprob: bool, prompt_len: int) -> int:
+    """``logprob_start_len``: -1 (or unset) returns no prompt log-probs; else a prompt position."""
+    if v is None or v == -1 or not return_logprob:
+        return -1
+    if not _is_int(v) or not 0 <= v < prompt_len:
+        raise RequestError(f"logprob_start_len must be -1 or a prompt position in [0, {prompt_len}), got {v!r}")
+    return v
 
 
 def _fit_context(sc: SamplingConfig, explicit: bool, prompt_len: int, context_length: int,
@@ -296,6 +321,7 @@ def parse_generate(
     sps = per_item("sampling_params", body.get("sampling_params"), lambda v: isinstance(v, dict))
     lps = per_item("return_logprob", body.get("return_logprob", False), lambda v: isinstance(v, bool))
     rids = _rids(body.get("rid"), batch, n)
+    starts = per_item("logprob_start_len", body.get("logprob_start_len"), _is_int)
 
     out = []
     for i in range(n):
@@ -307,7 +333,12 @@ def parse_generate(
         explicit = isinstance(sps[i], dict) and sps[i].get("max_new_tokens") is not None
         _fit_context(sc, explicit, len(prompts[i]), context_length, where,
                      f"input_ids[{i}]" if batch else "input_ids")
-        out.append(GenerateInput(rid=rids[i], input_ids=list(prompts[i]), sampling=sc, return_logprob=lp))
+        start = _logprob_start(starts[i], lp, len(prompts[i]))
+        if start >= 0 and sc.max_new_tokens == 0:
+            raise RequestError(f"{where}.max_new_tokens=0 with logprob_start_len: this server scores a "
+                               "prompt while generating; ask for max_new_tokens >= 1")
+        out.append(GenerateInput(rid=rids[i], input_ids=list(prompts[i]), sampling=sc, return_logprob=lp,
+                                 logprob_start_len=start))
     return out, batch
 
 

@@ -19,6 +19,7 @@ import torch
 from aiohttp import web
 
 from .body import RequestError, check_fields, json_body, want
+from .strict import NO_SESSION, OUTSIDE_SESSION, READBACK_FAILED, SESSION_OPEN
 from .weights import (
     ShmWeightFile,
     WeightUpdateError,
@@ -54,6 +55,9 @@ class WeightRoutes:
         # The trainer's shared-memory weight file, mapped once and kept while it stays the same.
         self.shm: ShmWeightFile | None = None
         self.shm_lock = asyncio.Lock()
+        self.behaviour = server.behaviour
+        self.session_open = False  # SGLang's weight-update session (see arealite.server.strict)
+        self.architectures = list(getattr(server.model.config, "architectures", None) or [])
 
     def routes(self) -> dict[str, Callable[[web.Request], Awaitable[web.Response]]]:
         """POST path -> handler."""
@@ -63,11 +67,10 @@ class WeightRoutes:
             "/init_weights_update_group": self.init_weights_update_group,
             "/update_weights_from_distributed": self.update_weights_from_distributed,
             "/destroy_weights_update_group": self.destroy_weights_update_group,
-            "/begin_weight_update": self.begin_weight_update,
-            "/end_weight_update": self.end_weight_update,
             "/get_weights_by_name": self.get_weights_by_name,
             "/update_weight_version": self.update_weight_version,
-        }
+        } | ({"/begin_weight_update": self.begin_weight_update,
+              "/end_weight_update": self.end_weight_update} if self.behaviour.has_sessions else {})
 
     async def update_weights_from_disk(self, request: web.Request) -> web.Response:
         body = await json_body(request)
@@ -226,6 +229,10 @@ class WeightRoutes:
         if name not in self.groups:
             raise RequestError(f"{route}: no weight-update group {name!r}; call init_weights_update_group first "
                                f"(groups: {sorted(self.groups)})")
+        if self.behaviour.has_sessions and not self.session_open:
+            # SGLang refuses before receiving: the trainer's broadcast then has no receiver.
+            logger.warning("%s refused: %s", route, OUTSIDE_SESSION)
+            return web.json_response({"success": False, "message": OUTSIDE_SESSION}, status=400)
         # SGLang names the flat layout load_format="flattened_bucket"; a
         # boolean flattened_bucket field is accepted as well.
         fmt = want(body, "load_format", str, route)
@@ -272,14 +279,24 @@ class WeightRoutes:
         return web.json_response({"success": True, "message": f"destroyed group {name!r}"})
 
     async def begin_weight_update(self, request: web.Request) -> web.Response:
-        await json_body(request, allow_empty=True)  # options SGLang may send are not needed here
+        body = await json_body(request, allow_empty=True)
+        # SGLang's request structs ignore keys they do not declare.
+        selector = want(body, "selector", str, "begin_weight_update", "all")
+        if selector not in ("target", "draft", "all"):
+            raise RequestError(f"begin_weight_update: selector {selector!r} is not 'target', 'draft' or 'all'")
+        if self.session_open:
+            return web.json_response({"success": False, "message": SESSION_OPEN}, status=400)
+        self.session_open = True
         await self.runner.call(lambda: setattr(self.runner, "in_update_bracket", True))
-        return web.json_response({"success": True, "message": "admission paused for a weight update"})
+        return web.json_response({"success": True, "message": "Success"})
 
     async def end_weight_update(self, request: web.Request) -> web.Response:
         await json_body(request, allow_empty=True)
+        if not self.session_open:
+            return web.json_response({"success": False, "message": NO_SESSION}, status=400)
+        self.session_open = False
         await self.runner.call(lambda: setattr(self.runner, "in_update_bracket", False))
-        return web.json_response({"success": True, "message": "weight update finished"})
+        return web.json_response({"success": True, "message": "Success"})
 
     async def get_weights_by_name(self, request: web.Request) -> web.Response:
         body = await json_body(request)
@@ -289,6 +306,9 @@ class WeightRoutes:
         n = want(body, "truncate_size", int, route, 100)
         if n < 1:
             raise RequestError(f"{route}: truncate_size must be >= 1, got {n}")
+        if not self.behaviour.can_read_back(self.architectures):
+            # SGLang: the model class has no get_weights_by_name (e.g. Qwen2), whatever the name.
+            return web.json_response({"error": {"message": READBACK_FAILED}}, status=400)
         if name not in self.state:
             raise RequestError(f"{route}: {name!r} is not a weight of this model")
         # As SGLang: the first `n` rows (of a 1-D tensor, the first `n` values), as nested lists.

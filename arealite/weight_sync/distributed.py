@@ -32,6 +32,7 @@ transfer raises `WeightSyncError`.
 from __future__ import annotations
 
 import concurrent.futures as cf
+import sys
 import threading
 import uuid
 from typing import Any, Callable, Literal
@@ -169,17 +170,11 @@ class DistributedTransfer:
 
         Closing our end first also ends any receive a survivor is still blocked in.
         """
-        old_name, old_members = self.group_name, self.admin.group_members(self.group_name)
-        if self.group is not None:
-            self.group.close()
-            self.group = None
+        old_members = self.admin.group_members(self.group_name)
         # The survivors drop their end in the background: one may still be blocked in a
-        # receive of the old group until its own timeout (gloo does not notice our close),
-        # and that must not hold up the new group, which it joins in another thread.
-        fut = in_thread(lambda: self.run(self.admin.destroy_weights_update_group(old_name)),
-                        "weight-sync-destroy")
-        fut.add_done_callback(lambda f: f.exception() and logger.warning(
-            "destroy_weights_update_group %s failed (ignored): %s", old_name, f.exception()))
+        # receive of the old group until it sees our end close (or its own timeout), and
+        # that must not hold up the new group, which it joins in another thread.
+        self._tear_down(version)
         # Make sure that nobody who is gone is asked to join (the rendezvous would time out).
         self.run(self.admin.drop_unreachable(why="a weight-update group change"))
         self.group_name = f"arealite_weights_{uuid.uuid4().hex[:8]}"
@@ -233,9 +228,11 @@ class DistributedTransfer:
     def transfer(self, source: WeightSource, version: int) -> dict[str, float]:
         """Send `source`'s weights as `version` to every server; returns timings (rank 0).
 
-        A server that is gone (before or during the transfer) is dropped, the group is
-        rebuilt over the others and the transfer repeated (reading `source` anew); any
-        other failure, or no server left, raises `WeightSyncError`.
+        Each attempt opens one weight-update session on the servers and always closes it
+        (SGLang refuses a second begin while one is open). A server that is gone (before or
+        during the transfer) is dropped, the group is rebuilt over the others and the
+        transfer repeated (reading `source` anew); any other failure, or no server left,
+        tears the group down and raises `WeightSyncError` naming the server.
         """
         if self._broken:
             raise WeightSyncError(f"the weight-update group is broken ({self._broken}); "
@@ -249,11 +246,16 @@ class DistributedTransfer:
                 self._regroup(version)
             self._admin(self.admin.begin_weight_update, version, "begin_weight_update")
             timer.lap("group_s")
-            counts = self._attempt(source, version)
+            try:
+                counts = self._attempt(source, version)
+            except BaseException:
+                self._tear_down(version)
+                raise
+            finally:
+                self._end_session(version)
             if counts is not None:
                 break
         timer.lap("transfer_s")
-        self._admin(self.admin.end_weight_update, version, "end_weight_update")
         n_buckets, n_tensors, n_bytes = counts
         out = dict(timer.timings, bytes=float(n_bytes), n_buckets=float(n_buckets),
                    n_tensors=float(n_tensors), attempts=float(attempts),
@@ -261,6 +263,27 @@ class DistributedTransfer:
         logger.info("version %d broadcast: %d tensors, %.1f MB in %d bucket(s), %d attempt(s)",
                     version, n_tensors, n_bytes / 2**20, n_buckets, attempts)
         return out
+
+    def _end_session(self, version: int) -> None:
+        """Close the session the attempt opened; a failure here must not hide the attempt's."""
+        try:
+            self._admin(self.admin.end_weight_update, version, "end_weight_update")
+        except WeightSyncError as e:
+            if sys.exc_info()[0] is None:
+                raise
+            logger.warning("version %d: closing the weight-update session failed too: %s", version, e)
+
+    def _tear_down(self, version: int) -> None:
+        """After a failed transfer: drop our end of the group (a server still blocked in a
+        receive sees its peer go) and ask the servers to leave it, in the background."""
+        if self.group is None:
+            return
+        name = self.group_name
+        self.group.close()
+        self.group = None
+        fut = in_thread(lambda: self.run(self.admin.destroy_weights_update_group(name)), "weight-sync-destroy")
+        fut.add_done_callback(lambda f: f.exception() and logger.warning(
+            "version %d: destroy_weights_update_group %s failed (ignored): %s", version, name, f.exception()))
 
     def _attempt(self, source: WeightSource, version: int) -> tuple[int, int, int] | None:
         """Broadcast every bucket once; None when a member died and the transfer goes again."""
@@ -277,6 +300,10 @@ class DistributedTransfer:
                            "(%s); dropped from rotation and weight updates, sending again "
                            "to the %d left", version, ", ".join(lost), e,
                            len(self.admin.healthy_servers))
+            # Survivors may be blocked in a receive of this group: closing our end frees them
+            # (before their sessions are closed and they join the next group).
+            self._tear_down(version)
+            self._broken = None
             return None
 
     def _broadcast_all(self, buckets, version: int) -> tuple[int, int, int]:
