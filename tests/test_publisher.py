@@ -210,22 +210,56 @@ def test_a_refused_pause_stops_before_the_transfer():
     assert controller.paused
 
 
-def test_verification_is_overridable():
-    """Issue 14 replaces the read-back with a log-prob probe: it takes the same place."""
+class RecordingVerifier:
+    """A verifier that records its steps (and can fail the serving check)."""
+
+    def __init__(self, log, fail_serving: bool = False):
+        self.log, self.fail_serving = log, fail_serving
+
+    def prepare(self, version):
+        self.log.rec("verifier.prepare", version)
+
+    def observe(self, source, version):
+        return source
+
+    def verify(self, version, call):
+        self.log.rec("verifier.verify", version)
+        return {"checked": 1.0}
+
+    def check_serving(self, version, call):
+        self.log.rec("verifier.check_serving", version)
+        if self.fail_serving:
+            raise WeightSyncError("probe mismatch", server="s0", version=version)
+        return {"probe_mean_abs_diff": 0.0}
+
+
+def test_verifier_steps_take_their_places():
+    """prepare before anything moves, verify while paused, the probe once generation runs."""
     log = Log()
-
-    class Probing(WeightPublisher):
-        def verify(self, version: int) -> None:
-            log.rec("probe", version)
-
     admin = StrictAdmin(log, STATE)
     controller = Controller(log)
-    pub = Probing(RecordingTransfer(log), StateDictSource(STATE), admin, asyncio.run, controller=controller)
+    pub = WeightPublisher(RecordingTransfer(log), StateDictSource(STATE), admin, asyncio.run,
+                          controller=controller, verifier=RecordingVerifier(log))
     pub.init()
-    pub.publish(4)
-    assert log == ["transfer.init", "controller.pause", "transfer.stage:4", "admin.pause_generation",
-                   "transfer.transfer:4", "probe:4", "controller.set_version:4",
-                   "admin.continue_generation", "controller.resume"]
+    out = pub.publish(4)
+    assert log == ["transfer.init", "controller.pause", "verifier.prepare:4", "transfer.stage:4",
+                   "admin.pause_generation", "transfer.transfer:4", "verifier.verify:4",
+                   "controller.set_version:4", "admin.continue_generation", "verifier.check_serving:4",
+                   "controller.resume"]
+    assert out["checked"] == 1.0 and out["probe_mean_abs_diff"] == 0.0 and "probe_s" in out
+
+
+def test_a_failed_serving_check_pauses_the_servers_again():
+    log = Log()
+    admin = StrictAdmin(log, STATE)
+    controller = Controller(log)
+    pub = WeightPublisher(RecordingTransfer(log), StateDictSource(STATE), admin, asyncio.run,
+                          controller=controller, verifier=RecordingVerifier(log, fail_serving=True))
+    pub.init()
+    with pytest.raises(WeightSyncError, match="probe mismatch"):
+        pub.publish(4)
+    assert log[-3:] == ["admin.continue_generation", "verifier.check_serving:4", "admin.pause_generation"]
+    assert "controller.resume" not in log
 
 
 def test_wrong_objects_and_a_publish_before_init_are_refused():
@@ -329,12 +363,28 @@ def test_a_failure_on_rank_0_stops_every_rank_without_a_hang(scenario):
 
 
 class Engine(StateDictSource):
-    """The trainer's engine as far as publishing goes: weights, a version, a model path."""
+    """The trainer's engine as far as publishing goes: weights, a version, a model path, and a
+    real forward of those weights (the log-prob probe's trainer side)."""
 
     def __init__(self, state, model_path: str):
         super().__init__(state)
         self.config = type("Cfg", (), {"model_path": model_path})()
         self.version = 0
+        self.probe_forwards = 0
+
+    def forward(self, batch, post_hook, out_dtype=torch.float32):
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_pretrained(self.config.model_path, dtype=torch.float32)
+        model.load_state_dict(dict(self.tensors), strict=False)
+        model.tie_weights()
+        ids = batch["input_ids"]
+        with torch.no_grad():
+            logits = model(input_ids=ids).logits[0, :-1]
+        out = torch.zeros(ids.shape, dtype=out_dtype)
+        out[0, 1:] = post_hook(logits, {"labels": ids[0, 1:]})
+        self.probe_forwards += 1
+        return out
 
     def set_version(self, version: int) -> None:
         self.version = version
@@ -407,6 +457,8 @@ def test_make_publisher_publishes_with_real_parts(rollout, method, base_state, m
             assert not controller.paused
             assert _server_has(controller, client, dict(engine.tensors))
             assert set(_generate(controller, client).output_versions) == {version}
+            # The log-prob probe ran: the trainer's forward, and the server agreed within 1e-3.
+            assert engine.probe_forwards == 1 and timings["probe_mean_abs_diff"] <= 1e-3
             engine.__init__(perturbed_weights(base_state, 2), str(micro_model_dir))
     finally:
         pub.close()

@@ -12,12 +12,13 @@ Only trainer rank 0 uses it, through the weight publisher (`arealite.weight_sync
 
 from __future__ import annotations
 
+import uuid
 from collections.abc import Iterable, Sequence
 from typing import Any
 
 from arealite.engine.errors import ServerAdminError
 from arealite.engine.server_pool import ServerPool, ServerState
-from arealite.engine.sglang_wire import has_weight_update_brackets
+from arealite.engine.sglang_wire import has_weight_update_brackets, parse_prompt_logprobs, prompt_score_body
 
 __all__ = ["SGLangAdmin"]
 
@@ -127,6 +128,22 @@ class SGLangAdmin:
     async def get_weights_by_name(self, name: str, truncate_size: int = 100) -> dict[str, Any]:
         """Read a weight back from every healthy server: {addr: values (truncated)}."""
         return await self.pool.call_all("/get_weights_by_name", {"name": name, "truncate_size": int(truncate_size)})
+
+    async def score_prompt(self, input_ids: Sequence[int]) -> dict[str, tuple[list[float], int | None]]:
+        """Every healthy server's log-probs of ``input_ids[1:]`` (temperature 1) and the weight
+        version it computed them with: ``{addr: (logprobs, version)}``. It generates (one
+        token), so the servers must not be paused."""
+        ids = [int(t) for t in input_ids]
+        answers = await self.pool.call_all("/generate", prompt_score_body(ids, f"weight-probe-{uuid.uuid4().hex}"))
+        out, bad = {}, {}
+        for addr, data in answers.items():
+            try:
+                out[addr] = parse_prompt_logprobs(data, ids)
+            except ValueError as e:
+                bad[addr] = str(e)
+        if bad:
+            raise ServerAdminError("/generate", bad, out)
+        return out
 
     async def update_weight_version(self, version: int) -> dict[str, Any]:
         """Set the ``weight_version`` every healthy server reports."""

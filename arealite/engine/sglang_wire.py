@@ -9,6 +9,7 @@ See "Speaking SGLang" in DESIGN.md.
 from __future__ import annotations
 
 import logging
+import math
 import re
 from typing import Any
 
@@ -18,8 +19,12 @@ from arealite.engine.wire import Segment, ServerFacts, count, loads, snippet
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["SGLangWire", "WEIGHT_UPDATE_BRACKETS_SINCE", "has_weight_update_brackets",
-           "parse_sglang_version"]
+__all__ = ["READBACK_UNSUPPORTED", "SGLangWire", "WEIGHT_UPDATE_BRACKETS_SINCE",
+           "has_weight_update_brackets", "parse_prompt_logprobs", "parse_sglang_version", "prompt_score_body"]
+
+#: What SGLang answers (HTTP 400) on ``/get_weights_by_name`` when the model class cannot
+#: read its weights back (``WeightExporter.get_weights_by_name`` returned None).
+READBACK_UNSUPPORTED = "Get parameter by name failed"
 
 #: First SGLang release with ``/begin_weight_update`` and ``/end_weight_update``.
 WEIGHT_UPDATE_BRACKETS_SINCE = (0, 5, 21)
@@ -66,6 +71,33 @@ def _weight_version(wv: Any) -> int | None:
         except ValueError:
             pass
     return None
+
+
+def prompt_score_body(input_ids: list[int], rid: str) -> dict[str, Any]:
+    """A request that scores ``input_ids`` (their ``input_token_logprobs`` at temperature 1)."""
+    return {"input_ids": list(input_ids), "rid": rid, "return_logprob": True, "logprob_start_len": 0,
+            "sampling_params": {"max_new_tokens": 1, "temperature": 1.0}}
+
+
+def parse_prompt_logprobs(data: Any, input_ids: list[int]) -> tuple[list[float], int | None]:
+    """The log-probs of ``input_ids[1:]`` from an answer to `prompt_score_body`, and the weight
+    version that computed them. SGLang gives ``[None, id0, _]`` first, then
+    ``[logprob, id, _]`` for each later prompt token (``logprob_result_processor.py``)."""
+    if isinstance(data, list) and len(data) == 1:
+        data = data[0]
+    meta = data.get("meta_info") if isinstance(data, dict) else None
+    entries = meta.get("input_token_logprobs") if isinstance(meta, dict) else None
+    if not isinstance(entries, list) or len(entries) != len(input_ids):
+        raise ValueError(f"meta_info.input_token_logprobs has {count(entries)} entries for a prompt of "
+                         f"{len(input_ids)} tokens (was logprob_start_len honoured?)")
+    lps: list[float] = []
+    for i, e in enumerate(entries[1:], start=1):
+        if not (isinstance(e, list) and len(e) >= 2 and e[1] == input_ids[i]
+                and type(e[0]) in (float, int) and math.isfinite(e[0])):
+            raise ValueError(f"meta_info.input_token_logprobs[{i}] is {str(e)[:80]}, expected "
+                             f"[logprob, {input_ids[i]}, ...]")
+        lps.append(float(e[0]))
+    return lps, _weight_version(meta.get("weight_version"))
 
 
 def _malformed(why: str) -> AttemptFailure:

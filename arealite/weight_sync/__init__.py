@@ -18,6 +18,7 @@ other failure, or no server left, raises `WeightSyncError` and leaves the server
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -42,11 +43,13 @@ from arealite.weight_sync.disk import DiskTransfer
 from arealite.weight_sync.distributed import DistributedTransfer
 from arealite.weight_sync.publisher import WeightPublisher
 from arealite.weight_sync.shm import ShmTransfer
-from arealite.weight_sync.verify import ReadbackVerifier, WeightVerifier
+from arealite.weight_sync.probe import LogprobProbe, default_probe_tolerance, probe_tokens
+from arealite.weight_sync.verify import ReadbackVerifier, Verifiers, WeightVerifier
 
 __all__ = [
     "DiskTransfer",
     "DistributedTransfer",
+    "LogprobProbe",
     "ReadbackSample",
     "ReadbackVerifier",
     "ShmTransfer",
@@ -54,6 +57,7 @@ __all__ = [
     "WeightPublisher",
     "WeightSource",
     "WeightSyncError",
+    "Verifiers",
     "WeightVerifier",
     "admin_of",
     "compare_readback",
@@ -106,22 +110,59 @@ def make_transfer(config, admin: WeightUpdateAdmin, run: Runner,
                         server_dtype=dtype)
 
 
+def engine_scorer(engine: TrainEngine) -> Callable[[list[int]], list[float]]:
+    """The trainer's log-probs (temperature 1) of ``ids[1:]``: the probe's forward (every rank)."""
+    from tensordict import TensorDict
+
+    def hook(logits: torch.Tensor, mb: dict) -> torch.Tensor:
+        return torch.log_softmax(logits.float(), dim=-1).gather(-1, mb["labels"][:, None]).squeeze(-1)
+
+    def score(ids: list[int]) -> list[float]:
+        t = torch.tensor([ids], dtype=torch.long)
+        batch = TensorDict({"input_ids": t, "attention_mask": torch.ones_like(t, dtype=torch.bool)},
+                           batch_size=[1])
+        return engine.forward(batch, hook)[0, 1:].tolist()
+
+    return score
+
+
+def make_verifier(config, admin: WeightUpdateAdmin, transfer: WeightTransfer, train_engine: TrainEngine,
+                  probe_prompt: list[int] | None = None) -> WeightVerifier:
+    """Read-back (where the servers can) plus, unless ``weight_sync.probe`` is off, the log-prob probe."""
+    ws = config.weight_sync
+    dtype = lambda: getattr(transfer, "server_dtype", None)  # noqa: E731 - known once the transfer starts
+    readback = ReadbackVerifier(admin, ws.verify_n_tensors, dtype=dtype)
+    if not ws.probe or not callable(getattr(admin, "score_prompt", None)):
+        return readback
+    vocab = _vocab_size(train_engine)
+    tokens = probe_tokens(probe_prompt, vocab, ws.probe_tokens, seed=config.experiment.seed)
+    tol = (lambda: ws.probe_tolerance) if ws.probe_tolerance is not None else (
+        lambda: default_probe_tolerance(dtype()))
+    return Verifiers(readback, LogprobProbe(admin, engine_scorer(train_engine), tokens, tol))
+
+
+def _vocab_size(engine: TrainEngine) -> int:
+    cfg = getattr(getattr(engine, "model", None), "config", None)
+    return int(getattr(cfg, "vocab_size", 0) or 256)
+
+
 def make_publisher(config, client: InferenceClient, train_engine: TrainEngine, controller: Pausable, *,
-                   run: Runner | None = None, source: WeightSource | None = None) -> WeightPublisher:
+                   run: Runner | None = None, source: WeightSource | None = None,
+                   probe_prompt: list[int] | None = None) -> WeightPublisher:
     """The publisher of a run: `train_engine`'s weights to `client`'s servers.
 
     `config` is the whole `ArealiteConfig`; `client` an initialized inference client
     whose ``admin`` administers its servers (``RemoteSGLangEngine``); `controller` the
     rollout controller (paused around each update; its ``run`` runs admin coroutines on
     the client's loop unless `run` is given). The train engine, the controller and the
-    client get the new version. `source` overrides what is read (default: the engine).
+    client get the new version. `source` overrides what is read (default: the engine);
+    `probe_prompt` gives the log-prob probe real tokens (e.g. the first training prompt).
     """
     admin = admin_of(client)
     run = run if run is not None else controller.run
     model_path = getattr(getattr(train_engine, "config", None), "model_path", None)
     transfer = make_transfer(config, admin, run, model_path)
-    verifier = ReadbackVerifier(admin, config.weight_sync.verify_n_tensors,
-                                dtype=lambda: getattr(transfer, "server_dtype", None))
+    verifier = make_verifier(config, admin, transfer, train_engine, probe_prompt)
     return WeightPublisher(transfer, source if source is not None else train_engine, admin, run,
                            parties=_distinct([train_engine, controller, client]), controller=controller,
                            verifier=verifier)

@@ -10,7 +10,12 @@ The sequence, the same for every transfer (disk, shm, distributed):
     verify                               rank 0: read a sample back (`WeightVerifier`)
     set_version(version) on every party  train engine, controller, client
     continue_generation                  rank 0: aborted requests resume on the new weights
+    check_serving                        rank 0: the log-prob probe (it generates)
     controller.resume()                  every rank
+
+Before all of it every rank runs ``verifier.prepare(version)`` (the trainer's side of
+the probe, a forward that is a collective on a sharded engine). A probe that fails
+pauses the servers again before raising.
 
 Reading the source is a collective on a sharded engine: the other ranks read it along
 with rank 0 (again each time the transfer starts over, `RETRY`), then learn from rank 0
@@ -194,6 +199,8 @@ class WeightPublisher:
         rank, _ = trainer_rank()
         if self.controller is not None:
             self.controller.pause()
+        if self.verifier is not None:
+            self.verifier.prepare(version)
         if rank != 0:
             return self._follow(version)
         return self._lead(version)
@@ -225,11 +232,13 @@ class WeightPublisher:
             out.update(self.transfer.transfer(source, version))
             source.settle()
             timer.lap("transfer_s")
-            self.verify(version)
+            out.update(self.verify(version))
             timer.lap("verify_s")
             self._set_versions(version)
             self.call(self.admin.continue_generation, version, "continue_generation")
             timer.lap("continue_s")
+            out.update(self._check_serving(version))
+            timer.lap("probe_s")
         except BaseException:
             if source.settle_after_failure():
                 agree(FAILED)
@@ -252,7 +261,22 @@ class WeightPublisher:
         """Run an admin call on the servers in rotation; the ones that are gone are dropped."""
         return call_dropping_dead(self.run, self.admin, make_coro, version, what)
 
-    def verify(self, version: int) -> None:
+    def verify(self, version: int) -> dict[str, float]:
         """Check that every server holds ``version`` (rank 0, servers paused); raise if not."""
-        if self.verifier is not None:
-            self.verifier.verify(version, lambda make_coro, what: self.call(make_coro, version, what))
+        if self.verifier is None:
+            return {}
+        return self.verifier.verify(version, lambda make_coro, what: self.call(make_coro, version, what))
+
+    def _check_serving(self, version: int) -> dict[str, float]:
+        """The checks that generate (rank 0, servers running); a failure pauses them again."""
+        if self.verifier is None:
+            return {}
+        try:
+            return self.verifier.check_serving(
+                version, lambda make_coro, what: self.call(make_coro, version, what))
+        except BaseException:
+            try:
+                self.call(self.admin.pause_generation, version, "pause_generation")
+            except Exception as e:  # noqa: BLE001 - the check's failure is the one to report
+                logger.warning("pausing the servers after a failed check failed too: %s", e)
+            raise
