@@ -60,11 +60,13 @@ def micro_model_dir(tmp_path_factory) -> Path:
 
 def run_env(*paths: str | Path, **extra: str) -> dict[str, str]:
     """The environment of an end-to-end child run: one thread per op, offline, the checkout
-    (and `paths` before it) on PYTHONPATH, plus `extra`."""
+    (and `paths` before it) on PYTHONPATH, embedded servers as strict as SGLang
+    (`arealite.server.strict`), plus `extra`."""
     env = dict(os.environ)
     path = [*map(str, paths), str(REPO), env.get("PYTHONPATH", "")]
     env.update(OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1",
-               PYTHONPATH=os.pathsep.join(path), **extra)
+               PYTHONPATH=os.pathsep.join(path), AREALITE_STRICT_SGLANG="1", SGLANG_HEALTH_CHECK_TIMEOUT="5",
+               **extra)
     return env
 
 

@@ -29,7 +29,7 @@ pytestmark = pytest.mark.slow
 def two_servers(micro_model_dir, tmp_path_factory):
     """Two embedded servers on free ports; killed at the end (whatever state they are in)."""
     logs = tmp_path_factory.mktemp("client_e2e_logs")
-    env = dict(os.environ, OMP_NUM_THREADS="1")
+    env = dict(os.environ, OMP_NUM_THREADS="1", AREALITE_STRICT_SGLANG="1", SGLANG_HEALTH_CHECK_TIMEOUT="5")
     procs = []
     for i in range(2):
         port = free_port()

@@ -57,7 +57,8 @@ def _env() -> dict[str, str]:
 class Servers:
     """Embedded servers started in parallel, each in its own session; `stop()` kills them all."""
 
-    def __init__(self, model_dir: Path, log_dir: Path, n: int):
+    def __init__(self, model_dir: Path, log_dir: Path, n: int,
+                 extra: tuple[str, ...] | list[tuple[str, ...]] = ("--readback-architectures", "all")):
         self.procs: list[subprocess.Popen] = []
         self.addrs: list[str] = []
         for i in range(n):
@@ -65,7 +66,10 @@ class Servers:
             log = open(log_dir / f"server{i}.log", "wb")
             self.procs.append(subprocess.Popen(
                 [sys.executable, "-m", "arealite.server", "--model-path", str(model_dir),
-                 "--host", "127.0.0.1", "--port", str(port), "--weight-sync-timeout-s", "30"],
+                 "--host", "127.0.0.1", "--port", str(port), "--weight-sync-timeout-s", "30",
+                 # Strict (run_env) but, by default, able to read weights back, which these tests
+                 # use to look at the servers; refused read-back is test_sglang_strict's subject.
+                 *(extra[i] if isinstance(extra, list) else extra)],
                 stdout=log, stderr=subprocess.STDOUT, env=_env(), start_new_session=True))
             self.addrs.append(f"127.0.0.1:{port}")
         try:
@@ -223,7 +227,12 @@ class _KillAfterFirstBucket:
 def test_a_member_dying_during_a_push_is_dropped_and_the_push_repeated(
         micro_model_dir, loop_runner, base_state, tmp_path):
     run = loop_runner
-    servers = Servers(micro_model_dir, tmp_path, 2)
+    # The survivor is blocked in a receive of the broken group, and a strict server (as
+    # SGLang's scheduler) takes no other weight call until that receive ends at its own
+    # group timeout: the push is bounded by it, not by weight_sync.timeout_s (30 s).
+    group_timeout = 6
+    servers = Servers(micro_model_dir, tmp_path, 2, extra=("--readback-architectures", "all",
+                                                             "--weight-sync-timeout-s", str(group_timeout)))
     a, b = servers.addrs
     client = _client(run, servers.addrs)
     new = perturbed_weights(base_state, 3)
@@ -233,7 +242,7 @@ def test_a_member_dying_during_a_push_is_dropped_and_the_push_repeated(
     try:
         t0 = time.monotonic()
         timings = pub.publish(1)
-        assert time.monotonic() - t0 < 25, "a dead member must be noticed fast, not at the timeout"
+        assert time.monotonic() - t0 < group_timeout + 20, "bounded by the survivor's group timeout"
         assert source.iterations == 2, "the buckets are iterated again after the rebuild"
         assert timings["attempts"] == 2 and timings["n_servers"] == 1
         assert client.healthy_servers == [a]

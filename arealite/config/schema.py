@@ -117,6 +117,21 @@ class SGLangOptions(Section):
     extra_args: list[str] = Field(default_factory=list)
     """Extra command-line arguments passed verbatim to `sglang.launch_server`."""
 
+    @field_validator("extra_args")
+    @classmethod
+    def _no_data_parallel(cls, v: list[str]) -> list[str]:
+        # One server is one weight-update group member and one rotation entry: SGLang refuses
+        # distributed weight updates with dp_size > 1 (tokenizer manager asserts it).
+        for i, arg in enumerate(v):
+            name, _, inline = arg.partition("=")
+            if name in ("--dp-size", "--dp", "--data-parallel-size"):
+                value = inline or (v[i + 1] if i + 1 < len(v) else "")
+                if value.strip() != "1":
+                    raise ValueError(
+                        f"{arg} {'' if inline else value}: SGLang's data parallelism cannot take "
+                        "distributed weight updates; run more servers instead (launch.n_servers)")
+        return v
+
 
 class ServerConfig(Section):
     model_path: str | None = None
@@ -137,6 +152,9 @@ class ServerConfig(Section):
     """Embedded server: longest prompt + completion accepted (None = the model's max positions)."""
     sglang: SGLangOptions = Field(default_factory=SGLangOptions)
     """Options used only when `launch.server_backend` is `sglang`."""
+    strict_sglang: bool = False
+    """Embedded server: behave as SGLang where it is unforgiving (`/health` generates and waits while
+    paused; weights read back only for SGLang's model classes). Tests run with it on."""
 
 
 class RolloutConfig(Section):
@@ -395,7 +413,17 @@ class WeightSyncConfig(Section):
     bucket_size_mb: float = Field(64.0, gt=0)
     """Tensors are sent in buckets of about this size."""
     verify_n_tensors: int = Field(2, ge=0)
-    """Tensors read back with `get_weights_by_name` after each update and compared."""
+    """Tensors read back with `get_weights_by_name` after each update and compared (on servers whose
+    model class can read weights back; SGLang cannot for Qwen2, for example)."""
+    probe: bool = True
+    """After each update, every server scores a fixed token sequence and must agree with the trainer's
+    forward (the log-prob probe; works on every model). Logs `probe_mean_abs_diff`, `probe_max_abs_diff`
+    and `probe_k3` every step: the train/inference mismatch."""
+    probe_tokens: int = Field(32, ge=2)
+    """Length of the probe's token sequence (the first training prompt, padded with seeded ids)."""
+    probe_tolerance: float | None = Field(None, gt=0)
+    """Largest mean absolute log-prob difference a server may show on the probe (None = 1e-3 for
+    float32 servers, 5e-2 for bfloat16/float16 ones)."""
     backend: Literal["auto", "gloo", "nccl"] = "auto"
     """Process-group backend for the distributed method (auto = nccl on CUDA, else gloo)."""
     timeout_s: float = Field(600.0, gt=0)

@@ -45,7 +45,7 @@ from typing import IO, Callable, Sequence
 
 from arealite.launcher.server_cmd import gpus_per_server, masked, server_command
 from arealite.utils import procs
-from arealite.utils.run import ENV_ROLLOUT_CPUS, ENV_SERVER_ADDRS, ENV_SERVER_API_KEY
+from arealite.utils.run import ENV_ROLLOUT_CPUS, ENV_SERVER_ADDRS, ENV_SERVER_API_KEY, complete_checkpoints, run_dir
 from arealite.utils.net import free_ports, ports_from
 
 
@@ -227,10 +227,25 @@ class LocalLauncher:
             plan = [",".join(str(i * per + j) for j in range(per)) for i in range(n_servers)]
             trainer = ",".join(str(need_servers + j) for j in range(trainer_n))
             return plan, trainer
+        if self.cfg.launch.server_backend == "sglang":
+            # SGLang takes server.sglang.mem_fraction_static of its GPUs: a trainer there runs out.
+            raise SystemExit(
+                f"only {n_gpus} GPU(s) for {need_servers} SGLang server GPU(s) (launch.n_servers="
+                f"{n_servers} x server.sglang.tp_size={per}) + {trainer_n} trainer GPU(s) "
+                f"(launch.n_trainer_procs): a server and a trainer rank never share a GPU; lower "
+                "those settings or add GPUs")
         log(f"only {n_gpus} GPUs for {need_servers} server GPUs + {trainer_n} trainer GPUs: "
-            "servers and trainer share GPUs")
+            "embedded servers and trainer share GPUs")
         plan = [",".join(str((i * per + j) % n_gpus) for j in range(per)) for i in range(n_servers)]
         return plan, None
+
+    def start_version(self) -> int:
+        """The policy version the run starts from: the latest complete checkpoint's step when
+        it will resume (`recover.mode`), else 0. The servers report it until the first push."""
+        if self.cfg.recover.mode == "disabled":
+            return 0
+        found = complete_checkpoints(run_dir(self.cfg) / "checkpoints")
+        return found[-1][0] if found else 0
 
     def _cpu_plan(self) -> tuple[list[list[int]], list[int]]:
         """Cores per server and for the trainer (`launch.server_cpus`; empty = not pinned)."""
@@ -250,7 +265,7 @@ class LocalLauncher:
         gpu_plan, _ = self._gpu_plan()
         cpus, _ = self._cpu_plan()
         for i, port in enumerate(ports):
-            cmd = server_command(cfg, port, i)
+            cmd = server_command(cfg, port, i, weight_version=self.start_version())
             env = dict(os.environ)
             if gpu_plan[i] is not None:
                 env["CUDA_VISIBLE_DEVICES"] = gpu_plan[i]

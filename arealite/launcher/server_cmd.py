@@ -35,7 +35,7 @@ def server_seed(cfg: ArealiteConfig, index: int) -> int:
     return base + index
 
 
-def embedded_server_command(cfg: ArealiteConfig, port: int, index: int = 0) -> list[str]:
+def embedded_server_command(cfg: ArealiteConfig, port: int, index: int = 0, weight_version: int = 0) -> list[str]:
     """`python -m arealite.server ...` for server number `index` on `port`."""
     s = cfg.server
     cmd = [
@@ -45,7 +45,10 @@ def embedded_server_command(cfg: ArealiteConfig, port: int, index: int = 0) -> l
         "--port", str(port),
         "--random-seed", str(server_seed(cfg, index)),
         "--max-batch-size", str(s.max_batch_size),
+        "--weight-version", str(weight_version),
     ]
+    if s.strict_sglang:
+        cmd.append("--strict-sglang")
     # `auto` is the server's own default (float32 on CPU, bfloat16 on CUDA).
     if s.dtype != "auto":
         cmd += ["--dtype", s.dtype]
@@ -56,8 +59,11 @@ def embedded_server_command(cfg: ArealiteConfig, port: int, index: int = 0) -> l
     return cmd
 
 
-def sglang_server_command(cfg: ArealiteConfig, port: int, index: int = 0) -> list[str]:
-    """`python -m sglang.launch_server ...` for server number `index` on `port`."""
+def sglang_server_command(cfg: ArealiteConfig, port: int, index: int = 0, weight_version: int = 0) -> list[str]:
+    """`python -m sglang.launch_server ...` for server number `index` on `port`.
+
+    ``--weight-version`` is the version the run starts from (SGLang reports "default"
+    otherwise, which is no version at all)."""
     s = cfg.server
     o = s.sglang
     cmd = [
@@ -70,6 +76,7 @@ def sglang_server_command(cfg: ArealiteConfig, port: int, index: int = 0) -> lis
         # SGLang's `auto` takes the checkpoint's dtype; arealite's `auto` means bf16 on GPUs.
         "--dtype", "bfloat16" if s.dtype == "auto" else s.dtype,
         "--random-seed", str(server_seed(cfg, index)),
+        "--weight-version", str(weight_version),
     ]
     if o.skip_tokenizer_init:
         cmd.append("--skip-tokenizer-init")
@@ -82,11 +89,11 @@ def sglang_server_command(cfg: ArealiteConfig, port: int, index: int = 0) -> lis
     return cmd
 
 
-def server_command(cfg: ArealiteConfig, port: int, index: int = 0) -> list[str]:
+def server_command(cfg: ArealiteConfig, port: int, index: int = 0, weight_version: int = 0) -> list[str]:
     """The command line of server `index` for `launch.server_backend`."""
     if cfg.launch.server_backend == "sglang":
-        return sglang_server_command(cfg, port, index)
-    return embedded_server_command(cfg, port, index)
+        return sglang_server_command(cfg, port, index, weight_version)
+    return embedded_server_command(cfg, port, index, weight_version)
 
 
 def gpus_per_server(cfg: ArealiteConfig) -> int:

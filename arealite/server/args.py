@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 from dataclasses import dataclass
 
 
@@ -73,6 +74,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--weight-sync-timeout-s", type=float, default=600.0)
     p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
     p.add_argument("--strict-sglang", action="store_true",
+                   default=os.environ.get("AREALITE_STRICT_SGLANG", "").lower() in ("1", "true", "yes"),
                    help="behave as SGLang where it is unforgiving: /health generates (and waits while "
                         "paused), read-back only for SGLang's model classes")
     p.add_argument("--sglang-version", default="0.5.23",

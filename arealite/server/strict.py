@@ -104,8 +104,12 @@ class SGLangBehaviour:
 
     @property
     def has_sessions(self) -> bool:
-        """Whether the reported release has begin/end_weight_update (and requires them)."""
-        return _release_tuple(self.release) >= SESSIONS_SINCE
+        """Whether the reported release has begin/end_weight_update (and requires them).
+
+        A build from source without a version reports "0.0.0.dev0" (``sglang/version.py``)
+        and is the newest code: it has them, which is why clients must not decide by release.
+        """
+        return _release_tuple(self.release) >= SESSIONS_SINCE or "dev" in self.release
 
     def can_read_back(self, architectures: list[str] | None) -> bool:
         """Whether ``get_weights_by_name`` works for a model of these architectures."""

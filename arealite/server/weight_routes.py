@@ -58,9 +58,25 @@ class WeightRoutes:
         self.behaviour = server.behaviour
         self.session_open = False  # SGLang's weight-update session (see arealite.server.strict)
         self.architectures = list(getattr(server.model.config, "architectures", None) or [])
+        # Strict mode: SGLang's scheduler runs weight operations one at a time, so a receive
+        # blocked in a broken group holds up every later one (destroy, join, begin/end).
+        self.scheduler = asyncio.Lock() if self.behaviour.strict else None
 
     def routes(self) -> dict[str, Callable[[web.Request], Awaitable[web.Response]]]:
         """POST path -> handler."""
+        return {path: self._one_at_a_time(h) for path, h in self._handlers().items()}
+
+    def _one_at_a_time(self, handler: Callable[[web.Request], Awaitable[web.Response]]):
+        if self.scheduler is None:
+            return handler
+        lock = self.scheduler
+
+        async def serialized(request: web.Request) -> web.Response:
+            async with lock:
+                return await handler(request)
+        return serialized
+
+    def _handlers(self) -> dict[str, Callable[[web.Request], Awaitable[web.Response]]]:
         return {
             "/update_weights_from_disk": self.update_weights_from_disk,
             "/update_weights_from_shm": self.update_weights_from_shm,

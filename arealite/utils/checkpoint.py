@@ -34,7 +34,8 @@ from arealite.config.schema import RecoverConfig, SaverConfig
 
 logger = logging.getLogger("arealite.checkpoint")
 
-_COMPLETE = "COMPLETE"
+from arealite.utils.run import COMPLETE as _COMPLETE
+from arealite.utils.run import complete_checkpoints  # noqa: F401 (re-exported)
 ENV_FAULT = "AREALITE_FAULT"
 #: ``ckpt_write``: after every rank's shards are on disk, before the manifest and the rename;
 #: ``ckpt_renamed``: after the rename, before old checkpoints are cleaned up;
@@ -88,28 +89,6 @@ def _discard(path: Path) -> None:
     shutil.rmtree(trash, ignore_errors=True)
     os.replace(path, trash)
     shutil.rmtree(trash, ignore_errors=True)
-
-
-def _is_complete(path: Path) -> bool:
-    manifest = path / _COMPLETE
-    try:
-        files = json.loads(manifest.read_text())["files"]
-    except (OSError, ValueError, KeyError, TypeError):
-        return False
-    return all((path / f).is_file() for f in files)
-
-
-def complete_checkpoints(root: str | Path) -> list[tuple[int, Path]]:
-    """``(step, path)`` of every complete checkpoint under ``root``, oldest first."""
-    out = []
-    r = Path(root)
-    if not r.is_dir():
-        return out
-    for p in r.iterdir():
-        num = p.name[len("step_"):]
-        if p.is_dir() and p.name.startswith("step_") and num.isdigit() and _is_complete(p):
-            out.append((int(num), p))
-    return sorted(out)
 
 
 class Checkpointer:

@@ -62,6 +62,7 @@ __all__ = [
     "admin_of",
     "compare_readback",
     "make_publisher",
+    "make_verifier",
     "make_transfer",
     "server_weight_dtype",
 ]

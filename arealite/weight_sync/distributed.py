@@ -319,12 +319,11 @@ class DistributedTransfer:
                 self.group_name, version, flattened_bucket=flat, timeout=timeout)
             http = in_thread(lambda c=coro: self.run(c), "weight-sync-http")
             send = [torch.cat([t.reshape(-1) for t in tensors])] if flat else tensors
-            try:
-                works = self.group.broadcast(send)
-            except RuntimeError as e:  # gloo may refuse at once when a peer is gone
-                self._broken = f"broadcast failed: {e}"
-                raise WeightSyncError(f"the broadcast failed: {e}", version=version) from e
-            bcast = in_thread(lambda w=works: [x.wait() for x in w], "weight-sync-broadcast")
+            # Issuing the collective runs in the thread too: NCCL's first collective on a group
+            # blocks in the call until every rank joins, and a server that refused its HTTP
+            # call never will; the HTTP failure (or the timeout) must be able to end the wait.
+            bcast = in_thread(lambda g=self.group, x=send: [w.wait() for w in g.broadcast(x)],
+                              "weight-sync-broadcast")
             self._wait_both(http, bcast, timeout, version, "update_weights_from_distributed", names)
             n_buckets += 1
             n_tensors += len(tensors)
