@@ -63,6 +63,35 @@ def full_weights(engine: FSDPEngine) -> dict[str, torch.Tensor]:
     return {n: t.clone() for b in engine.named_weight_buckets(1 << 16) for n, t in b}
 
 
+#: The losses added with issue 16, each a PPO step on the same batch (sequence-level pieces
+#: are where a rank-local computation would show).
+NEW_LOSSES = {
+    "gspo": dict(policy_loss="gspo", eps_clip=0.05, loss_agg_mode="seq-mean-token-mean"),
+    "gspo_token_tis_seq": dict(policy_loss="gspo_token", eps_clip=0.05, loss_agg_mode="seq-mean-token-mean",
+                               mismatch=dict(mode="tis", level="sequence", upper=1.03, lower=0.97)),
+    "ppo_mis_token": dict(mismatch=dict(mode="mis", level="token", upper=1.2)),
+}
+
+
+def new_loss_steps(engine: FSDPEngine, batch: dict, logp: torch.Tensor, rows: slice) -> tuple[dict, torch.Tensor]:
+    """Advantages whitened over the global batch, then one step with each of `NEW_LOSSES`;
+    the behaviour log-probs differ from the trainer's so that the mismatch correction acts."""
+    from arealite.algo.returns import global_whiten
+
+    L = batch["input_ids"].shape[1]
+    raw = torch.cos(torch.arange(GLOBAL_B * L, dtype=torch.float32).reshape(GLOBAL_B, L))[rows]
+    adv = global_whiten(raw, batch["loss_mask"])
+    wiggle = 0.15 * torch.sin(torch.arange(GLOBAL_B * L, dtype=torch.float32).reshape(GLOBAL_B, L))
+    row_shift = torch.linspace(-0.08, 0.08, GLOBAL_B)[:, None]  # some sequences' geometric mean leaves [0.97, 1.03]
+    behav = logp + (wiggle + row_shift)[rows]
+    data = {**batch, "logprobs": torch.where(batch["loss_mask"], behav, torch.zeros(())), "advantages": adv}
+    out = {}
+    for name, knobs in NEW_LOSSES.items():
+        actor = PPOActor(AlgorithmConfig(**knobs), engine, temperature=1.0)
+        out[name] = engine.train_batch(data, actor.loss_fn(), actor.loss_weight_fn())
+    return out, adv
+
+
 def run(model_dir: str, out_dir: str) -> None:
     out = Path(out_dir)
     cfg = ActorConfig(model_path=model_dir, mb_max_tokens=32)
@@ -104,6 +133,7 @@ def run(model_dir: str, out_dir: str) -> None:
     for mode in ("seq-mean-token-mean", "seq-mean-token-sum"):
         actor = PPOActor(AlgorithmConfig(loss_agg_mode=mode, loss_agg_constant=16.0), engine, temperature=1.0)
         seq_mean[mode] = engine.train_batch(ppo, actor.loss_fn(), actor.loss_weight_fn())
+    new_losses, whitened = new_loss_steps(engine, batch, logp, rows)
     torch.save(
         {
             "world": world,
@@ -116,6 +146,9 @@ def run(model_dir: str, out_dir: str) -> None:
             "lr_redone": lr_redone,
             "logp": logp,
             "seq_mean": seq_mean,
+            "new_losses": new_losses,
+            "whitened": whitened,
+            "after_new_losses": full_weights(engine),
             "after_seq_mean": full_weights(engine),
             "rows": (rows.start, rows.stop),
         },

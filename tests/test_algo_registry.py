@@ -33,8 +33,8 @@ fsdp = pytest.importorskip("arealite.engine.fsdp")
 
 
 def test_the_builtins_are_registered_by_their_config_names():
-    assert set(ADVANTAGE_ESTIMATORS) == {"grpo", "drgrpo", "rloo", "none"}
-    assert set(POLICY_LOSSES) == {"ppo"}
+    assert set(ADVANTAGE_ESTIMATORS) == {"grpo", "drgrpo", "rloo", "none", "reinforce_pp", "reinforce_pp_baseline"}
+    assert set(POLICY_LOSSES) == {"ppo", "gspo", "gspo_token"}
     cfg = AlgorithmConfig()
     assert (cfg.adv_estimator, cfg.policy_loss) == ("grpo", "ppo")
 
@@ -87,8 +87,9 @@ def test_custom_estimator_and_loss_named_in_yaml_drive_a_real_update(tmp_path, m
 @pytest.mark.parametrize(
     "field,value,needle",
     [
-        ("adv_estimator", "grpoo", "built-in advantage estimator (drgrpo, grpo, none, rloo)"),
-        ("policy_loss", "ppo2", "built-in policy loss (ppo)"),
+        ("adv_estimator", "grpoo",
+         "built-in advantage estimator (drgrpo, grpo, none, reinforce_pp, reinforce_pp_baseline, rloo)"),
+        ("policy_loss", "ppo2", "built-in policy loss (gspo, gspo_token, ppo)"),
         ("adv_estimator", "tests.custom_algo_example:missing", "has no attribute 'missing'"),
         ("policy_loss", "no_such_pkg.losses:mine", "cannot import module 'no_such_pkg.losses'"),
         ("policy_loss", "tests.custom_algo_example:NOT_CALLABLE", "not a callable"),
@@ -125,7 +126,7 @@ def test_a_new_builtin_is_one_decorated_function():
         assert actor.adv_estimator is sign_advantages and actor.policy_loss is neg_adv
         got = group_advantages(torch.tensor([1.0, 3.0]), torch.zeros(2, dtype=torch.long), "sign")
         assert got.tolist() == [-1.0, 1.0]
-        with pytest.raises(ValueError, match="drgrpo, grpo, none, rloo, sign"):
+        with pytest.raises(ValueError, match="drgrpo, grpo, none, reinforce_pp, reinforce_pp_baseline, rloo, sign"):
             AlgorithmConfig(adv_estimator="nope")
     finally:
         del ADVANTAGE_ESTIMATORS["sign"], POLICY_LOSSES["neg_adv"]

@@ -98,6 +98,31 @@ def test_two_ranks_match_one_process_with_sequence_mean_ppo_loss(two_rank_result
 
 
 @pytest.mark.slow
+def test_two_ranks_match_one_process_with_gspo_mismatch_correction_and_global_whitening(two_rank_results,
+                                                                                        one_rank_results):
+    """GSPO's sequence ratio, sequence-level TIS and MIS, and advantage whitening over the global
+    batch: 2 ranks with unequal halves take the same steps as 1 process."""
+    _, (r0, r1) = two_rank_results
+    single = one_rank_results
+    assert torch.allclose(torch.cat([r0["whitened"], r1["whitened"]]), single["whitened"], atol=1e-6)
+    assert set(single["new_losses"]) == {"gspo", "gspo_token_tis_seq", "ppo_mis_token"}
+    for name, s1 in single["new_losses"].items():
+        s2 = r0["new_losses"][name]
+        assert abs(s2["loss"] - s1["loss"]) <= 1e-5, name
+        assert abs(s2["grad_norm"] - s1["grad_norm"]) <= 1e-5, name
+        assert s2["grad_norm"] > 0, name
+        assert s2["mismatch_ratio_max"] == pytest.approx(s1["mismatch_ratio_max"], abs=1e-6), name
+    # Token-mean stats are exact global token means when the loss weight counts tokens (ppo, token-mean);
+    # under a seq-mean loss the engine weighs micro-batches by sequences, which depends on the split.
+    s1, s2 = single["new_losses"]["ppo_mis_token"], r0["new_losses"]["ppo_mis_token"]
+    assert s2["mismatch_kl_k3"] == pytest.approx(s1["mismatch_kl_k3"], abs=1e-6)
+    assert s2["mismatch_masked_frac"] == pytest.approx(s1["mismatch_masked_frac"], abs=1e-6)
+    assert single["new_losses"]["gspo_token_tis_seq"]["mismatch_truncated_frac"] > 0
+    assert single["new_losses"]["ppo_mis_token"]["mismatch_masked_frac"] > 0
+    assert _max_diff(r0["after_new_losses"], single["after_new_losses"]) <= 1e-5
+
+
+@pytest.mark.slow
 def test_sharded_checkpoint_resume_equals_uninterrupted(two_rank_results, one_rank_results):
     _, (r0, r1) = two_rank_results
     for res in (r0, r1, one_rank_results):

@@ -69,7 +69,8 @@ def test_worker_produces_batches_state_and_evaluation(cfg):
         assert state["counters"]["consumed"] == 2 and "pending_items" in state
         loader_state = worker.loader_state.state_dict()
         worker.loader_state.load_state_dict(loader_state)
-        correct, n, _ = worker.eval_sums(ITEMS[:3])
+        sums = worker.eval_sums(ITEMS[:3])
+        correct, n = sums["correct"], sums["n"]
         assert n == 3 and 0 <= correct <= n  # the evaluation copy: one greedy sample per prompt
         assert worker.epochs_handed_out() == 0
         admin = worker.admin  # the trainer's own client administers the same servers

@@ -28,6 +28,9 @@ from arealite.algo.loss import (
 )
 from arealite.algo.sft import build_sft_batch, sft_loss_fn, sft_loss_weight
 
+# Modules that register built-ins (`@policy_loss`, `@advantage_estimator`) on import.
+from arealite.algo import gspo, reinforce  # noqa: E402,F401  (isort: skip)
+
 __all__ = [
     "PPOActor",
     "logprob_hook",

@@ -28,14 +28,23 @@ from tensordict import TensorDictBase
 from arealite.algo.advantage import (
     broadcast_to_tokens,
     group_advantages,
-    normalize_advantages,
     resolve_advantage_estimator,
     stepwise_advantages,
     transform_rewards,
 )
 from arealite.algo.logprob import gather_logprobs
-from arealite.algo.loss import bind_policy_loss, loss_weight, masked_mean, ppo_actor_loss, resolve_policy_loss
+from arealite.algo.loss import (
+    bind_policy_loss,
+    kl_penalty,
+    loss_weight,
+    masked_mean,
+    ppo_actor_loss,
+    resolve_policy_loss,
+)
+from arealite.algo.overlong import exclude_rows, soft_overlong_penalty, truncated_rows
+from arealite.algo.returns import discounted_returns, gae, global_whiten, terminal_rewards
 from arealite.api.engine import TrainEngine
+from arealite.config.algo_checks import raise_algorithm_problems
 from arealite.config.schema import AlgorithmConfig
 
 __all__ = ["PPOActor", "split_minibatches", "logprob_hook"]
@@ -107,9 +116,12 @@ class PPOActor:
                 "algorithm.loss_agg_mode=seq-mean-token-sum needs a length normaliser: "
                 "set algorithm.loss_agg_constant or pass max_new_tokens to PPOActor"
             )
+        raise_algorithm_problems(config)
         self.config = config
+        self.max_new_tokens = max_new_tokens
         # Resolved once, so that a bad name fails here rather than at the first step.
-        self.adv_estimator = resolve_advantage_estimator(config.adv_estimator)
+        self.adv_estimator = None if config.adv_estimator == "gae" else resolve_advantage_estimator(
+            config.adv_estimator)
         self.policy_loss = resolve_policy_loss(config.policy_loss)
         self.engine = engine
         self.ref_engine = ref_engine
@@ -138,40 +150,39 @@ class PPOActor:
 
     # ----------------------------------------------------------------- advantages
     def compute_advantages(self, batch: TensorDictBase) -> TensorDictBase:
-        """Add ``batch["advantages"] [B, L]`` (0 outside ``loss_mask``); returns the batch.
+        """Add ``batch["advantages"] [B, L]`` (0 outside the trained tokens); returns the batch.
 
-        rewards -> ``transform_rewards`` -> ``algorithm.adv_estimator`` per group
-        (step-wise when the batch has ``traj_id`` and ``step_id``) -> tokens on
-        ``loss_mask`` -> optional batch whitening. Stats go to ``self.adv_stats``.
+        rewards (+ DAPO overlong penalty) -> ``transform_rewards`` -> either
+        ``algorithm.adv_estimator`` per group (step-wise when the batch has ``traj_id`` and
+        ``step_id``), put on the last policy token, or with ``gae`` the critic's
+        ``batch["values"]`` (then ``batch["returns"]`` is added too) -> with
+        ``kl_in_reward`` a ``-kl_coef * KL`` reward on every token -> reward-to-go
+        (``gamma``) -> optional whitening over the global batch. Samples left out by
+        ``overlong.exclude_truncated`` get advantage 0. Stats go to ``self.adv_stats``.
         """
         cfg = self.config
         for key in ("rewards", "loss_mask"):
             if key not in batch.keys():
                 raise KeyError(f"compute_advantages needs '{key}' in the batch (has {sorted(batch.keys())})")
         B = batch.batch_size[0]
-        if "group_id" in batch.keys():
-            group_id = batch["group_id"]
-        elif cfg.adv_estimator == "none":
-            group_id = torch.arange(B)
+        rewards, shaping = self._shaped_rewards(batch)
+        mask = self.train_mask(batch)
+        kl_reward = self._kl_reward(batch, mask)
+        if cfg.adv_estimator == "gae":
+            if "values" not in batch.keys():
+                raise KeyError("algorithm.adv_estimator=gae needs the critic's 'values' [B, L] in the batch: "
+                               "run Critic.compute_values first")
+            adv, batch["returns"] = gae(terminal_rewards(rewards, mask) + kl_reward, batch["values"], mask,
+                                        cfg.gamma, cfg.gae_lambda)
+            seq_adv = adv.sum(-1)
         else:
-            raise KeyError(
-                f"algorithm.adv_estimator={cfg.adv_estimator} needs 'group_id' [B] in the batch "
-                "(samples of one prompt share it)"
-            )
-        rewards = transform_rewards(batch["rewards"], cfg.reward_scale, cfg.reward_bias, cfg.reward_clip)
-        if "traj_id" in batch.keys():
-            if "step_id" not in batch.keys():
-                raise KeyError("a batch with 'traj_id' (multi-step runs) also needs 'step_id' [B]")
-            seq_adv = stepwise_advantages(
-                rewards, group_id, batch["traj_id"], batch["step_id"],
-                self.adv_estimator, cfg.stepwise_divide_by_steps,
-            )
-        else:
-            seq_adv = group_advantages(rewards, group_id, self.adv_estimator)
-        mask = batch["loss_mask"].bool()
-        adv = broadcast_to_tokens(seq_adv, mask)
+            seq_adv = self._sequence_advantages(batch, rewards)
+            if cfg.kl_in_reward or cfg.gamma != 1.0:
+                adv = discounted_returns(terminal_rewards(seq_adv, mask) + kl_reward, mask, cfg.gamma)
+            else:
+                adv = broadcast_to_tokens(seq_adv, mask)
         if cfg.adv_norm == "batch":
-            adv = normalize_advantages(adv, mask)
+            adv = global_whiten(adv, mask)
         batch["advantages"] = adv
 
         vals = adv[mask]
@@ -183,8 +194,72 @@ class PPOActor:
             "adv_max": 0.0 if empty else float(vals.max()),
             "adv_min": 0.0 if empty else float(vals.min()),
             "adv_zero_seq_frac": float((seq_adv == 0).float().mean()) if B else 0.0,
+            **shaping,
         }
         return batch
+
+    def _sequence_advantages(self, batch: TensorDictBase, rewards: torch.Tensor) -> torch.Tensor:
+        """``algorithm.adv_estimator`` on the (shaped) rewards: one advantage per row ``[B]``."""
+        cfg = self.config
+        if "group_id" in batch.keys():
+            group_id = batch["group_id"]
+        elif cfg.adv_estimator in ("none", "reinforce_pp"):
+            group_id = torch.arange(batch.batch_size[0])
+        else:
+            raise KeyError(
+                f"algorithm.adv_estimator={cfg.adv_estimator} needs 'group_id' [B] in the batch "
+                "(samples of one prompt share it)"
+            )
+        if "traj_id" in batch.keys():
+            if "step_id" not in batch.keys():
+                raise KeyError("a batch with 'traj_id' (multi-step runs) also needs 'step_id' [B]")
+            return stepwise_advantages(rewards, group_id, batch["traj_id"], batch["step_id"],
+                                       self.adv_estimator, cfg.stepwise_divide_by_steps)
+        return group_advantages(rewards, group_id, self.adv_estimator)
+
+    def _truncated(self, batch: TensorDictBase) -> torch.Tensor:
+        """Which rows were cut at the length limit (the workflow's ``truncated`` flag when present)."""
+        limit = self.max_new_tokens or int(batch["loss_mask"].shape[1])
+        flag = batch["truncated"] if "truncated" in batch.keys() else None
+        return truncated_rows(batch["loss_mask"], limit, flag)
+
+    def train_mask(self, batch: TensorDictBase) -> torch.Tensor:
+        """The tokens the update trains on: ``loss_mask`` less the truncated samples when
+        ``algorithm.overlong.exclude_truncated``."""
+        mask = batch["loss_mask"].bool()
+        if self.config.overlong.exclude_truncated:
+            mask = exclude_rows(mask, self._truncated(batch))
+        return mask
+
+    def _shaped_rewards(self, batch: TensorDictBase) -> tuple[torch.Tensor, dict[str, float]]:
+        """The rewards after DAPO's soft overlong penalty and ``transform_rewards``, and shaping stats."""
+        cfg, ov = self.config, self.config.overlong
+        raw = batch["rewards"].float()
+        stats: dict[str, float] = {}
+        if ov.buffer_len is not None or ov.exclude_truncated:
+            stats["overlong_truncated_frac"] = float(self._truncated(batch).float().mean()) if raw.numel() else 0.0
+        if ov.buffer_len is not None:
+            if not self.max_new_tokens:
+                raise ValueError("algorithm.overlong.buffer_len needs the length limit: pass max_new_tokens to PPOActor")
+            lengths = batch["loss_mask"].bool().sum(-1)
+            penalty = soft_overlong_penalty(lengths, self.max_new_tokens, ov.buffer_len, ov.penalty_factor)
+            raw = raw + penalty
+            stats["overlong_penalty_mean"] = float(penalty.mean()) if raw.numel() else 0.0
+        return transform_rewards(raw, cfg.reward_scale, cfg.reward_bias, cfg.reward_clip), stats
+
+    def _kl_reward(self, batch: TensorDictBase, mask: torch.Tensor) -> torch.Tensor | float:
+        """``-kl_coef * KL_t`` per token with ``algorithm.kl_in_reward`` (KL of the sampling-time
+        policy to the reference), else 0."""
+        cfg = self.config
+        if not cfg.kl_in_reward:
+            return 0.0
+        if "ref_logp" not in batch.keys():
+            if self.ref_engine is None:
+                raise ValueError("algorithm.kl_in_reward needs reference log-probs: pass ref_engine to PPOActor "
+                                 "or put 'ref_logp' in the batch")
+            batch["ref_logp"] = self.compute_logp(batch, engine=self.ref_engine)
+        old = batch["prox_logp"] if "prox_logp" in batch.keys() else batch["logprobs"]
+        return -cfg.kl_coef * kl_penalty(old, batch["ref_logp"], cfg.kl_estimator, mask)
 
     # --------------------------------------------------------------------- update
     def loss_fn(self):
@@ -196,7 +271,7 @@ class PPOActor:
             temperature=self.temperature,
             policy_loss=bind_policy_loss(self.policy_loss, cfg),
             use_decoupled_loss=cfg.use_decoupled_loss,
-            kl_coef=cfg.kl_coef,
+            kl_coef=0.0 if cfg.kl_in_reward else cfg.kl_coef,  # in the reward, not also in the loss
             kl_estimator=cfg.kl_estimator,
             entropy_coef=cfg.entropy_coef,
             loss_agg_mode=cfg.loss_agg_mode,
@@ -231,6 +306,10 @@ class PPOActor:
 
         loss_fn, weight_fn = self.loss_fn(), self.loss_weight_fn()
         mask = batch["loss_mask"].bool()
+        if cfg.overlong.exclude_truncated:
+            # Truncated samples leave the loss (a shallow copy: the caller's batch keeps its mask for stats).
+            batch = batch.copy()
+            batch["loss_mask"] = self.train_mask(batch)
         if "prox_logp" in batch.keys():
             # Whole-batch view of the train-inference mismatch, independent of micro-batching.
             delta = (batch["prox_logp"].float() - batch["logprobs"].float()).abs()

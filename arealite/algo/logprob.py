@@ -138,9 +138,12 @@ def gather_logprobs_entropy(
     _check(logits, labels, temperature)
     logp_all = torch.log_softmax(logits.float() / temperature, dim=-1)
     logp = logp_all.gather(-1, labels.long().unsqueeze(-1)).squeeze(-1)
-    # sum p * log p with p = exp(log p); exp(-inf) * -inf would be NaN, hence the where.
+    # sum p * log p with p = exp(log p). A -inf logit (a masked vocabulary entry) has p = 0
+    # and must add 0 to the value *and* to the gradient: zero log p there before the product,
+    # else the backward of p * log p computes 0 * -inf = NaN even where the value was masked.
     p = logp_all.exp()
-    entropy = -torch.where(p > 0, p * logp_all, torch.zeros_like(p)).sum(-1)
+    safe_logp = torch.where(p > 0, logp_all, torch.zeros_like(logp_all))
+    entropy = -(p * safe_logp).sum(-1)
     return logp, entropy
 
 
@@ -161,6 +164,6 @@ def token_entropy(logits: torch.Tensor, temperature: float = 1.0, chunk_size: in
     for s in range(0, flat.shape[0], step):
         logp_all = torch.log_softmax(flat[s : s + step].float() / temperature, dim=-1)
         p = logp_all.exp()
-        parts.append(-torch.where(p > 0, p * logp_all, torch.zeros_like(p)).sum(-1))
+        parts.append(-(p * torch.where(p > 0, logp_all, torch.zeros_like(logp_all))).sum(-1))
     out = torch.cat(parts) if parts else flat.new_zeros(0, dtype=torch.float32)
     return out.reshape(lead)

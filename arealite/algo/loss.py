@@ -29,16 +29,19 @@ the aggregation to one scalar are added around it by ``ppo_actor_loss``.
 from __future__ import annotations
 
 import functools
+import inspect
 from typing import TYPE_CHECKING, Any, Callable, Literal, Optional
 
 import torch
 
 from arealite.algo.logprob import gather_logprobs_entropy, gather_logprobs_entropy_stat
+from arealite.algo.mismatch import behaviour_weight
 from arealite.algo.named import resolve_named
+from arealite.algo.ratio import clamped_exp, sequence_index
 from arealite.utils.imports import register_into
 
 if TYPE_CHECKING:
-    from arealite.config.schema import AlgorithmConfig
+    from arealite.config.schema import AlgorithmConfig, MismatchConfig
 
 __all__ = [
     "LossAggMode",
@@ -80,6 +83,10 @@ _CHUNK = 1024
 #: Returns the per-token loss (same shape, 0 outside ``loss_mask``; the caller aggregates it with
 #: ``algorithm.loss_agg_mode`` and adds the KL and entropy terms) and a dict of 0-dim tensor
 #: stats, logged as weighted means over micro-batches (a key ending in ``_max`` as a maximum).
+#:
+#: A loss that needs to know the sequences (GSPO, sequence-level mismatch correction) declares
+#: a keyword parameter ``cu_seqlens``: it then gets the packed micro-batch's boundaries
+#: ``[n + 1]`` (see `arealite.algo.ratio.sequence_index`).
 PolicyLoss = Callable[
     [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, Optional[torch.Tensor], "AlgorithmConfig"],
     tuple[torch.Tensor, dict[str, torch.Tensor]],
@@ -110,13 +117,22 @@ def resolve_policy_loss(spec: str | PolicyLoss) -> PolicyLoss:
 
 def bind_policy_loss(fn: PolicyLoss, config: "AlgorithmConfig") -> BoundPolicyLoss:
     """``fn`` with ``config`` bound, its output checked (what ``ppo_actor_loss`` calls)."""
-    return functools.partial(_call_policy_loss, fn, config)
+    return functools.partial(_call_policy_loss, fn, config, _takes_cu_seqlens(fn))
 
 
-def _call_policy_loss(fn: PolicyLoss, config: "AlgorithmConfig", logp: torch.Tensor, prox_logp: torch.Tensor,
-                      advantages: torch.Tensor, loss_mask: torch.Tensor, behav_logp: torch.Tensor | None,
+def _takes_cu_seqlens(fn: Callable) -> bool:
+    try:
+        return "cu_seqlens" in inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+def _call_policy_loss(fn: PolicyLoss, config: "AlgorithmConfig", takes_seq: bool, logp: torch.Tensor,
+                      prox_logp: torch.Tensor, advantages: torch.Tensor, loss_mask: torch.Tensor,
+                      behav_logp: torch.Tensor | None, cu_seqlens: torch.Tensor | None = None,
                       ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    out = fn(logp, prox_logp, advantages, loss_mask, behav_logp, config)
+    extra = {"cu_seqlens": cu_seqlens} if takes_seq else {}
+    out = fn(logp, prox_logp, advantages, loss_mask, behav_logp, config, **extra)
     name = getattr(fn, "__qualname__", repr(fn))
     if not (isinstance(out, tuple) and len(out) == 2 and isinstance(out[1], dict)):
         raise TypeError(f"policy loss {name} must return (token_loss, stats dict), got {type(out).__name__}")
@@ -161,23 +177,6 @@ def _check_ppo_args(
         raise ValueError(f"behav_imp_weight_cap must be > 1 (or None), got {behav_imp_weight_cap}")
 
 
-def _behaviour_weight(
-    mask: torch.Tensor, prox: torch.Tensor, behav_logp: torch.Tensor, cap: float | None,
-    stats: dict[str, torch.Tensor],
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Decoupled PPO's behaviour importance weight: ``(tokens kept under the cap, weight on them)``."""
-    zero = torch.zeros((), dtype=torch.float32, device=prox.device)
-    behav_log_w = torch.where(mask, prox - behav_logp.detach().float(), zero)
-    w = torch.exp(behav_log_w)
-    keep = mask & (w <= cap) if cap is not None else mask
-    stats["imp_weight_mean"] = masked_mean(w, mask)
-    stats["imp_weight_max"] = _masked_max(w, mask)
-    stats["imp_weight_capped_frac"] = masked_mean((mask & ~keep).float(), mask)
-    stats["approx_kl_behav"] = masked_mean(-behav_log_w, mask)  # k1 of KL(behav || prox)
-    # Zero the weight before multiplying: inf * 0 in the backward would be NaN.
-    return keep, torch.where(keep, w, zero)
-
-
 def ppo_policy_loss(
     logp: torch.Tensor,
     prox_logp: torch.Tensor,
@@ -188,6 +187,8 @@ def ppo_policy_loss(
     c_clip: float | None = None,
     behav_logp: torch.Tensor | None = None,
     behav_imp_weight_cap: float | None = None,
+    mismatch: "MismatchConfig | None" = None,
+    cu_seqlens: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Per-token clipped-surrogate loss (0 outside ``loss_mask``) and its stats.
 
@@ -195,7 +196,9 @@ def ppo_policy_loss(
     ``r = exp(logp - prox_logp)``; with dual clip, tokens with ``A < 0`` are
     bounded by ``-A c_clip``. If ``behav_logp`` is given (decoupled loss) each
     token is multiplied by ``w = exp(prox_logp - behav_logp)`` and masked out
-    where ``w > behav_imp_weight_cap``.
+    where ``w > behav_imp_weight_cap``; ``mismatch`` (TIS/MIS, see `behaviour_weight`)
+    bounds that weight further (``cu_seqlens``: the sequences, for its sequence level).
+    The log-ratio is clamped to [-20, 20] before ``exp`` (`arealite.algo.ratio`).
 
     Stats (0-dim tensors, means over loss tokens): ``clip_frac_low``,
     ``clip_frac_high``, ``clip_frac_dual``, ``ratio_mean``, ``approx_kl_prox``
@@ -217,10 +220,10 @@ def ppo_policy_loss(
     # Tokens kept in the loss: loss tokens whose behaviour weight is within the cap.
     keep, w_kept = mask, None
     if behav_logp is not None:
-        keep, w_kept = _behaviour_weight(mask, prox, behav_logp, behav_imp_weight_cap, stats)
+        keep, w_kept = behaviour_weight(mask, prox, behav_logp, behav_imp_weight_cap, stats, mismatch, cu_seqlens)
 
     log_ratio = torch.where(mask, logp.float() - prox, zero)
-    ratio = torch.exp(log_ratio)
+    ratio = clamped_exp(log_ratio)
     pg_unclipped = -adv * ratio
     pg_clipped = -adv * ratio.clamp(1.0 - eps_clip, 1.0 + eps_high)
     pg = torch.maximum(pg_unclipped, pg_clipped)
@@ -252,13 +255,16 @@ def ppo_clip_loss(
     loss_mask: torch.Tensor,
     behav_logp: torch.Tensor | None,
     config: "AlgorithmConfig",
+    *,
+    cu_seqlens: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """PPO's clipped surrogate (``ppo_policy_loss``) with ``algorithm.eps_clip``, ``eps_clip_high``,
-    ``c_clip`` and, for the decoupled loss, ``behav_imp_weight_cap``."""
+    ``c_clip`` and, for the decoupled loss, ``behav_imp_weight_cap`` and ``algorithm.mismatch``."""
     return ppo_policy_loss(
         logp, prox_logp, advantages, loss_mask,
         eps_clip=config.eps_clip, eps_clip_high=config.eps_clip_high, c_clip=config.c_clip,
         behav_logp=behav_logp, behav_imp_weight_cap=config.behav_imp_weight_cap,
+        mismatch=config.mismatch, cu_seqlens=cu_seqlens,
     )
 
 
@@ -285,23 +291,6 @@ def kl_penalty(
     raise ValueError(f"unknown kl_estimator {estimator!r}; choose k1, k2 or k3")
 
 
-def _seq_index(cu_seqlens: torch.Tensor, n_tokens: int, mask: torch.Tensor) -> tuple[torch.Tensor, int]:
-    """Sequence index of every packed token, from ``cu_seqlens [n+1]``."""
-    cu = cu_seqlens.long().to(mask.device)
-    if cu.dim() != 1 or cu.numel() < 1 or cu[0] != 0 or (cu[1:] < cu[:-1]).any():
-        raise ValueError(f"cu_seqlens must be a non-decreasing 1-D tensor starting at 0, got {cu_seqlens.tolist()}")
-    end = int(cu[-1])
-    if end > n_tokens:
-        raise ValueError(f"cu_seqlens ends at {end} but there are only {n_tokens} tokens")
-    if end < n_tokens and mask[end:].any():
-        raise ValueError(f"loss_mask marks tokens after the last sequence (cu_seqlens[-1]={end}, T={n_tokens})")
-    n = cu.numel() - 1
-    idx = torch.repeat_interleave(torch.arange(n, device=mask.device), cu[1:] - cu[:-1])
-    if end < n_tokens:  # trailing padding: a dummy sequence n, ignored below
-        idx = torch.cat([idx, torch.full((n_tokens - end,), n, device=mask.device, dtype=idx.dtype)])
-    return idx, n
-
-
 def _per_sequence(values: torch.Tensor, mask: torch.Tensor, cu_seqlens: torch.Tensor | None):
     """``(sum of values on mask, count of mask)`` per sequence."""
     mask = mask.bool()
@@ -312,7 +301,7 @@ def _per_sequence(values: torch.Tensor, mask: torch.Tensor, cu_seqlens: torch.Te
         raise ValueError(f"expected [T] or [B, L] token values, got {tuple(values.shape)}")
     if cu_seqlens is None:
         raise ValueError("packed [T] values need cu_seqlens for a seq-mean aggregation")
-    idx, n = _seq_index(cu_seqlens, values.shape[0], mask)
+    idx, n = sequence_index(mask, cu_seqlens)
     sums = torch.zeros(n + 1, dtype=v.dtype, device=v.device).index_add(0, idx, v)
     counts = torch.zeros(n + 1, dtype=torch.long, device=v.device).index_add(0, idx, mask.long())
     return sums[:n], counts[:n]
@@ -371,8 +360,10 @@ def loss_weight(
 
 
 def _ppo_term(logp: torch.Tensor, prox_logp: torch.Tensor, advantages: torch.Tensor, loss_mask: torch.Tensor,
-              behav_logp: torch.Tensor | None, **knobs: Any) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    return ppo_policy_loss(logp, prox_logp, advantages, loss_mask, behav_logp=behav_logp, **knobs)
+              behav_logp: torch.Tensor | None, cu_seqlens: torch.Tensor | None = None,
+              **knobs: Any) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    return ppo_policy_loss(logp, prox_logp, advantages, loss_mask, behav_logp=behav_logp, cu_seqlens=cu_seqlens,
+                           **knobs)
 
 
 def _check_micro_batch(mb: dict[str, Any]) -> None:
@@ -457,7 +448,7 @@ def ppo_actor_loss(
         policy_loss = functools.partial(_ppo_term, eps_clip=eps_clip, eps_clip_high=eps_clip_high,
                                         c_clip=c_clip, behav_imp_weight_cap=behav_imp_weight_cap)
     pg, stats = policy_loss(logp, prox if prox is not None else behav, mb["advantages"], mask,
-                            behav if decoupled else None)
+                            behav if decoupled else None, cu_seqlens=mb.get("cu_seqlens"))
     token_loss = pg
     if kl_coef > 0:
         if "ref_logp" not in mb:

@@ -634,6 +634,8 @@ def _check_shm_backend(cfg: ArealiteConfig) -> list[ConfigProblem]:
     return []
 
 
+from arealite.config.algo_checks import check_algorithm  # noqa: E402  (the algorithm's rules live with it)
+
 #: Checks that relate several fields; each docstring is listed in docs/config_reference.md.
 CROSS_FIELD_CHECKS = (
     _check_batch_divisible,
@@ -644,6 +646,7 @@ CROSS_FIELD_CHECKS = (
     _check_reward_fn,
     _check_workflow,
     _check_shm_backend,
+    check_algorithm,
 )
 
 _TINY_HINT = "build a tiny one with `python -m arealite.models.tiny DIR --size small`"

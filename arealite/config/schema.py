@@ -274,14 +274,44 @@ class ActorConfig(Section):
     """Temperature used to recompute log-probs (None = `generation.temperature`)."""
 
 
+class MismatchConfig(Section):
+    mode: Literal["none", "tis", "mis"] = "none"
+    """Rollout-train mismatch correction between the server's and the trainer's log-probs of
+    the sampled tokens (needs `use_decoupled_loss`): `tis` truncates the importance weight
+    into [`lower`, `upper`], `mis` leaves tokens (or sequences) outside it out of the loss,
+    `none` only logs the mismatch (see `arealite.algo.mismatch`)."""
+    level: Literal["token", "sequence"] = "token"
+    """`token`: each token's weight; `sequence`: the geometric mean of a sequence's weights,
+    on all its tokens."""
+    upper: float = Field(2.0, gt=1)
+    """Upper bound of the importance weight (> 1)."""
+    lower: float | None = Field(None, ge=0, lt=1)
+    """Lower bound (in [0, 1)); null = one-sided (only `upper`)."""
+
+
+class OverlongConfig(Section):
+    buffer_len: int | None = Field(None, ge=1)
+    """DAPO soft overlong punishment: over the last `buffer_len` tokens before
+    `generation.max_new_tokens` the reward gets a penalty ramping from 0 to
+    -`penalty_factor` (null = off; see `arealite.algo.overlong`)."""
+    penalty_factor: float = Field(1.0, ge=0)
+    """Size of the full overlong penalty."""
+    exclude_truncated: bool = False
+    """DAPO overlong filtering: leave samples cut at the length limit out of the loss."""
+
+
 class AlgorithmConfig(Section):
     adv_estimator: str = Field("grpo", min_length=1)
     """Advantage estimator: a built-in, `grpo` (group mean/std), `drgrpo` (group mean), `rloo`
-    (leave-one-out), `none` (raw reward), or `module:function` of your own, called as
-    `fn(rewards [B], group_id [B]) -> advantages [B]` (see `arealite.algo.advantage`)."""
+    (leave-one-out), `reinforce_pp` / `reinforce_pp_baseline` (REINFORCE++, with `adv_norm:
+    batch`), `gae` (PPO with a critic: needs `critic.enabled`), `none` (raw reward), or
+    `module:function` of your own, called as `fn(rewards [B], group_id [B]) -> advantages [B]`
+    (see `arealite.algo.advantage`)."""
     policy_loss: str = Field("ppo", min_length=1)
-    """Policy loss: the built-in `ppo` (clipped surrogate with `eps_clip`, `c_clip` and the
-    decoupled behaviour weight), or `module:function` of your own, called per micro-batch as
+    """Policy loss: a built-in, `ppo` (clipped surrogate with `eps_clip`, `c_clip` and the
+    decoupled behaviour weight), `gspo` / `gspo_token` (sequence-level ratio and clipping;
+    use small clip ranges, e.g. `eps_clip: 3.0e-4`, `eps_clip_high: 4.0e-4`), or
+    `module:function` of your own, called per micro-batch as
     `fn(logp, prox_logp, advantages, loss_mask, behav_logp, config) -> (token_loss, stats)`
     (see `arealite.algo.loss`). KL and entropy terms and `loss_agg_mode` apply around it."""
     adv_norm: Literal["none", "batch"] = "none"
@@ -307,6 +337,14 @@ class AlgorithmConfig(Section):
     """Coefficient of the KL penalty to the reference model (0 = no reference model)."""
     kl_estimator: Literal["k1", "k2", "k3"] = "k3"
     """KL estimator (Schulman's k1, k2, k3)."""
+    kl_in_reward: bool = False
+    """Put the KL penalty in the per-token reward (`-kl_coef * KL_t`, REINFORCE++ and classic
+    RLHF PPO) instead of in the loss; needs `kl_coef > 0`."""
+    gamma: float = Field(1.0, ge=0, le=1)
+    """Discount of token rewards in GAE and in the reward-to-go of the other estimators
+    (< 1: earlier tokens get less of the final reward; 1: every token gets the advantage)."""
+    gae_lambda: float = Field(1.0, ge=0, le=1)
+    """GAE lambda (`adv_estimator: gae`): 1 = Monte-Carlo return minus the value, 0 = one-step TD."""
     entropy_coef: float = Field(0.0, ge=0)
     """Entropy bonus coefficient."""
     loss_agg_mode: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"] = "token-mean"
@@ -317,14 +355,23 @@ class AlgorithmConfig(Section):
     """Optimizer steps per training batch (the batch is split into this many mini-batches)."""
     stepwise_divide_by_steps: bool = False
     """Multi-step trajectories: divide the broadcast advantage by the number of steps."""
+    mismatch: MismatchConfig = Field(default_factory=MismatchConfig)
+    """Rollout-train mismatch correction (TIS / MIS)."""
+    overlong: OverlongConfig = Field(default_factory=OverlongConfig)
+    """DAPO's overlong reward shaping and filtering."""
 
     @field_validator("adv_estimator")
     @classmethod
     def _known_estimator(cls, v: str) -> str:
+        if v == "gae":  # token-level, from the critic's values: PPOActor computes it, not the registry
+            return v
         # Imported here: the registry lives with the estimators (torch), which a config need not load.
         from arealite.algo.advantage import resolve_advantage_estimator
 
-        resolve_advantage_estimator(v)
+        try:
+            resolve_advantage_estimator(v)
+        except ValueError as e:
+            raise ValueError(f"{e} (or gae, PPO with a critic)") from None
         return v
 
     @field_validator("policy_loss")
@@ -377,6 +424,24 @@ class RecoverConfig(Section):
     """`auto`: resume if a checkpoint exists; `disabled`: always start fresh; `required`: fail without one."""
 
 
+class CriticConfig(Section):
+    enabled: bool = False
+    """Train a value model (PPO with a critic); needed by, and only used with, `algorithm.adv_estimator: gae`."""
+    model_path: str | None = None
+    """Hugging Face model directory of the critic's backbone (None = `actor.model_path`); a
+    scalar value head is added on top."""
+    dtype: Literal["auto", "float32", "bfloat16"] = "auto"
+    """Compute dtype, as `actor.dtype`."""
+    optimizer: OptimizerConfig = Field(default_factory=lambda: OptimizerConfig(lr=1e-5))
+    """The critic's own optimizer and LR schedule."""
+    mb_max_tokens: int = Field(8192, ge=1)
+    """Token budget of one packed micro-batch."""
+    gradient_checkpointing: bool = False
+    """Recompute activations in backward to save memory."""
+    value_clip: float | None = Field(0.2, gt=0)
+    """Clip range of the value update around the old values (PPO2's clipped value loss); null = unclipped."""
+
+
 class EvaluationConfig(Section):
     freq_steps: int | None = Field(None, ge=1)
     """Greedy evaluation on `data.eval_path` every this many steps (None = only at start and end)."""
@@ -384,6 +449,11 @@ class EvaluationConfig(Section):
     """Evaluate on at most this many held-out prompts (None = all)."""
     max_new_tokens: int | None = Field(None, gt=0)
     """Token limit of evaluation samples (None = `generation.max_new_tokens`)."""
+    n_samples: int = Field(1, ge=1)
+    """Besides greedy accuracy: this many sampled answers per held-out prompt, scored as
+    pass@k and mean@k (k = 1, 2, 4, ... up to `n_samples`); 1 = greedy only."""
+    temperature: float = Field(1.0, gt=0)
+    """Sampling temperature of the `n_samples` evaluation answers."""
 
 
 class WandbConfig(Section):
@@ -451,6 +521,8 @@ class ArealiteConfig(Section):
     """The trained policy and its train engine."""
     algorithm: AlgorithmConfig = Field(default_factory=AlgorithmConfig)
     """Rewards, advantages, PPO/GRPO loss."""
+    critic: CriticConfig = Field(default_factory=CriticConfig)
+    """The value model of PPO with a critic (`algorithm.adv_estimator: gae`)."""
     data: DataConfig = Field(default_factory=DataConfig)
     """Datasets and the dataloader."""
     saver: SaverConfig = Field(default_factory=SaverConfig)

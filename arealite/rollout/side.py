@@ -17,14 +17,16 @@ from tensordict import TensorDictBase
 
 from arealite.api.engine import InferenceClient, Runner, WeightUpdateAdmin
 from arealite.config.schema import RolloutConfig
+from arealite.reward.metrics import episode_scores
 from arealite.rollout.controller import RolloutController
 from arealite.workflow.base import RolloutWorkflow
 
 
 def episode_sums(run: Runner, engine: InferenceClient, items: Sequence[dict[str, Any]],
-                 workflow: RolloutWorkflow, max_concurrency: int = 64) -> list[float]:
+                 workflow: RolloutWorkflow, max_concurrency: int = 64, ks: Sequence[int] = ()) -> dict[str, float]:
     """Run `workflow` once on every item (outside the training queue and the staleness
-    accounting); returns ``[rows with reward > 0.5, rows, reward sum]``."""
+    accounting); returns the sums of `arealite.reward.metrics.episode_scores` (rows with
+    reward > 0.5, rows, reward, lengths, truncations, prompts, pass@k for ``ks``)."""
 
     async def run_all() -> list:
         sem = asyncio.Semaphore(max_concurrency)
@@ -35,26 +37,22 @@ def episode_sums(run: Runner, engine: InferenceClient, items: Sequence[dict[str,
 
         return await asyncio.gather(*(one(it) for it in items))
 
-    correct = total = reward = 0.0
-    for td in run(run_all()) if items else []:
-        if td is not None:
-            rewards = td["rewards"].float()
-            correct += float((rewards > 0.5).sum().item())
-            reward += float(rewards.sum().item())
-            total += float(rewards.numel())
-    return [correct, total, reward]
+    return episode_scores(run(run_all()) if items else [], list(ks))
 
 
 class LocalRollout:
     """Client, controller, dataloader and workflows of one rank, in this process."""
 
     def __init__(self, client: InferenceClient, config: RolloutConfig, loader: Any, world_size: int,
-                 workflow: RolloutWorkflow, eval_workflow: RolloutWorkflow):
+                 workflow: RolloutWorkflow, eval_workflow: RolloutWorkflow,
+                 sampled_eval_workflow: RolloutWorkflow | None = None):
         self.client = client
         self.controller = RolloutController(client, config, world_size=world_size)
         self.controller.record_dropped = True  # rejected/failed prompts are listed in the stats too
         self.loader = loader
         self.workflow, self.eval_workflow = workflow, eval_workflow
+        # Several sampled answers per held-out prompt (pass@k); None: greedy evaluation only.
+        self.sampled_eval_workflow = sampled_eval_workflow
 
     # What the checkpointer saves and restores ("controller", "dataloader").
     @property
@@ -107,7 +105,13 @@ class LocalRollout:
     def epochs_handed_out(self) -> int:
         return self.loader.epochs_handed_out()
 
-    def eval_sums(self, items: Sequence[dict[str, Any]]) -> list[float]:
+    def eval_sums(self, items: Sequence[dict[str, Any]], ks: Sequence[int] = ()) -> dict[str, float]:
+        """Greedy evaluation sums of ``items``; with ``ks``, the sampled evaluation's (pass@k)."""
+        if ks:
+            if self.sampled_eval_workflow is None:
+                raise RuntimeError("no sampled evaluation workflow: evaluation.n_samples is 1, or the run "
+                                   "was given its own workflow objects")
+            return episode_sums(self.controller.run, self.client, items, self.sampled_eval_workflow, ks=ks)
         return episode_sums(self.controller.run, self.client, items, self.eval_workflow)
 
     def stop(self) -> None:

@@ -26,7 +26,7 @@ import time
 import traceback
 from multiprocessing.connection import Connection, Pipe
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Sequence
 
 from arealite.api.engine import InferenceClient, Runner, WeightUpdateAdmin
 from arealite.config.schema import ArealiteConfig
@@ -62,7 +62,7 @@ def _build_side(spec: WorkerSpec):
     from arealite.engine.backends import make_remote_engine
     from arealite.rollout.side import LocalRollout
     from arealite.utils.run import server_addrs, server_api_key
-    from arealite.workflow.registry import build_workflow
+    from arealite.workflow.registry import build_workflow, samples_at_eval
 
     cfg = spec.config
     tokenizer = AutoTokenizer.from_pretrained(cfg.actor.model_path)
@@ -71,7 +71,8 @@ def _build_side(spec: WorkerSpec):
     workflow = spec.workflow or build_workflow(cfg, tokenizer)
     eval_workflow = spec.eval_workflow or (build_workflow(cfg, tokenizer, evaluation=True)
                                            if spec.workflow is None else workflow)
-    return LocalRollout(client, cfg.rollout, spec.loader, spec.world_size, workflow, eval_workflow)
+    sampled = build_workflow(cfg, tokenizer, evaluation="sampled") if samples_at_eval(cfg, spec.workflow) else None
+    return LocalRollout(client, cfg.rollout, spec.loader, spec.world_size, workflow, eval_workflow, sampled)
 
 
 #: Calls the trainer may make on the child's `LocalRollout` (the attribute reads included).
@@ -313,8 +314,8 @@ class RolloutWorker:
     def epochs_handed_out(self) -> int:
         return self.call("epochs_handed_out")
 
-    def eval_sums(self, items: list[dict[str, Any]]) -> list[float]:
-        return self.call("eval_sums", list(items))
+    def eval_sums(self, items: list[dict[str, Any]], ks: Sequence[int] = ()) -> dict[str, float]:
+        return self.call("eval_sums", list(items), list(ks))
 
     def stop(self, timeout: float = 30.0) -> None:
         """Stop the child's controller and the child, then the admin client; safe to call twice."""

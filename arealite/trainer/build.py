@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 
 from arealite.algo.actor import PPOActor
@@ -19,7 +19,10 @@ from arealite.data.validate import validate_datasets
 from arealite.utils import accounting
 from arealite.utils.run import server_addrs, server_api_key
 from arealite.workflow.base import RolloutWorkflow
-from arealite.workflow.registry import build_workflow
+from arealite.workflow.registry import build_workflow, samples_at_eval
+
+if TYPE_CHECKING:
+    from arealite.critic import Critic
 
 logger = logging.getLogger("arealite.trainer")
 
@@ -39,6 +42,16 @@ def load_data(cfg: ArealiteConfig, tokenizer: Any) -> tuple[list[dict], list[dic
     return train, held_out
 
 
+def probe_prompt(cfg: ArealiteConfig, tokenizer: Any, items: list[dict]) -> list[int] | None:
+    """The first training prompt's tokens: what the weight publisher's log-prob probe scores."""
+    prompt = items[0].get(cfg.data.prompt_key) if items else None
+    if tokenizer is None or prompt is None:
+        return None
+    if isinstance(prompt, list):  # chat messages
+        return list(tokenizer.apply_chat_template(prompt, tokenize=True, add_generation_prompt=True))
+    return list(tokenizer.encode(str(prompt)))
+
+
 def make_loader(cfg: ArealiteConfig, items: list[dict], rank: int, world: int) -> accounting.EpochTagged:
     """This rank's share of every batch of prompts; items remember their epoch (accounting)."""
     loader = StatefulDataLoader(items, cfg.rollout.consumer_batch_size // world, shuffle=cfg.data.shuffle,
@@ -54,6 +67,29 @@ def build_train_engines(cfg: ArealiteConfig, total_steps: int) -> tuple[TrainEng
     actor = FSDPEngine(cfg.actor).initialize(total_steps=total_steps)
     ref = FSDPEngine(cfg.actor, frozen=True).initialize() if cfg.algorithm.kl_coef > 0 else None
     return actor, ref
+
+
+def build_critic(cfg: ArealiteConfig, total_steps: int) -> "Critic | None":
+    """PPO's value model on its own engine (`critic.enabled`), or None."""
+    if not cfg.critic.enabled:
+        return None
+    from arealite.config.schema import ActorConfig
+    from arealite.critic import Critic, ValueEngine
+
+    c = cfg.critic
+    engine_cfg = ActorConfig(model_path=c.model_path or cfg.actor.model_path, dtype=c.dtype, optimizer=c.optimizer,
+                             mb_max_tokens=c.mb_max_tokens, gradient_checkpointing=c.gradient_checkpointing)
+    engine = ValueEngine(engine_cfg).initialize(total_steps=total_steps)
+    return Critic(engine, c.value_clip, cfg.algorithm.n_minibatches)
+
+
+def checkpointed_engines(actor: TrainEngine, critic: "Critic | None") -> Any:
+    """What the checkpointer saves: the actor's engine, with the critic's beside it when there is one."""
+    if critic is None:
+        return actor
+    from arealite.critic import WithCritic
+
+    return WithCritic(actor, critic.engine)
 
 
 def build_actor(cfg: ArealiteConfig, engine: TrainEngine, ref_engine: TrainEngine | None) -> PPOActor:
@@ -89,6 +125,7 @@ def build_rollout(cfg: ArealiteConfig, tokenizer: Any, loader: Any, world: int,
 
         wf = workflow or build_workflow(cfg, tokenizer)
         ev = eval_workflow or (build_workflow(cfg, tokenizer, evaluation=True) if workflow is None else wf)
-        return LocalRollout(build_inference_client(cfg, tokenizer), cfg.rollout, loader, world, wf, ev)
+        sampled = build_workflow(cfg, tokenizer, evaluation="sampled") if samples_at_eval(cfg, workflow) else None
+        return LocalRollout(build_inference_client(cfg, tokenizer), cfg.rollout, loader, world, wf, ev, sampled)
     spec = WorkerSpec(cfg, world, loader, workflow, eval_workflow)
     return RolloutWorker(spec, admin_client=build_inference_client(cfg, tokenizer))

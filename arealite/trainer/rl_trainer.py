@@ -90,8 +90,12 @@ class RLTrainer:
             batch["prox_logp"] = actor.compute_logp(batch)
         if self.ref_engine is not None:
             batch["ref_logp"] = actor.compute_logp(batch, engine=self.ref_engine)
+        if self.critic is not None:  # PPO with GAE: the value of every state, before either update
+            batch["values"] = self.critic.compute_values(batch)
         actor.compute_advantages(batch)
         stats.add_train(actor.ppo_update(batch))
+        if self.critic is not None:
+            stats.add("critic", self.critic.update(batch, actor.train_mask(batch)))
         stats.lap("train")
         stats.add("weight_sync", self.publisher.publish(version + 1))
         stats.lap("weight_sync")
@@ -102,11 +106,11 @@ class RLTrainer:
         record = stats.finish()
         done = step + 1
         if cfg.evaluation.freq_steps and done % cfg.evaluation.freq_steps == 0 and done < self.total_steps:
-            record.update(evaluate(self.rollout, self.eval_items))
+            record.update(evaluate(self.rollout, self.eval_items, self._eval_samples))
         self.stats_logger.log(done, record)
         fault_point("step", done)
         self.progress.update(done, record)
-        self.checkpointer.maybe_save(done, self.actor_engine, self.rollout.controller_state,
+        self.checkpointer.maybe_save(done, self._checkpointed, self.rollout.controller_state,
                                      self.rollout.loader_state)
         self.step = done
         self._call("on_step_end", done, record)
@@ -123,6 +127,12 @@ class RLTrainer:
         self._eval_greedy = self.workflow is None or self.eval_workflow is not None
         self.actor_engine, self.ref_engine = build.build_train_engines(cfg, self.total_steps)
         self._closers.append(self.actor_engine.destroy)
+        self.critic = build.build_critic(cfg, self.total_steps)
+        if self.critic is not None:
+            self._closers.append(self.critic.engine.destroy)
+        # What a checkpoint saves and restores: the actor's engine, and the critic's beside it.
+        self._checkpointed = build.checkpointed_engines(self.actor_engine, self.critic)
+        self._eval_samples = cfg.evaluation.n_samples if build.samples_at_eval(cfg, self.workflow) else 1
         self.actor = build.build_actor(cfg, self.actor_engine, self.ref_engine)
         self.rollout = build.build_rollout(cfg, self.tokenizer, self.loader, self.world,
                                            self.workflow, self.eval_workflow)
@@ -134,10 +144,11 @@ class RLTrainer:
         from arealite.weight_sync import make_publisher
 
         cfg = self.config
-        start = self.checkpointer.maybe_resume(self.actor_engine, self.rollout.controller_state,
+        start = self.checkpointer.maybe_resume(self._checkpointed, self.rollout.controller_state,
                                                self.rollout.loader_state)
         self.rollout.start(start)
-        self.publisher = make_publisher(cfg, self.rollout, self.actor_engine, self.rollout)
+        self.publisher = make_publisher(cfg, self.rollout, self.actor_engine, self.rollout,
+                                        probe_prompt=build.probe_prompt(cfg, self.tokenizer, self.train_items))
         self.publisher.init()
         self._closers.append(self.publisher.close)
         if start > 0:  # the servers may hold older weights than the checkpoint
@@ -160,7 +171,7 @@ class RLTrainer:
     def _evaluate(self, step: int, label: str) -> dict[str, float]:
         if not self.eval_items:
             return {}
-        out = evaluate(self.rollout, self.eval_items)
+        out = evaluate(self.rollout, self.eval_items, self._eval_samples)
         self.stats_logger.log(step, out)
         if self.rank == 0:
             print(f"[arealite] held-out {self._eval_name} {label}: {out['eval/accuracy']:.1%}", flush=True)

@@ -98,16 +98,26 @@ def workflow_kwargs_problems(cls: type, kwargs: dict[str, Any]) -> list[tuple[st
     return out
 
 
-def eval_config(cfg: "ArealiteConfig") -> "ArealiteConfig":
-    """`cfg` with greedy, one-sample generation (evaluation's per-call override)."""
-    gen = cfg.generation.model_copy(update={
-        "n_samples": 1, "greedy": True,
-        "max_new_tokens": cfg.evaluation.max_new_tokens or cfg.generation.max_new_tokens})
-    return cfg.model_copy(update={"generation": gen})
+def eval_config(cfg: "ArealiteConfig", sampled: bool = False) -> "ArealiteConfig":
+    """`cfg` with evaluation's generation: greedy and one sample per prompt, or (``sampled``)
+    `evaluation.n_samples` answers at `evaluation.temperature` (for pass@k)."""
+    ev = cfg.evaluation
+    update: dict[str, Any] = {"n_samples": 1, "greedy": True}
+    if sampled:
+        update = {"n_samples": ev.n_samples, "greedy": False, "temperature": ev.temperature}
+    update["max_new_tokens"] = ev.max_new_tokens or cfg.generation.max_new_tokens
+    return cfg.model_copy(update={"generation": cfg.generation.model_copy(update=update)})
 
 
-def build_workflow(cfg: "ArealiteConfig", tokenizer: Any, *, evaluation: bool = False) -> "RolloutWorkflow":
-    """Build ``rollout.workflow`` with ``rollout.workflow_kwargs`` (the evaluation copy if asked)."""
+def samples_at_eval(cfg: "ArealiteConfig", workflow: Any = None) -> bool:
+    """Whether the run evaluates sampled answers too: `evaluation.n_samples` > 1 and the
+    workflows are built from config (a workflow object given in code is evaluated as is)."""
+    return cfg.evaluation.n_samples > 1 and workflow is None
+
+
+def build_workflow(cfg: "ArealiteConfig", tokenizer: Any, *, evaluation: bool | str = False) -> "RolloutWorkflow":
+    """Build ``rollout.workflow`` with ``rollout.workflow_kwargs``; ``evaluation`` True gives the
+    greedy evaluation copy, ``"sampled"`` the pass@k copy (`eval_config`)."""
     from arealite.reward import load_reward_fn
 
     cls = resolve_workflow_class(cfg.rollout.workflow)
@@ -115,7 +125,7 @@ def build_workflow(cfg: "ArealiteConfig", tokenizer: Any, *, evaluation: bool = 
     problems = workflow_kwargs_problems(cls, kwargs)
     if problems:
         raise ValueError("; ".join(f"rollout.workflow_kwargs.{k} {why}" for k, why in problems))
-    run_cfg = eval_config(cfg) if evaluation else cfg
+    run_cfg = eval_config(cfg, sampled=evaluation == "sampled") if evaluation else cfg
     if getattr(cls, "from_config", None) is not None:
         return cls.from_config(run_cfg, tokenizer, **kwargs)
     pieces = {"config": run_cfg, "tokenizer": tokenizer, "generation": run_cfg.generation,

@@ -57,7 +57,8 @@ class TextDumper:
 class RLVRWorkflow(RolloutWorkflow):
     """Prompt -> ``generation.n_samples`` completions -> rewards -> one group of n rows.
 
-    Rows carry the trajectory keys plus ``prompt_id`` (the item's, -1 if none).
+    Rows carry the trajectory keys plus ``prompt_id`` (the item's, -1 if none) and
+    ``truncated`` (the sample hit ``max_new_tokens``).
     Built from a run's config by ``from_config`` (``rollout.workflow: rlvr``), or
     by keyword: ``RLVRWorkflow(reward_fn=..., generation=..., tokenizer=..., rollout=...)``.
     """
@@ -137,6 +138,8 @@ class RLVRWorkflow(RolloutWorkflow):
                 "rewards": torch.frombuffer(array("f", rewards), dtype=torch.float32),
                 "group_id": torch.frombuffer(array("q", (gid,)) * n, dtype=torch.int64),
                 "prompt_id": torch.frombuffer(array("q", (int(item.get("prompt_id", -1)),)) * n, dtype=torch.int64),
+                # Cut at the length limit (DAPO overlong shaping, evaluation's truncation rate).
+                "truncated": torch.tensor([c.finish_reason == "length" for c in comps], dtype=torch.bool),
             },
         )
 

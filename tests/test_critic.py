@@ -1,0 +1,90 @@
+"""The critic: a value model on its own FSDP engine, trained on returns, checkpointed beside the actor."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from tensordict import TensorDict
+
+from arealite.config.loader import ConfigError, load_config
+from arealite.config.schema import ActorConfig, OptimizerConfig
+from arealite.critic import Critic, ValueEngine, WithCritic
+
+pytest.importorskip("arealite.engine.fsdp")
+
+
+@pytest.fixture()
+def value_engine(micro_model_dir):
+    cfg = ActorConfig(model_path=str(micro_model_dir), mb_max_tokens=24,
+                      optimizer=OptimizerConfig(lr=3e-3, weight_decay=0.0, gradient_clipping=1.0))
+    engine = ValueEngine(cfg, device="cpu").initialize()
+    yield engine
+    engine.destroy()
+
+
+def _batch(seed=0, B=5, L=12):
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.tensor([12, 7, 9, 4, 11])[:B]
+    pos = torch.arange(L)[None, :]
+    am = pos < lengths[:, None]
+    lm = am & (pos >= 3)
+    ids = torch.randint(5, 200, (B, L), generator=g) * am
+    return TensorDict({"input_ids": ids, "attention_mask": am, "loss_mask": lm}, batch_size=[B])
+
+
+def test_values_are_the_head_on_the_state_before_each_token_and_packing_does_not_leak(value_engine):
+    batch = _batch()
+    values = Critic(value_engine).compute_values(batch)
+    assert values.shape == (5, 12) and (values[:, 0] == 0).all()
+    model = value_engine.model
+    with torch.no_grad():
+        for b in range(5):
+            n = int(batch["attention_mask"][b].sum())
+            out = model(input_ids=batch["input_ids"][b : b + 1, :n]).logits[0, :, 0]
+            # values[b, j] = V(state before token j) = head(hidden after token j - 1).
+            assert torch.allclose(values[b, 1:n], out[: n - 1], atol=1e-5), b
+            assert (values[b, n:] == 0).all()
+
+
+def test_update_fits_the_returns_and_checkpoints_round_trip(value_engine, tmp_path):
+    batch = _batch(seed=1)
+    mask = batch["loss_mask"]
+    batch["returns"] = torch.where(mask, torch.linspace(-1, 1, 12)[None, :].expand(5, 12), torch.zeros(()))
+    critic = Critic(value_engine, value_clip=None)
+    first = None
+    for step in range(30):
+        batch["values"] = critic.compute_values(batch)
+        stats = critic.update(batch)
+        first = first if first is not None else stats
+        if step == 4:
+            WithCritic(_NoActor(), value_engine).save(tmp_path / "ckpt")
+            saved = critic.compute_values(batch)
+    assert stats["value_loss"] < 0.3 * first["value_loss"]
+    assert stats["explained_variance"] > 0.5 > first["explained_variance"]
+    WithCritic(_NoActor(), value_engine).load(tmp_path / "ckpt")
+    assert torch.allclose(critic.compute_values(batch), saved, atol=0)
+
+
+class _NoActor:
+    def save(self, path):
+        path.mkdir(parents=True, exist_ok=True)
+
+    def load(self, path):
+        pass
+
+    def set_version(self, v):
+        pass
+
+
+def test_update_without_returns_fails_clearly(value_engine):
+    with pytest.raises(KeyError, match="returns"):
+        Critic(value_engine).update(_batch())
+
+
+def test_gae_and_the_critic_go_together_in_config():
+    with pytest.raises(ConfigError, match=r"algorithm.adv_estimator = 'gae': needs a value model: set critic.enabled"):
+        load_config(None, ["algorithm.adv_estimator=gae"], check_paths=False)
+    with pytest.raises(ConfigError, match="critic.enabled = true: trains a value model"):
+        load_config(None, ["critic.enabled=true"], check_paths=False)
+    cfg = load_config(None, ["critic.enabled=true", "algorithm.adv_estimator=gae"], check_paths=False)
+    assert cfg.critic.value_clip == 0.2
