@@ -16,13 +16,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+
+from demo_env import child_env  # noqa: E402  (benchmarks/ is on sys.path when run as a script)
 
 REPO = Path(__file__).resolve().parents[1]
 DOC = REPO / "docs" / "algorithms.md"
@@ -48,10 +49,7 @@ DEFAULT_METHODS = "grpo,drgrpo,rloo,reinforce_pp,gspo,ppo_gae,ppo_gae+tis"
 
 
 def _env() -> dict[str, str]:
-    env = dict(os.environ)
-    env.update(OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1",
-               PYTHONPATH=str(REPO) + os.pathsep + env.get("PYTHONPATH", ""))
-    return env
+    return child_env()
 
 
 def run_one(demo: Path, runs: Path, method: str, seed: int, steps: int, extra: list[str]) -> dict:

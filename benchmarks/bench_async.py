@@ -36,15 +36,14 @@ import tempfile
 import time
 from pathlib import Path
 
+from demo_env import child_env  # noqa: E402  (benchmarks/ is on sys.path when run as a script)
+
 REPO = Path(__file__).resolve().parents[1]
 GOAL_OF_BOUND, GOAL_HEAVY_SPEEDUP, GOAL_ACC_POINTS, GOAL_ETA = 0.95, 1.8, 0.05, 4
 
 
 def _env() -> dict[str, str]:
-    env = dict(os.environ)
-    env.update(OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1",
-               PYTHONPATH=str(REPO) + os.pathsep + env.get("PYTHONPATH", ""))
-    return env
+    return child_env()
 
 
 def run_one(demo: Path, runs: Path, eta: int, steps: int, trainers: int, extra: list[str]) -> dict:

@@ -95,3 +95,14 @@ def perturbed_weights(base: dict, seed: int) -> dict:
     if "lm_head.weight" in base:
         out["lm_head.weight"] = out["model.embed_tokens.weight"]
     return out
+
+
+@pytest.fixture(scope="session")
+def micro_demo_dir(tmp_path_factory) -> Path:
+    """A small reverse-digits demo (model, 64 training and 8 held-out prompts) for end-to-end runs."""
+    out = tmp_path_factory.mktemp("demo")
+    subprocess.run(
+        [sys.executable, "examples/reverse_digits/prepare.py", "--out", str(out), "--size", "micro",
+         "--n-train", "64", "--n-eval", "8", "--warmup-steps", "5", "--batch-size", "8"],
+        cwd=REPO, env=run_env(), check=True, timeout=300, capture_output=True)
+    return out

@@ -18,13 +18,8 @@ pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
-def demo_dir(tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("demo")
-    subprocess.run(
-        [sys.executable, "examples/reverse_digits/prepare.py", "--out", str(out), "--size", "micro",
-         "--n-train", "64", "--n-eval", "8", "--warmup-steps", "5", "--batch-size", "8"],
-        cwd=REPO, env=run_env(), check=True, timeout=300, capture_output=True)
-    return out
+def demo_dir(micro_demo_dir) -> Path:
+    return micro_demo_dir
 
 
 def test_ppo_gae_with_tis_overlong_and_pass_at_k_runs_end_to_end(demo_dir, tmp_path):

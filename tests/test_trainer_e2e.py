@@ -27,13 +27,8 @@ def _env(**extra: str) -> dict[str, str]:
 
 
 @pytest.fixture(scope="module")
-def demo_dir(tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("demo")
-    subprocess.run(
-        [sys.executable, "examples/reverse_digits/prepare.py", "--out", str(out), "--size", "micro",
-         "--n-train", "64", "--n-eval", "8", "--warmup-steps", "5", "--batch-size", "8"],
-        cwd=REPO, env=_env(), check=True, timeout=300, capture_output=True)
-    return out
+def demo_dir(micro_demo_dir) -> Path:
+    return micro_demo_dir
 
 
 def _config(demo_dir: Path, runs: Path, **sections) -> dict:
