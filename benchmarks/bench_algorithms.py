@@ -64,16 +64,28 @@ def run_one(demo: Path, runs: Path, method: str, seed: int, steps: int, extra: l
         "stats.progress_bar=false", "stats.plot=false", *METHODS[method], *extra,
     ]
     t0 = time.perf_counter()
-    res = subprocess.run(cmd, cwd=REPO, env=_env(), capture_output=True, text=True)
-    if res.returncode != 0:
-        raise RuntimeError(f"{method} seed {seed} failed ({res.returncode}):\n{res.stdout[-2000:]}\n{res.stderr[-3000:]}")
     path = runs / "reverse_digits" / trial / "stats.jsonl"
-    records = [json.loads(x) for x in path.read_text().splitlines()]
+    records = _finished(path, steps)
+    if records is None:
+        res = subprocess.run(cmd, cwd=REPO, env=_env(), capture_output=True, text=True)
+        if res.returncode != 0:
+            raise RuntimeError(f"{method} seed {seed} failed ({res.returncode}):\n{res.stdout[-2000:]}\n"
+                               f"{res.stderr[-3000:]}")
+        records = [json.loads(x) for x in path.read_text().splitlines()]
     curve = sorted({int(r["step"]): r["eval/accuracy"] for r in records if "eval/accuracy" in r}.items())
     train = [r for r in records if "time/step_s" in r]
     return {"method": method, "seed": seed, "curve": curve, "final_acc": curve[-1][1],
             "auc": area_under(curve, steps), "step_s": statistics.fmean(r["time/step_s"] for r in train),
             "wall_s": time.perf_counter() - t0}
+
+
+def _finished(path: Path, steps: int) -> list[dict] | None:
+    """The records of a run that already finished all its steps at `path`, else None."""
+    if not path.is_file():
+        return None
+    records = [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
+    done = any(r.get("run/end_step") == steps for r in records)
+    return records if done else None
 
 
 def area_under(curve: list[tuple[int, float]], steps: int) -> float:
@@ -145,6 +157,9 @@ def main() -> None:
     p.add_argument("--seeds", default="1,2", help="experiment.seed values, the same for every method")
     p.add_argument("--methods", default=DEFAULT_METHODS, help=f"comma-separated, of {', '.join(METHODS)}")
     p.add_argument("--demo-dir", default=None, help="reuse a prepared demo directory")
+    p.add_argument("--runs-dir", default=None,
+                   help="keep the runs here; a run that finished there before is read, not repeated "
+                        "(resumes a benchmark that was interrupted)")
     p.add_argument("--prepare-args", default="", help="extra arguments of examples/reverse_digits/prepare.py")
     p.add_argument("--docs", action="store_true", help="write the table and PNG into docs/")
     p.add_argument("overrides", nargs="*", help="extra config overrides for every run")
@@ -162,7 +177,8 @@ def main() -> None:
     results = []
     for seed in seeds:
         for method in methods:
-            r = run_one(demo, work / "runs", method, seed, steps, list(args.overrides))
+            runs = Path(args.runs_dir) if args.runs_dir else work / "runs"
+            r = run_one(demo, runs, method, seed, steps, list(args.overrides))
             results.append(r)
             print(f"[bench_algorithms] {method} seed {seed}: accuracy {r['curve'][0][1]:.1%} -> {r['final_acc']:.1%}, "
                   f"{r['step_s']:.2f} s/step", file=sys.stderr, flush=True)
