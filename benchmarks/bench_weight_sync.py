@@ -10,8 +10,9 @@ Four ways to move the same bytes, in one run; each update is one
   HTTP calls), end to end;
 - disk: `DiskTransfer` (safetensors shards, update_weights_from_disk, directory
   removed), end to end;
-- shm: `ShmTransfer` (copy into one persistent /dev/shm file,
-  update_weights_from_shm), end to end.
+- shm: `ShmTransfer` (copy into one of two persistent /dev/shm files, which the server
+  then serves from: update_weights_from_shm with alias), end to end;
+- shm_copy: the same with one file the server copies out of (``shm_alias: false``).
 
 The figure of merit is best path / memory copy (goals: shm <= 2.5x with verification
 included and <= 10% of the push, distributed <= 8x). Every phase is printed.
@@ -157,7 +158,8 @@ def main() -> None:
             ("distributed", DistributedTransfer(cfg, admin, run)),
             ("disk", DiskTransfer(cfg, admin, run, Path("/dev/shm") / f"arealite-bench-{os.getpid()}",
                                   str(model_dir))),
-            ("shm", ShmTransfer(cfg, admin, run)),
+            ("shm", ShmTransfer(cfg, admin, run)),  # the servers serve out of the file (shm_alias)
+            ("shm_copy", ShmTransfer(cfg.model_copy(update={"shm_alias": False}), admin, run)),
         )
         publishers = []
         scorer = _hf_scorer(model_dir, state) if args.probe else None

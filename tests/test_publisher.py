@@ -523,3 +523,40 @@ def test_a_failed_update_leaves_the_real_server_paused(rollout, fault, base_stat
     assert fut.result(30).finish_reason in ("stop", "length")
     controller.resume()
     good.close()
+
+
+def test_probe_runs_on_due_versions_and_catches_a_stale_or_wrong_server():
+    from arealite.weight_sync import LogprobProbe
+
+    calls = []
+
+    class Servers:
+        healthy_servers = ["s0"]
+        served = (None, [-1.0, -2.0, -3.0])
+
+        async def score_prompt(self, ids):
+            calls.append("server")
+            return {"s0": (list(self.served[1]), self.served[0])}
+
+    def score(ids):
+        calls.append("trainer")
+        return [-1.0, -2.0, -3.0]
+
+    servers = Servers()
+    probe = LogprobProbe(servers, score, [1, 2, 3, 4], tolerance=1e-3, every=2)
+    call = lambda make_coro, what: asyncio.run(make_coro())  # noqa: E731
+    probe.prepare(1)
+    assert probe.check_serving(1, call) == {} and calls == [], "version 1 is not due"
+    servers.served = (2, [-1.0, -2.0, -3.0])
+    probe.prepare(2)
+    out = probe.check_serving(2, call)
+    assert calls == ["trainer", "server"] and out["probe_mean_abs_diff"] == 0.0
+    servers.served = (3, [-1.0, -2.0, -3.0])  # still on 3 when 4 was pushed
+    probe.prepare(4)
+    with pytest.raises(WeightSyncError, match="not the version just pushed"):
+        probe.check_serving(4, call)
+    servers.served = (6, [-1.0, -2.5, -3.0])
+    probe.prepare(6)
+    with pytest.raises(WeightSyncError, match="log-prob probe mismatch") as err:
+        probe.check_serving(6, call)
+    assert err.value.server == "s0"

@@ -109,7 +109,9 @@ def shm_dir():
 
 
 def _cfg(**kw) -> WeightSyncConfig:
-    return WeightSyncConfig(**{"bucket_size_mb": 0.05, "verify_n_tensors": 3, "timeout_s": 30, **kw})
+    """Copy mode unless asked (one file the server copies out of); alias mode has its own test."""
+    return WeightSyncConfig(**{"bucket_size_mb": 0.05, "verify_n_tensors": 3, "timeout_s": 30,
+                               "shm_alias": False, **kw})
 
 
 class Weights:
@@ -211,6 +213,54 @@ def test_publish_gives_the_server_the_trainers_weights_and_reuses_one_file(
         pub.close()
     assert sync.path is None and list(shm_dir.iterdir()) == [], "close() must delete the file"
     pub.close()  # twice is fine
+
+
+def test_alias_mode_serves_out_of_two_files_in_turn_and_a_copy_update_still_works(
+        client, loop_runner, server, base_state, shm_dir, micro_model_dir, tmp_path):
+    """With shm_alias the server's parameters point into the trainer's files: each update
+    writes the file the server does not serve from, then switches; a later update that
+    copies (from disk) gives the server its own storage back first."""
+    run = loop_runner
+    prompt = [5, 6, 7, 8]
+    sync = ShmTransfer(_cfg(shm_dir=str(shm_dir), shm_alias=True), client.admin, run)
+    weights = Weights()
+    pub = _publisher(sync, client, run, weights)
+    try:
+        paths = []
+        for version in (1, 2, 3):
+            new = perturbed_weights(base_state, 10 + version)
+            weights.set(new)
+            pub.publish(version)
+            paths.append(sync.path)
+            for name in ("model.embed_tokens.weight", "lm_head.weight", "model.layers.0.mlp.up_proj.weight",
+                         "model.norm.weight"):
+                src = new["model.embed_tokens.weight" if name == "lm_head.weight" else name]
+                assert torch.equal(_server_tensor(server, name), src.flatten()), (version, name)
+            out, versions = _greedy(run, client, prompt)
+            assert versions == {version} and _hf_argmax_agrees(micro_model_dir, new, prompt, out)
+        assert paths[0] == paths[2] != paths[1], "two files, written in turn"
+        assert sorted(shm_dir.iterdir()) == sorted(set(paths))
+        # Rewriting the file the server does not serve from leaves its weights alone.
+        served = _server_tensor(server, "model.norm.weight")
+        weights.set(perturbed_weights(base_state, 99))
+        sync.stage(weights, 4)
+        assert torch.equal(_server_tensor(server, "model.norm.weight"), served)
+        sync._staged = None  # (the test stops this update here)
+        # A copy-based update (from disk) after aliasing: the server owns its weights again.
+        from arealite.weight_sync import DiskTransfer
+
+        disk = DiskTransfer(_cfg(), client.admin, run, tmp_path / "wsync", str(micro_model_dir))
+        final = perturbed_weights(base_state, 5)
+        weights.set(final)
+        disk_pub = _publisher(disk, client, run, weights)
+        disk_pub.publish(5)
+        assert torch.equal(_server_tensor(server, "model.norm.weight"), final["model.norm.weight"].flatten())
+        sync.close()
+        assert list(shm_dir.iterdir()) == [], "close() deletes both files"
+        assert _greedy(run, client, prompt)[1] == {5}, "the server still generates once the files are gone"
+        disk_pub.close()
+    finally:
+        pub.close()
 
 
 class _Reordered:

@@ -141,7 +141,7 @@ class ShmUpdateAdmin(WeightUpdateAdmin, Protocol):
 
     async def update_weights_from_shm(self, path: str, names: Sequence[str], dtypes: Sequence[Any],
                                       shapes: Sequence[Sequence[int]], offsets: Sequence[int], version: int, *,
-                                      timeout: float | None = None) -> dict[str, Any]: ...
+                                      timeout: float | None = None, alias: bool = False) -> dict[str, Any]: ...
 
 
 @runtime_checkable

@@ -489,6 +489,8 @@ class WeightSyncConfig(Section):
     """After each update, every server scores a fixed token sequence and must agree with the trainer's
     forward (the log-prob probe; works on every model). Logs `probe_mean_abs_diff`, `probe_max_abs_diff`
     and `probe_k3` every step: the train/inference mismatch."""
+    probe_every: int = Field(1, ge=1)
+    """Run the probe on every this-many-th version (it costs a forward on each side)."""
     probe_tokens: int = Field(32, ge=2)
     """Length of the probe's token sequence (the first training prompt, padded with seeded ids)."""
     probe_tolerance: float | None = Field(None, gt=0)
@@ -502,6 +504,9 @@ class WeightSyncConfig(Section):
     """Scratch directory of the disk method (None = under the run directory)."""
     shm_dir: str = "/dev/shm"
     """Directory of the shm method's weight file (a tmpfs, so that it lives in RAM)."""
+    shm_alias: bool = True
+    """shm method: the servers serve straight out of the trainer's files (no copy on their side; two files,
+    written in turn); false: one file the servers copy out of at each update."""
 
 
 class ArealiteConfig(Section):

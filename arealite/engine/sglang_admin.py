@@ -107,11 +107,14 @@ class SGLangAdmin:
 
     async def update_weights_from_shm(self, path: str, names: Sequence[str], dtypes: Sequence[Any],
                                       shapes: Sequence[Sequence[int]], offsets: Sequence[int],
-                                      version: int, *, timeout: float | None = None) -> dict[str, Any]:
+                                      version: int, *, timeout: float | None = None,
+                                      alias: bool = False) -> dict[str, Any]:
         """Load every weight from a shared-memory file on every healthy server, tagged ``version``.
 
         Tensor ``names[i]`` lies at byte ``offsets[i]`` of ``path`` with ``dtypes[i]``
         (torch dtypes or strings) and ``shapes[i]``. Embedded servers on this host only.
+        ``alias``: the servers serve straight out of the file (no copy); the caller must not
+        write it again until they have moved to another one.
         """
         route = "/update_weights_from_shm"
         if not len(names) == len(dtypes) == len(shapes) == len(offsets):
@@ -122,7 +125,7 @@ class SGLangAdmin:
         return await self.pool.call_all(route, {
             "path": str(path), "names": list(names), "dtypes": _dtype_names(dtypes),
             "shapes": _shape_lists(shapes), "offsets": [int(o) for o in offsets],
-            "weight_version": str(int(version)),
+            "weight_version": str(int(version)), **({"alias": True} if alias else {}),
         }, timeout=timeout)
 
     async def get_weights_by_name(self, name: str, truncate_size: int = 100) -> dict[str, Any]:

@@ -19,6 +19,7 @@ import torch
 from aiohttp import web
 
 from .body import RequestError, check_fields, json_body, want
+from .shm_alias import AliasedFiles, alias_problem, alias_weights, own_weights
 from .strict import NO_SESSION, OUTSIDE_SESSION, READBACK_FAILED, SESSION_OPEN
 from .weights import (
     ShmWeightFile,
@@ -53,7 +54,7 @@ class WeightRoutes:
         self.groups: dict[str, WeightUpdateGroup] = {}
         self.group_locks: dict[str, asyncio.Lock] = {}
         # The trainer's shared-memory weight file, mapped once and kept while it stays the same.
-        self.shm: ShmWeightFile | None = None
+        self.shm_files = AliasedFiles()
         self.shm_lock = asyncio.Lock()
         self.behaviour = server.behaviour
         self.session_open = False  # SGLang's weight-update session (see arealite.server.strict)
@@ -120,7 +121,8 @@ class WeightRoutes:
         body = await json_body(request)
         route = "update_weights_from_shm"
         check_fields(body, {"path", "names", "dtypes", "shapes", "offsets"},
-                     {"weight_version", "flush_cache", "abort_all_requests"}, route)
+                     {"weight_version", "flush_cache", "abort_all_requests", "alias"}, route)
+        alias = want(body, "alias", bool, route, False)
         path = want(body, "path", str, route)
         names, dtypes_raw, shapes_raw, offsets = body["names"], body["dtypes"], body["shapes"], body["offsets"]
         if not all(isinstance(x, list) for x in (names, dtypes_raw, shapes_raw, offsets)):
@@ -147,6 +149,8 @@ class WeightRoutes:
             try:
                 shm = await asyncio.to_thread(self._map_shm, path)
                 problem = check_shm_layout(self.state, names, dtypes, shapes, offsets, shm.size)
+                if alias and not problem:
+                    problem = alias_problem(self._server.model, names, self.device)
             except WeightUpdateError as e:
                 problem = str(e)
             if problem:
@@ -159,16 +163,24 @@ class WeightRoutes:
                     for name, dt, shape, off in zip(names, dtypes, shapes, offsets):
                         self.state[name].copy_(shm.tensor(off, dt, shape))
 
-            await self._load(copy, version)
+            def swap() -> None:
+                alias_weights(self._server.model, self.state, shm, names, dtypes, shapes, offsets)
+                self.shm_files.serving = shm.key
+
+            await self._load(swap if alias else copy, version, copies=not alias)
         msg = f"updated {len(names)} tensors from {path} in {time.perf_counter() - t0:.3f}s"
         logger.debug("%s: %s", route, msg)
         return web.json_response({"success": True, "message": msg})
 
-    async def _load(self, copy: Callable[[], None], version: Any) -> None:
+    async def _load(self, copy: Callable[[], None], version: Any, copies: bool = True) -> None:
         """Run `copy` (new tensors into the model) on the runner's thread, between two
-        decode steps, and take on `version` with it (None keeps the current one)."""
+        decode steps, and take on `version` with it (None keeps the current one). A copy into
+        parameters that point into a mapped file gives them their own storage first."""
 
         def load() -> None:
+            if copies and self.shm_files.serving is not None:
+                own_weights(self._server.model, self.state)
+                self.shm_files.serving = None
             copy()
             if version is not None:
                 self.runner.weight_version = str(version)
@@ -181,13 +193,7 @@ class WeightRoutes:
             key = file_key(path, os.stat(path))
         except OSError as e:
             raise WeightUpdateError(f"path {path!r} cannot be opened: {e.strerror}") from None
-        if self.shm is not None and self.shm.key == key:
-            return self.shm
-        if self.shm is not None:
-            self.shm.close()  # another file now: release the old one's memory
-            self.shm = None
-        self.shm = ShmWeightFile(path)
-        return self.shm
+        return self.shm_files.get(key, path)
 
     async def init_weights_update_group(self, request: web.Request) -> web.Response:
         body = await json_body(request)
@@ -352,6 +358,4 @@ class WeightRoutes:
         for g in self.groups.values():
             g.destroy()
         self.groups.clear()
-        if self.shm is not None:
-            self.shm.close()
-            self.shm = None
+        self.shm_files.close()

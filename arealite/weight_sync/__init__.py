@@ -139,7 +139,7 @@ def make_verifier(config, admin: WeightUpdateAdmin, transfer: WeightTransfer, tr
     tokens = probe_tokens(probe_prompt, vocab, ws.probe_tokens, seed=config.experiment.seed)
     tol = (lambda: ws.probe_tolerance) if ws.probe_tolerance is not None else (
         lambda: default_probe_tolerance(dtype()))
-    return Verifiers(readback, LogprobProbe(admin, engine_scorer(train_engine), tokens, tol))
+    return Verifiers(readback, LogprobProbe(admin, engine_scorer(train_engine), tokens, tol, ws.probe_every))
 
 
 def _vocab_size(engine: TrainEngine) -> int:

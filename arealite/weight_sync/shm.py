@@ -1,12 +1,16 @@
 """Weight transfer through one shared-memory file, for embedded servers on the trainer's host.
 
 Used on trainer rank 0 (the publisher keeps the other ranks reading the source in step),
-which keeps a single file under `weight_sync.shm_dir` (``/dev/shm``: RAM) that
-holds every tensor at a fixed, 64-byte aligned offset in the servers' dtype. The
-file is mapped once and reused by every update, so after the first one its pages
-are already there (first-touch faults on tmpfs cost more than the copy itself);
-the server keeps its own mapping too (it copies out of it at each update, so rewriting
-the file while the servers generate is safe). Per update:
+which keeps files under `weight_sync.shm_dir` (``/dev/shm``: RAM) that hold every
+tensor at a fixed, 64-byte aligned offset in the servers' dtype. A file is mapped once
+and reused by every update, so after the first one its pages are already there
+(first-touch faults on tmpfs cost more than the copy itself).
+
+With `weight_sync.shm_alias` (the default) the servers serve straight out of the file
+(their parameters point into it: no copy on their side), so there are two files and
+each update writes the one no server serves from, then has the servers switch to it.
+Without it there is one file, which the servers copy out of at each update (so
+rewriting it while they generate is safe). Per update:
 
     stage:    copy each tensor of engine.named_weight_buckets into its slot of the file
               (servers still generating)
@@ -14,8 +18,8 @@ the file while the servers generate is safe). Per update:
               /update_weights_from_shm {path, names, dtypes, shapes, offsets, weight_version}
               (the server checks everything, then copies the slots into its parameters)
 
-That is two memory copies in all (trainer -> file -> server), against the disk
-method's serialize + read + copy. When the tensors' names, dtypes or shapes change
+That is one memory copy in all with aliasing (trainer -> file), two without (-> server),
+against the disk method's serialize + read + copy. When the tensors' names, dtypes or shapes change
 between updates, the file is re-created with the new layout. `close` deletes it (a
 finalizer does too when the trainer exits without calling it).
 
@@ -130,8 +134,10 @@ class ShmTransfer:
         self.run = run
         self.shm_dir = Path(shm_dir if shm_dir is not None else getattr(config, "shm_dir", "/dev/shm"))
         self.server_dtype = server_dtype
-        self.layout: ShmLayout | None = None
-        self.buffer: ShmBuffer | None = None
+        self.alias = bool(getattr(config, "shm_alias", False))
+        # One file (copy mode) or two (alias mode): each a layout and its mapped buffer.
+        self._slots: list[list] = [[None, None] for _ in range(2 if self.alias else 1)]
+        self._serving: int | None = None  # the slot the servers hold (alias: serve from)
         self._staged: tuple[int, bool] | None = None  # (bytes, whether the file was re-created)
 
     @property
@@ -140,8 +146,14 @@ class ShmTransfer:
 
     @property
     def path(self) -> Path | None:
-        """The shared-memory file (None before the first update or after `close`)."""
-        return None if self.buffer is None else self.buffer.path
+        """The file the servers last loaded (None before the first update or after `close`)."""
+        if self._serving is None or self._slots[self._serving][1] is None:
+            return None
+        return self._slots[self._serving][1].path
+
+    def _target(self) -> int:
+        """The slot to write: the one no server serves from."""
+        return 0 if len(self._slots) == 1 or self._serving is None else 1 - self._serving
 
     def init(self, master_addr: str | None = None) -> None:
         """Check that every server is an embedded one on this host; learn their dtype."""
@@ -173,9 +185,9 @@ class ShmTransfer:
             t = t.to(self.server_dtype)
         return t
 
-    def _fill(self, engine: WeightSource, bucket_bytes: int) -> tuple[int, bool]:
-        """Copy every tensor into the file; returns (bytes, whether the file was re-created)."""
-        old, buf = self.layout, self.buffer
+    def _fill(self, engine: WeightSource, bucket_bytes: int, slot: list) -> tuple[int, bool]:
+        """Copy every tensor into the slot's file; returns (bytes, whether the file was re-created)."""
+        old, buf = slot
         entries: list[Entry] = []
         seen: set[str] = set()
         pending: list[tuple[int, torch.Tensor]] = []  # tensors that do not fit the old layout
@@ -211,7 +223,7 @@ class ShmTransfer:
             raise
         if buf is not None:
             buf.close()
-        self.layout, self.buffer = layout, new
+        slot[:] = [layout, new]
         logger.info("weight sync: shared-memory file %s holds %d tensors (%.1f MB)",
                     new.path, len(entries), layout.size / 2**20)
         return n_bytes, True
@@ -220,7 +232,7 @@ class ShmTransfer:
         """Copy every tensor into the file (the servers still generate)."""
         timer = Timer()
         self._staged = None
-        self._staged = self._fill(source, self.bucket_bytes)
+        self._staged = self._fill(source, self.bucket_bytes, self._slots[self._target()])
         timer.lap("write_s")
         return timer.timings
 
@@ -230,11 +242,15 @@ class ShmTransfer:
             raise RuntimeError("ShmTransfer.transfer without stage(): the publisher calls stage first")
         (n_bytes, recreated), self._staged = self._staged, None
         timer = Timer()
-        layout, path = self.layout, str(self.buffer.path)
+        target = self._target()
+        layout, buffer = self._slots[target]
+        path = str(buffer.path)
         call_dropping_dead(self.run, self.admin, lambda: self.admin.update_weights_from_shm(
             path, [e[0] for e in layout.entries], [e[1] for e in layout.entries],
-            [e[2] for e in layout.entries], layout.offsets, version, timeout=self.config.timeout_s),
+            [e[2] for e in layout.entries], layout.offsets, version, timeout=self.config.timeout_s,
+            alias=self.alias),
             version, "update_weights_from_shm")
+        self._serving = target  # only now: a failed update leaves the servers on the other file
         timer.lap("load_s")
         out = dict(timer.timings, bytes=float(n_bytes), n_tensors=float(len(layout)), recreated=float(recreated))
         logger.info("version %d loaded through shared memory: %d tensors, %.1f MB",
@@ -242,8 +258,9 @@ class ShmTransfer:
         return out
 
     def close(self) -> None:
-        """Delete the shared-memory file (safe to call twice)."""
-        if self.buffer is not None:
-            self.buffer.close()
-            self.buffer = None
-            self.layout = None
+        """Delete the shared-memory files (safe to call twice)."""
+        for slot in self._slots:
+            if slot[1] is not None:
+                slot[1].close()
+            slot[:] = [None, None]
+        self._serving = None
