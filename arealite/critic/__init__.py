@@ -8,6 +8,6 @@ beside the actor's.
 """
 
 from arealite.critic.critic import Critic, WithCritic
-from arealite.critic.engine import ValueEngine, load_value_model
+from arealite.critic.engine import ValueEngine, value_model
 
-__all__ = ["Critic", "WithCritic", "ValueEngine", "load_value_model"]
+__all__ = ["Critic", "WithCritic", "ValueEngine", "value_model"]

@@ -44,7 +44,7 @@ from arealite.engine.fsdp_checkpoint import (
     save_sharded,
     tied_duplicate_names,
 )
-from arealite.engine.fsdp_model import build_optimizer, compute_dtype, load_sharded_model
+from arealite.engine.fsdp_model import build_optimizer, causal_lm, compute_dtype, load_sharded_model
 from arealite.engine.packing import PackedIndex, pack, sequence_lengths, split_into_microbatches, unpack
 from arealite.utils.buckets import buckets_of
 from arealite.utils.dist import default_backend, init_default_group, resolve_device_type
@@ -86,6 +86,11 @@ class FSDPEngine:
 
     # ------------------------------------------------------------------ setup
 
+    #: The config section the engine's settings come from (error messages name it).
+    section = "actor"
+    #: Makes the Hugging Face module from its directory and config (a subclass swaps the model).
+    build_model = staticmethod(causal_lm)
+
     def initialize(self, total_steps: int | None = None) -> "FSDPEngine":
         """Join/create the process group, load and shard the model, build AdamW and the LR schedule.
 
@@ -97,11 +102,12 @@ class FSDPEngine:
         path = Path(self.config.model_path)
         if not (path / "config.json").is_file():
             raise FileNotFoundError(
-                f"actor.model_path={str(path)!r} has no config.json; it must be a Hugging Face model directory"
+                f"{self.section}.model_path={str(path)!r} has no config.json; it must be a Hugging Face "
+                "model directory"
             )
         device_type = self._join_group()
         self.model, self.hf_config, n_layers = load_sharded_model(
-            self.config, self.mesh, self.dtype, device_type, self.frozen
+            self.config, self.mesh, self.dtype, device_type, self.frozen, build=self.build_model
         )
         self._pad_id = int(self.hf_config.pad_token_id or 0)
         if not self.frozen:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import copy
 import logging
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -65,23 +65,34 @@ def _enable_checkpointing(model: torch.nn.Module) -> None:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kw)
 
 
-def load_sharded_model(
-    config: ActorConfig, mesh: Any, dtype: torch.dtype, device_type: str, frozen: bool
-) -> tuple[torch.nn.Module, Any, int]:
-    """Load ``config.model_path`` and shard it over ``mesh``; returns ``(model, hf_config, n_layers)``.
+def causal_lm(path: Path, hf_config: Any) -> torch.nn.Module:
+    """The Hugging Face causal LM at ``path`` (fp32, dropout off, packed-sequence attention)."""
+    from transformers import AutoModelForCausalLM
 
-    ``hf_config`` stays as the user wrote it (``export_hf`` saves it); the model gets a
-    dropout-free copy. A frozen model is in eval mode without gradients, else in train mode.
-    """
-    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    path = Path(config.model_path)
-    hf_config = AutoConfig.from_pretrained(path)
-    model = AutoModelForCausalLM.from_pretrained(
+    return AutoModelForCausalLM.from_pretrained(
         path, config=without_dropout(hf_config), dtype=torch.float32,
         attn_implementation=register_varlen_attention(),
     )
+
+
+def load_sharded_model(
+    config: ActorConfig, mesh: Any, dtype: torch.dtype, device_type: str, frozen: bool,
+    build: Callable[[Path, Any], torch.nn.Module] = causal_lm,
+) -> tuple[torch.nn.Module, Any, int]:
+    """Load ``config.model_path`` with ``build`` and shard it over ``mesh``; returns
+    ``(model, hf_config, n_layers)``.
+
+    ``hf_config`` stays as the user wrote it (``export_hf`` saves it); ``build`` makes the
+    module from the path and that config (a causal LM unless another model is wanted, such
+    as the critic's value model). A frozen model is in eval mode without gradients, else in
+    train mode.
+    """
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+    from transformers import AutoConfig
+
+    path = Path(config.model_path)
+    hf_config = AutoConfig.from_pretrained(path)
+    model = build(path, hf_config)
     model.config.use_cache = False
     if config.gradient_checkpointing and not frozen:
         _enable_checkpointing(model)
