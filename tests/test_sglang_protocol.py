@@ -193,16 +193,31 @@ def test_readback_works_only_where_the_model_class_has_it(backend):
 def test_pause_aborts_running_requests_with_their_partial_output(backend):
     """tokenizer_manager pause_generation(mode=abort): in-flight requests return finish_reason abort."""
     with cf.ThreadPoolExecutor(1) as pool:
+        # Long enough to be running when the pause comes (the micro model's context is 1024).
         fut = pool.submit(backend.call, "/generate", {
             "input_ids": [5, 6], "return_logprob": True,
-            "sampling_params": {"max_new_tokens": 100000 if backend.name == "sglang" else 400, "ignore_eos": True}})
-        time.sleep(0.5)
+            "sampling_params": {"max_new_tokens": 100000 if backend.name == "sglang" else 1000, "ignore_eos": True}})
+        _wait_running(backend)
         assert backend.call("/pause_generation", {"mode": "abort"})[0] == 200
         try:
             status, out = fut.result(60)
         finally:
             backend.call("/continue_generation", {})
     assert status == 200 and out["meta_info"]["finish_reason"]["type"] == "abort", out
+
+
+def _wait_running(b: Backend, timeout: float = 30) -> None:
+    """Until the server has a request running (its /server_info says so, as SGLang's does)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        states = b.call("/server_info")[1].get("internal_states") or [{}]
+        if "num_running_reqs" not in states[0]:  # a server that does not say: give it a moment
+            time.sleep(1.0)
+            return
+        if states[0]["num_running_reqs"] > 0:
+            return
+        time.sleep(0.02)
+    raise AssertionError("the request never started running")
 
 
 def test_weight_version_is_reported_and_settable(backend):

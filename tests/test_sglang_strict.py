@@ -95,6 +95,27 @@ def test_liveness_during_a_pause_does_not_generate(strict_pair, loop_runner):
         run(client.admin.continue_generation())
 
 
+def test_servers_left_paused_mid_push_by_a_dead_trainer_do_not_block_the_next_run(
+        strict_pair, loop_runner, base_state, micro_model_dir):
+    """A trainer killed mid-push leaves its servers paused with a session open: the next
+    run's client must start (its readiness probe does not generate) and its first push (at
+    step 0 too) must bring them back with its own weights."""
+    run = loop_runner
+    servers, _ = strict_pair
+    for addr in servers.addrs:
+        assert _request(addr, "/pause_generation", {"mode": "abort"})[0] == 200
+        assert _request(addr, "/begin_weight_update", {})[0] == 200
+    fresh = _client(run, servers.addrs)
+    engine = Engine(perturbed_weights(base_state, 7), str(micro_model_dir))
+    pub = _publisher(run, fresh, engine, DistributedTransfer(_cfg(), fresh.admin, run))
+    try:
+        assert pub.publish(0)["probe_mean_abs_diff"] <= 1e-3
+        assert set(_generate(run, fresh).output_versions) == {0}
+    finally:
+        pub.close()
+        run(fresh.aclose())
+
+
 class _BadShape:
     """A source whose second bucket holds a tensor of the wrong shape (the server refuses it)."""
 

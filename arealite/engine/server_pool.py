@@ -308,21 +308,28 @@ class ServerPool:
             detail = "; ".join(f"{a} ({c})" for a, c in failed.items())
             raise ServerStartupError(
                 f"{len(failed)} of {len(self.states)} server(s) never answered "
-                f"{self.wire.health_route} within {timeout:g}s: {detail}")
+                f"{' or '.join(self.wire.liveness_routes)} within {timeout:g}s: {detail}")
         await asyncio.gather(*(self._read_info(s) for s in self.states))
 
     async def _wait_healthy(self, s: ServerState, deadline: float) -> str | None:
+        """Wait until `s` answers a liveness route (not SGLang's generating /health: a server
+        left paused by a trainer that died mid-push would never pass it; the run's first
+        weight push continues it)."""
         session = self.ensure_session()
         cause, pause_s = "no answer", 0.05
+        routes = list(reversed(self.wire.liveness_routes))  # the oldest name first: every release has it
         while True:
             left = deadline - time.monotonic()
             try:
-                async with session.get(s.base_url + self.wire.health_route,
+                async with session.get(s.base_url + routes[0],
                                        timeout=aiohttp.ClientTimeout(total=max(0.1, min(5.0, left)))) as resp:
                     await resp.read()
                     if resp.status == 200:
                         return None
                     cause = f"HTTP {resp.status}"
+                    if resp.status == 404 and len(routes) > 1:
+                        routes.pop(0)  # a release without this name: try the next one at once
+                        continue
                     if resp.status in (401, 403):
                         return f"HTTP {resp.status}: the server rejected the api key"
             except (aiohttp.ClientError, TimeoutError) as e:

@@ -151,8 +151,9 @@ class RLTrainer:
                                         probe_prompt=build.probe_prompt(cfg, self.tokenizer, self.train_items))
         self.publisher.init()
         self._closers.append(self.publisher.close)
-        if start > 0:  # the servers may hold older weights than the checkpoint
-            self.publisher.publish(start)
+        # Always, also at step 0: the servers may hold other weights than this run's (a killed
+        # run's pushes, half of a push) and may have been left paused by a trainer that died.
+        self.publisher.publish(start)
         self.stats_logger = StatsLogger(self.out_dir, cfg.stats, rank=self.rank,
                                         run_name=f"{cfg.experiment.name}/{cfg.experiment.trial}",
                                         full_config=cfg.model_dump(mode="json"))
