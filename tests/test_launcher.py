@@ -51,7 +51,6 @@ def test_sglang_command_from_config():
                            "extra_args": ["--enable-metrics", "--log-level", "warning"]}},
     )
     cmd = server_command(cfg, 31000, index=3)
-    assert cmd[:3] == [sys.executable, "-m", "sglang.launch_server"]
     assert _flag(cmd, "--model-path") == "/models/actor"  # server.model_path unset -> actor's
     assert _flag(cmd, "--host") == "0.0.0.0" and _flag(cmd, "--port") == "31000"
     assert _flag(cmd, "--tp-size") == "2" and _flag(cmd, "--mem-fraction-static") == "0.7"
@@ -59,10 +58,24 @@ def test_sglang_command_from_config():
     assert _flag(cmd, "--random-seed") == "10"  # experiment.seed + server index
     assert _flag(cmd, "--context-length") == "4096"
     assert "--skip-tokenizer-init" in cmd
-    assert _flag(cmd, "--api-key") == "s3cret"
     assert cmd[-3:] == ["--enable-metrics", "--log-level", "warning"]  # verbatim, last
-    shown = masked(cmd)
-    assert "s3cret" not in shown and "--api-key ***" in shown
+    # The key never goes on a command line: a wrapper adds it from the environment in-process.
+    assert "--api-key" not in cmd and "s3cret" not in " ".join(cmd)
+    assert cmd[:3] == [sys.executable, "-m", "arealite.launcher.sglang_server"]
+    assert masked(["x", "--api-key", "s3cret"]) == "x --api-key ***"
+
+
+def test_sglang_wrapper_adds_the_key_from_the_environment(monkeypatch):
+    import runpy
+
+    from arealite.launcher import sglang_server
+
+    ran = {}
+    monkeypatch.setattr(runpy, "run_module", lambda name, **kw: ran.update(name=name, argv=list(sys.argv)))
+    monkeypatch.setattr(sys, "argv", ["wrapper", "--port", "1"])
+    monkeypatch.setenv("AREALITE_SERVER_API_KEY", "k3y")
+    sglang_server.main()
+    assert ran == {"name": "sglang.launch_server", "argv": ["wrapper", "--port", "1", "--api-key", "k3y"]}
 
 
 def test_sglang_command_defaults():
@@ -70,6 +83,7 @@ def test_sglang_command_defaults():
                        "sglang": {"skip_tokenizer_init": False}},
                launch={"server_backend": "sglang"})
     cmd = sglang_server_command(cfg, 30000)
+    assert cmd[:3] == [sys.executable, "-m", "sglang.launch_server"]  # no key: SGLang itself
     assert _flag(cmd, "--dtype") == "bfloat16"  # auto means bf16 on GPUs
     assert _flag(cmd, "--random-seed") == "100"
     for absent in ("--skip-tokenizer-init", "--api-key", "--context-length"):
@@ -84,7 +98,7 @@ def test_embedded_command_from_config():
     assert _flag(cmd, "--port") == "30001" and _flag(cmd, "--random-seed") == "4"
     assert _flag(cmd, "--max-batch-size") == "8" and _flag(cmd, "--context-length") == "512"
     assert "--dtype" not in cmd  # auto: the server decides
-    assert masked(cmd).count("***") == 1 and " k " not in masked(cmd) + " "
+    assert "--api-key" not in cmd and "k" not in cmd  # the key travels in the environment
     assert _flag(embedded_server_command(_cfg(server={"model_path": "/m", "dtype": "bfloat16"}), 1),
                  "--dtype") == "bfloat16"
 
@@ -98,7 +112,11 @@ def test_embedded_command_is_accepted_by_the_server_parser():
     from arealite.server.args import parse_args
 
     cfg = _cfg(server={"model_path": "/m", "dtype": "float32", "context_length": 64, "api_key": "x"})
-    args = parse_args(embedded_server_command(cfg, 4321)[3:])
+    os.environ["AREALITE_SERVER_API_KEY"] = "x"  # what the launchers set (`common.server_env`)
+    try:
+        args = parse_args(embedded_server_command(cfg, 4321)[3:])
+    finally:
+        del os.environ["AREALITE_SERVER_API_KEY"]
     assert (args.port, args.dtype, args.context_length, args.api_key) == (4321, "float32", 64, "x")
 
 

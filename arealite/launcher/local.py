@@ -10,7 +10,8 @@
 4. Runs `python -m torch.distributed.run --standalone --nproc_per_node
    launch.n_trainer_procs SCRIPT --config CFG overrides...` with the server
    addresses in AREALITE_SERVER_ADDRS (and the api key, if any, in
-   AREALITE_SERVER_API_KEY: never on a command line, never in a log).
+   AREALITE_SERVER_API_KEY, which the servers read too: never on a command line,
+   never in a log).
 5. Echoes the trainer's output and writes every process's log under
    `<output_root>/<name>/<trial>/logs/` (`server0.log`, ..., `trainer.log`).
 6. Tears everything down on success, failure, Ctrl-C or SIGTERM: SIGTERM to each
@@ -23,72 +24,40 @@ A server that dies mid-run is logged and the run goes on with the others
 Exit codes (see `ExitCode`): 0 ok, 1 trainer failed, 2 a server failed to
 start, 3 the last server (or, with `launch.on_server_death=stop`, any server)
 died while the trainer ran, 4 bad arguments or config,
-130 interrupted (SIGINT / Ctrl-C), 143 terminated (SIGTERM).
+(5 is the cluster launchers' "cluster unreachable or too small"), 130 interrupted (SIGINT / Ctrl-C), 143 terminated (SIGTERM).
 """
 
 from __future__ import annotations
 
-import argparse
-import enum
-import importlib.util
 import os
 import signal
 import subprocess
 import sys
 import threading
 import time
-import urllib.error
-import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Callable, Sequence
 
+from arealite.launcher.common import (  # noqa: F401  (ExitCode, DEFAULT_ENTRY... are this module's API too)
+    DEFAULT_ENTRY,
+    TERM_GRACE_S,
+    ExitCode,
+    LaunchError,
+    SignalGuard,
+    launch_main,
+    log,
+    parse_launcher_args,
+    server_env,
+    start_version,
+    trainer_args,
+    wait_healthy,
+    watch_run,
+)
 from arealite.launcher.server_cmd import gpus_per_server, masked, server_command
 from arealite.utils import procs
-from arealite.utils.run import ENV_ROLLOUT_CPUS, ENV_SERVER_ADDRS, ENV_SERVER_API_KEY, complete_checkpoints, run_dir
 from arealite.utils.net import free_ports, ports_from
-
-
-#: Seconds between SIGTERM and SIGKILL when tearing a child down.
-TERM_GRACE_S = float(os.environ.get("AREALITE_LAUNCHER_GRACE_S", "10"))
-#: Lines of a server's log shown when it fails.
-LOG_TAIL_LINES = 40
-
-
-class ExitCode(enum.IntEnum):
-    """What the launcher's exit status means."""
-
-    OK = 0
-    TRAINER_FAILED = 1
-    SERVER_START_FAILED = 2
-    SERVER_DIED = 3  # the last server died (or any, with launch.on_server_death=stop)
-    BAD_CONFIG = 4
-    INTERRUPTED = 130  # 128 + SIGINT
-    TERMINATED = 143  # 128 + SIGTERM
-
-
-class LaunchError(RuntimeError):
-    """A launch step failed; `code` is the launcher's exit status for it."""
-
-    def __init__(self, message: str, code: ExitCode):
-        super().__init__(message)
-        self.code = code
-
-
-class Interrupted(Exception):
-    """A SIGINT or SIGTERM reached the launcher."""
-
-    def __init__(self, signum: int):
-        super().__init__(signal.Signals(signum).name)
-        self.signum = signum
-
-
-_T0 = time.monotonic()
-
-
-def log(msg: str) -> None:
-    """Launcher messages go to stderr, prefixed (with seconds since start) to stand out."""
-    print(f"[launcher {time.monotonic() - _T0:6.1f}s] {msg}", file=sys.stderr, flush=True)
+from arealite.utils.run import ENV_ROLLOUT_CPUS, ENV_SERVER_ADDRS, ENV_SERVER_API_KEY
 
 
 def cpu_plan(n_servers: int, server_cpus: int | None, cpus: list[int]) -> tuple[list[list[int]], list[int]]:
@@ -133,6 +102,9 @@ class Child:
     def pid(self) -> int:
         return self.proc.pid
 
+    def poll(self) -> int | None:
+        return self.proc.poll()
+
     def remember_descendants(self) -> None:
         """Record the processes below this child; torchrun puts its workers in new sessions.
 
@@ -155,15 +127,6 @@ class Child:
         if self.proc.poll() is None:
             return True
         return any(procs.is_alive(p) for p in self.descendants)
-
-
-def tail(path: Path, n: int = LOG_TAIL_LINES) -> str:
-    """The last `n` lines of a log file (empty if it does not exist)."""
-    try:
-        lines = path.read_text(errors="replace").splitlines()
-    except OSError:
-        return ""
-    return "\n".join(lines[-n:])
 
 
 def _cuda_device_count() -> int:
@@ -193,24 +156,16 @@ class LocalLauncher:
         self.echo = echo if echo is not None else sys.stdout
         self.servers: list[Child] = []
         self.trainer: Child | None = None
-        self._signal: int | None = None
-        self._wake = threading.Event()
+        self._signals = SignalGuard()
 
     # -- signals ---------------------------------------------------------------------------
 
-    def _on_signal(self, signum, _frame) -> None:
-        if self._signal is None:
-            self._signal = signum
-        self._wake.set()
-
     def _check_signal(self) -> None:
-        if self._signal is not None:
-            raise Interrupted(self._signal)
+        self._signals.check()
 
     def _sleep(self, seconds: float) -> None:
         """Sleep, but wake at once on a signal."""
-        self._wake.wait(seconds)
-        self._check_signal()
+        self._signals.sleep(seconds)
 
     # -- servers ---------------------------------------------------------------------------
 
@@ -240,12 +195,8 @@ class LocalLauncher:
         return plan, None
 
     def start_version(self) -> int:
-        """The policy version the run starts from: the latest complete checkpoint's step when
-        it will resume (`recover.mode`), else 0. The servers report it until the first push."""
-        if self.cfg.recover.mode == "disabled":
-            return 0
-        found = complete_checkpoints(run_dir(self.cfg) / "checkpoints")
-        return found[-1][0] if found else 0
+        """The policy version the servers start at (`common.start_version`)."""
+        return start_version(self.cfg)
 
     def _cpu_plan(self) -> tuple[list[list[int]], list[int]]:
         """Cores per server and for the trainer (`launch.server_cpus`; empty = not pinned)."""
@@ -266,7 +217,7 @@ class LocalLauncher:
         cpus, _ = self._cpu_plan()
         for i, port in enumerate(ports):
             cmd = server_command(cfg, port, i, weight_version=self.start_version())
-            env = dict(os.environ)
+            env = dict(os.environ, **server_env(cfg))
             if gpu_plan[i] is not None:
                 env["CUDA_VISIBLE_DEVICES"] = gpu_plan[i]
             log_path = self.log_dir / f"server{i}.log"
@@ -282,56 +233,18 @@ class LocalLauncher:
             log(f"started server{i} (pid {proc.pid}) on {child.addr}{pinned}; log: {log_path}")
         return [s.addr for s in self.servers]
 
-    def _healthy(self, addr: str) -> bool:
-        req = urllib.request.Request(f"http://{addr}/health")
-        if self.cfg.server.api_key:
-            req.add_header("Authorization", f"Bearer {self.cfg.server.api_key}")
-        try:
-            with urllib.request.urlopen(req, timeout=2.0) as resp:
-                return resp.status == 200
-        except (urllib.error.URLError, OSError, ValueError):
-            return False
-
     def wait_servers(self) -> None:
         """Wait until every server answers /health, or fail with the log tail of the culprit."""
-        timeout = self.cfg.launch.server_startup_timeout_s
-        deadline = time.monotonic() + timeout
-        pending = list(self.servers)
-        while pending:
-            for s in list(pending):
-                code = s.proc.poll()
-                if code is not None:
-                    raise LaunchError(
-                        f"{s.name} ({s.addr}) exited with code {code} before it was ready. "
-                        f"Last lines of {s.log_path}:\n{tail(s.log_path)}",
-                        ExitCode.SERVER_START_FAILED)
-                if self._healthy(s.addr):
-                    log(f"{s.name} at {s.addr} is healthy")
-                    pending.remove(s)
-            if not pending:
-                break
-            if time.monotonic() > deadline:
-                s = pending[0]
-                names = ", ".join(f"{p.name} ({p.addr})" for p in pending)
-                raise LaunchError(
-                    f"{names} did not answer /health within launch.server_startup_timeout_s="
-                    f"{timeout:g}s (raise it for big models). Last lines of {s.log_path}:\n"
-                    f"{tail(s.log_path)}", ExitCode.SERVER_START_FAILED)
-            self._sleep(0.25)
+        wait_healthy(self.servers, self.cfg.launch.server_startup_timeout_s, self.cfg.server.api_key,
+                     self._sleep)
 
     # -- trainer ---------------------------------------------------------------------------
 
     def trainer_command(self) -> list[str]:
         """`python -m torch.distributed.run --standalone ... SCRIPT --config CFG overrides`."""
-        # A script path runs as a file; a dotted module name (the default, `arealite.train`) with -m.
-        target = [self.script] if self.script.endswith(".py") else ["-m", self.script]
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-               "--nproc_per_node", str(self.cfg.launch.n_trainer_procs), *target]
-        if self.config_path:
-            cmd += ["--config", self.config_path]
-        # The API key reaches the trainer in AREALITE_SERVER_API_KEY only: an override
-        # carrying it would show in `ps` and in the logged command line.
-        return cmd + [o for o in self.overrides if not o.startswith("server.api_key=")]
+        return [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                "--nproc_per_node", str(self.cfg.launch.n_trainer_procs),
+                *trainer_args(self.script, self.config_path, self.overrides)]
 
     def start_trainer(self, addrs: list[str]) -> Child:
         env = dict(os.environ)
@@ -378,55 +291,19 @@ class LocalLauncher:
                 pass
 
     def watch(self) -> ExitCode:
-        """Wait for the trainer; stop early on a signal, or when servers die.
-
-        A dying server is logged; the run goes on while another one lives (the
-        trainer's client drops the dead one from rotation and weight updates),
-        unless `launch.on_server_death` is `stop`. The last one dying stops the run.
-        """
+        """Wait for the trainer; stop early on a signal, or when servers die (`common.watch_run`)."""
         assert self.trainer is not None
-        ticks = 0
-        dead: set[str] = set()
-        while True:
-            code = self.trainer.proc.poll()
-            if code is not None:
-                if self.trainer.pump is not None:
-                    self.trainer.pump.join(timeout=5)
-                if code == 0:
-                    log("trainer finished" + (f" ({len(dead)} server(s) died on the way: "
-                                              f"{', '.join(sorted(dead))})" if dead else ""))
-                    return ExitCode.OK
-                log(f"trainer failed with exit code {code}; see {self.trainer.log_path}")
-                if self.servers and all(s.proc.poll() is not None for s in self.servers):
-                    log("no inference server is alive: the run cannot go on")
-                    return ExitCode.SERVER_DIED
-                return ExitCode.TRAINER_FAILED
-            for s in self.servers:
-                if s.name in dead:
-                    continue
-                code = s.proc.poll()
-                if code is None:
-                    continue
-                dead.add(s.name)
-                left = [x for x in self.servers if x.name not in dead and x.proc.poll() is None]
-                why = (f"{s.name} ({s.addr}, pid {s.pid}) died with exit code {code} while "
-                       f"training. Last lines of {s.log_path}:\n{tail(s.log_path)}\n")
-                if not left:
-                    log(why + "No inference server is left: stopping the trainer")
-                    return ExitCode.SERVER_DIED
-                if self.cfg.launch.on_server_death == "stop":
-                    log(why + "Stopping the trainer (launch.on_server_death=stop)")
-                    return ExitCode.SERVER_DIED
-                log(why + f"{len(left)} of {len(self.servers)} server(s) left "
-                    f"({', '.join(x.name for x in left)}): the run goes on without {s.name}, "
-                    "which the trainer drops from rotation and weight updates "
-                    "(launch.on_server_death=continue)")
+
+        def tick(i: int) -> None:
             # torchrun spawns its workers in their own sessions: keep a record of them so
             # that teardown reaches them even after torchrun itself is gone.
-            if ticks % 5 == 0:
+            if i % 5 == 0:
                 self.trainer.remember_descendants()
-            ticks += 1
-            self._sleep(0.2)
+
+        code = watch_run(self.cfg, self.trainer, self.servers, self._sleep, tick=tick)
+        if self.trainer.pump is not None:
+            self.trainer.pump.join(timeout=5)
+        return code
 
     # -- teardown --------------------------------------------------------------------------
 
@@ -460,102 +337,28 @@ class LocalLauncher:
     def run(self) -> int:
         """Launch, watch and tear down; return the exit code (see `ExitCode`)."""
         self.log_dir.mkdir(parents=True, exist_ok=True)
-        handled = (signal.SIGINT, signal.SIGTERM)
-        previous = {s: signal.signal(s, self._on_signal) for s in handled}
-        try:
-            if self.cfg.launch.n_servers > 0:
-                addrs = self.start_servers()
-                self.wait_servers()
-            else:
-                if not self.external_addrs:
-                    raise LaunchError(
-                        f"launch.n_servers=0 but no server addresses: set launch.server_addrs or "
-                        f"{ENV_SERVER_ADDRS}=host:port,...", ExitCode.BAD_CONFIG)
-                addrs = self.external_addrs
-                log(f"using servers started elsewhere: {','.join(addrs)}")
-            self._check_signal()
-            self.start_trainer(addrs)
-            return int(self.watch())
-        except LaunchError as e:
-            log(str(e))
-            return int(e.code)
-        except Interrupted as e:
-            log(f"{e} received: shutting down")
-            return int(ExitCode.INTERRUPTED if e.signum == signal.SIGINT else ExitCode.TERMINATED)
-        finally:
-            # A second Ctrl-C during teardown must not leave orphans behind: ignore it.
-            for s in handled:
-                signal.signal(s, signal.SIG_IGN)
-            try:
-                self.teardown()
-                log("all children stopped")
-            finally:
-                for s, h in previous.items():
-                    signal.signal(s, h)
+        return self._signals.run(self._launch, self.teardown)
 
-
-#: What the launcher runs under torchrun when no script is given: the library trainer.
-DEFAULT_ENTRY = "arealite.train"
-
-
-class _Parser(argparse.ArgumentParser):
-    def error(self, message):  # exit with our documented code for bad arguments
-        self.print_usage(sys.stderr)
-        self.exit(int(ExitCode.BAD_CONFIG), f"{self.prog}: error: {message}\n")
-
-
-def parse_launcher_args(argv: Sequence[str]) -> argparse.Namespace:
-    p = _Parser(prog="python -m arealite.launcher.local",
-                description="Start inference servers, then run the trainer under torchrun: "
-                            f"the library trainer (`{DEFAULT_ENTRY}`, the workflow named in the config) "
-                            "unless a training script or module is given.",
-                epilog="Exit codes: 0 ok, 1 trainer failed, 2 server failed to start, "
-                       "3 server died, 4 bad arguments/config, 130 SIGINT, 143 SIGTERM.")
-    p.add_argument("--config", default=None, help="YAML config file")
-    p.add_argument("args", nargs="*", metavar="[SCRIPT|MODULE] OVERRIDES",
-                   help="optional training script (path.py) or module (pkg.mod), run as `torchrun "
-                        "SCRIPT --config CFG overrides`; then dotted overrides, e.g. actor.optimizer.lr=1e-5")
-    args = p.parse_intermixed_args(list(argv))
-    rest = list(args.args)
-    args.script = DEFAULT_ENTRY
-    if rest and "=" not in rest[0]:
-        args.script = rest.pop(0)
-    args.overrides = rest
-    if args.script.endswith(".py"):
-        if not Path(args.script).is_file():
-            p.error(f"script {args.script!r} does not exist")
-    elif not all(part.isidentifier() for part in args.script.split(".")):
-        p.error(f"{args.script!r} is neither a script (path.py), a module (pkg.mod) nor an override (key=value)")
-    elif not _module_exists(args.script):
-        p.error(f"module {args.script!r} cannot be found (is its package installed or on PYTHONPATH?)")
-    return args
-
-
-def _module_exists(name: str) -> bool:
-    try:
-        return importlib.util.find_spec(name) is not None
-    except ImportError:  # a parent package is missing
-        return False
+    def _launch(self) -> int:
+        if self.cfg.launch.n_servers > 0:
+            addrs = self.start_servers()
+            self.wait_servers()
+        else:
+            if not self.external_addrs:
+                raise LaunchError(
+                    f"launch.n_servers=0 but no server addresses: set launch.server_addrs or "
+                    f"{ENV_SERVER_ADDRS}=host:port,...", ExitCode.BAD_CONFIG)
+            addrs = self.external_addrs
+            log(f"using servers started elsewhere: {','.join(addrs)}")
+        self._check_signal()
+        self.start_trainer(addrs)
+        return int(self.watch())
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of `python -m arealite.launcher.local`; returns the exit code."""
-    args = parse_launcher_args(sys.argv[1:] if argv is None else argv)
-    from arealite.config.loader import check_launch, load_config
-    from arealite.launcher.server_cmd import server_model_path
-
-    try:
-        cfg = load_config(args.config, args.overrides)
-        external_addrs = check_launch(cfg)
-        if cfg.launch.n_servers > 0:
-            server_model_path(cfg)  # fail now, not inside a server, if no model is set
-    except ValueError as e:  # ConfigError is a ValueError
-        log(f"bad config: {e}")
-        return int(ExitCode.BAD_CONFIG)
-    log("config loaded")
-    run_dir = Path(cfg.experiment.output_root) / cfg.experiment.name / cfg.experiment.trial
-    return LocalLauncher(cfg, args.script, args.config, args.overrides, run_dir,
-                         external_addrs=external_addrs).run()
+    return launch_main(argv, "python -m arealite.launcher.local",
+                       "Start inference servers, then run the trainer under torchrun", LocalLauncher)
 
 
 if __name__ == "__main__":

@@ -3,6 +3,7 @@
 Two backends speak the same HTTP protocol: arealite's embedded server (CPU or
 GPU, PyTorch) and SGLang (GPU). Both command lines are built from the config
 here, in one place, so that they can be unit-tested without starting anything.
+No command line carries the API key: it travels in AREALITE_SERVER_API_KEY.
 """
 
 from __future__ import annotations
@@ -35,13 +36,14 @@ def server_seed(cfg: ArealiteConfig, index: int) -> int:
     return base + index
 
 
-def embedded_server_command(cfg: ArealiteConfig, port: int, index: int = 0, weight_version: int = 0) -> list[str]:
+def embedded_server_command(cfg: ArealiteConfig, port: int, index: int = 0, weight_version: int = 0,
+                            host: str | None = None) -> list[str]:
     """`python -m arealite.server ...` for server number `index` on `port`."""
     s = cfg.server
     cmd = [
         sys.executable, "-m", "arealite.server",
         "--model-path", server_model_path(cfg),
-        "--host", s.host,
+        "--host", host or s.host,
         "--port", str(port),
         "--random-seed", str(server_seed(cfg, index)),
         "--max-batch-size", str(s.max_batch_size),
@@ -54,22 +56,25 @@ def embedded_server_command(cfg: ArealiteConfig, port: int, index: int = 0, weig
         cmd += ["--dtype", s.dtype]
     if s.context_length is not None:
         cmd += ["--context-length", str(s.context_length)]
-    if s.api_key:
-        cmd += ["--api-key", s.api_key]
+    # `server.api_key` is read from AREALITE_SERVER_API_KEY (`common.server_env`), never argv.
     return cmd
 
 
-def sglang_server_command(cfg: ArealiteConfig, port: int, index: int = 0, weight_version: int = 0) -> list[str]:
+def sglang_server_command(cfg: ArealiteConfig, port: int, index: int = 0, weight_version: int = 0,
+                          host: str | None = None) -> list[str]:
     """`python -m sglang.launch_server ...` for server number `index` on `port`.
 
     ``--weight-version`` is the version the run starts from (SGLang reports "default"
     otherwise, which is no version at all)."""
     s = cfg.server
     o = s.sglang
+    # With a key, a small wrapper adds `--api-key` from the environment inside the process,
+    # so that the key never shows on a command line (`ps`, logs).
+    entry = "arealite.launcher.sglang_server" if s.api_key else "sglang.launch_server"
     cmd = [
-        sys.executable, "-m", "sglang.launch_server",
+        sys.executable, "-m", entry,
         "--model-path", server_model_path(cfg),
-        "--host", s.host,
+        "--host", host or s.host,
         "--port", str(port),
         "--tp-size", str(o.tp_size),
         "--mem-fraction-static", str(o.mem_fraction_static),
@@ -83,17 +88,17 @@ def sglang_server_command(cfg: ArealiteConfig, port: int, index: int = 0, weight
     context_length = o.context_length if o.context_length is not None else s.context_length
     if context_length is not None:
         cmd += ["--context-length", str(context_length)]
-    if s.api_key:
-        cmd += ["--api-key", s.api_key]
     cmd += list(o.extra_args)
     return cmd
 
 
-def server_command(cfg: ArealiteConfig, port: int, index: int = 0, weight_version: int = 0) -> list[str]:
-    """The command line of server `index` for `launch.server_backend`."""
+def server_command(cfg: ArealiteConfig, port: int, index: int = 0, weight_version: int = 0,
+                   host: str | None = None) -> list[str]:
+    """The command line of server `index` for `launch.server_backend`, bound to `host`
+    (default `server.host`; the cluster launchers pass the node's address)."""
     if cfg.launch.server_backend == "sglang":
-        return sglang_server_command(cfg, port, index, weight_version)
-    return embedded_server_command(cfg, port, index, weight_version)
+        return sglang_server_command(cfg, port, index, weight_version, host)
+    return embedded_server_command(cfg, port, index, weight_version, host)
 
 
 def gpus_per_server(cfg: ArealiteConfig) -> int:

@@ -41,10 +41,25 @@ IM_START = "<|im_start|>"
 IM_END = "<|im_end|>"
 SPECIAL_TOKENS = [PAD_TOKEN, EOS_TOKEN, IM_START, IM_END]
 
-# A Qwen-style chat template: turns are `<|im_start|>role\ncontent<|im_end|>\n`.
+# A Qwen-style chat template: turns are `<|im_start|>role\ncontent<|im_end|>\n`. With `tools=`
+# a short system turn names them; an assistant turn renders its tool calls in the Hermes/Qwen
+# form `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`; a tool result is a `tool`
+# turn. Plain conversations render exactly as without tools.
 CHAT_TEMPLATE = (
+    "{% if tools %}{{ '<|im_start|>system\\n' }}"
+    "{% if messages and messages[0]['role'] == 'system' %}{{ messages[0]['content'] + '\\n' }}{% endif %}"
+    "{{ 'Tools: ' }}{% for t in tools %}{{ t['function']['name'] if t['function'] is defined else t['name'] }}"
+    "{% if not loop.last %}{{ ', ' }}{% endif %}{% endfor %}{{ '<|im_end|>\\n' }}{% endif %}"
     "{% for message in messages %}"
-    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{% if not (tools and loop.first and message['role'] == 'system') %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + (message['content'] or '') }}"
+    "{% for call in message['tool_calls'] or [] %}"
+    "{% set f = call['function'] if call['function'] is defined else call %}"
+    "{{ '<tool_call>{\"name\": \"' + f['name'] + '\", \"arguments\": ' }}"
+    "{{ f['arguments'] if f['arguments'] is string else f['arguments'] | tojson }}{{ '}</tool_call>' }}"
+    "{% endfor %}"
+    "{{ '<|im_end|>' + '\\n' }}"
+    "{% endif %}"
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
 )

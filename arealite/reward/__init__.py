@@ -11,3 +11,13 @@ def load_reward_fn(spec: str) -> Callable[..., float]:
     """Import a reward function named ``module:function`` (e.g. ``arealite.reward.math:math_reward``);
     errors (ImportError, AttributeError, TypeError) quote `spec` and say what is wrong."""
     return import_callable(spec, "reward function")
+
+
+def configure(cfg) -> None:
+    """Give the library's configurable rewards the run's settings: the sandbox limits of
+    `arealite.reward.code` and the judge of `arealite.reward.judge` (``cfg.agent``).
+    Called where the run's workflows are built, in the process that computes rewards."""
+    from arealite.reward import code, judge
+
+    code.configure(cfg.agent.sandbox)
+    judge.configure(cfg.agent.judge)

@@ -65,7 +65,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, default=30000)
     p.add_argument("--dtype", default="auto", choices=DTYPES)
     p.add_argument("--random-seed", type=int, default=0)
-    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on every route but /health*")
+    # Launchers pass the key in the environment: a command line shows in `ps`.
+    p.add_argument("--api-key", default=os.environ.get("AREALITE_SERVER_API_KEY") or None,
+                   help="require 'Authorization: Bearer KEY' on every route but /health* "
+                        "(default: $AREALITE_SERVER_API_KEY)")
     p.add_argument("--max-batch-size", "--max-running-requests", dest="max_batch_size", type=int, default=64)
     p.add_argument("--context-length", type=int, default=None)
     p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))

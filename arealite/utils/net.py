@@ -7,6 +7,7 @@ report it, rather than pretending the race cannot happen.
 
 from __future__ import annotations
 
+import os
 import socket
 from contextlib import ExitStack
 
@@ -53,12 +54,19 @@ def ports_from(base: int, n: int, host: str = "127.0.0.1") -> list[int]:
     return ports
 
 
+#: Set by the cluster launchers to the node's IP (Ray's view of it): wins over the guess below.
+ENV_HOST_IP = "AREALITE_HOST_IP"
+
+
 def host_ip() -> str:
     """This machine's address as other hosts see it (falls back to 127.0.0.1).
 
-    A UDP `connect` sends nothing; it only makes the kernel choose the outgoing
-    interface, whose address is what peers should dial.
+    ``AREALITE_HOST_IP`` when set (the Ray and Slurm launchers set it to the node's
+    IP). Otherwise a UDP `connect`, which sends nothing; it only makes the kernel
+    choose the outgoing interface, whose address is what peers should dial.
     """
+    if os.environ.get(ENV_HOST_IP):
+        return os.environ[ENV_HOST_IP]
     try:
         with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
             s.connect(("10.255.255.255", 1))

@@ -118,8 +118,9 @@ def samples_at_eval(cfg: "ArealiteConfig", workflow: Any = None) -> bool:
 def build_workflow(cfg: "ArealiteConfig", tokenizer: Any, *, evaluation: bool | str = False) -> "RolloutWorkflow":
     """Build ``rollout.workflow`` with ``rollout.workflow_kwargs``; ``evaluation`` True gives the
     greedy evaluation copy, ``"sampled"`` the pass@k copy (`eval_config`)."""
-    from arealite.reward import load_reward_fn
+    from arealite.reward import configure, load_reward_fn
 
+    configure(cfg)  # sandbox limits and judge of the library's rewards
     cls = resolve_workflow_class(cfg.rollout.workflow)
     kwargs = dict(cfg.rollout.workflow_kwargs)
     problems = workflow_kwargs_problems(cls, kwargs)

@@ -1,0 +1,99 @@
+"""An episode's recorded LLM calls -> trajectory rows and their rewards.
+
+Two shapes (``rows``):
+
+- ``call``: one row per LLM call: its prompt (loss mask 0: the conversation so far,
+  earlier replies included) and its sampled tokens (loss mask 1).
+- ``conversation``: one row per linear conversation. Calls chain through ``parent``
+  (a call whose prompt is an earlier call's prompt and reply plus new messages); each
+  call nobody continues ends a conversation, whose row is its chain: every sampled reply
+  with loss mask 1, the messages between them with 0. A reply shared by two
+  conversations (the agent branched) is trained on in the first row only.
+
+Rewards: the episode's reward ``R`` (what the agent returned) and per-call rewards
+``r_i`` (``call_rewards``). With ``stepwise`` every row of the episode carries
+``R + sum(r_i)`` and rows share ``traj_id`` (the trainer's step-wise advantage: one
+advantage per episode, given to all its rows). Without it each row gets the discounted
+return of its first trained call, ``G_i = r_i + [i ends a conversation] R + gamma G_next``
+(next: the call's last continuation), and rows are advantaged on their own.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from arealite.agent.session import LLMCall
+from arealite.workflow.base import trajectory_row
+
+__all__ = ["episode_rows", "call_returns"]
+
+Row = dict[str, torch.Tensor]
+
+
+def _children(calls: Sequence[LLMCall]) -> dict[int, list[int]]:
+    out: dict[int, list[int]] = {c.index: [] for c in calls}
+    for c in calls:
+        if c.parent is not None and c.parent in out:
+            out[c.parent].append(c.index)
+    return out
+
+
+def call_returns(calls: Sequence[LLMCall], reward: float, gamma: float) -> dict[int, float]:
+    """``G_i`` of every call (see the module docstring)."""
+    kids = _children(calls)
+    out: dict[int, float] = {}
+    for c in sorted(calls, key=lambda c: -c.index):  # children have larger indices than parents
+        g = c.reward or 0.0
+        if kids[c.index]:
+            g += gamma * out[kids[c.index][-1]]
+        else:
+            g += reward
+        out[c.index] = g
+    return out
+
+
+def _chain(leaf: LLMCall, by_index: dict[int, LLMCall]) -> list[LLMCall]:
+    path = [leaf]
+    while path[-1].parent is not None and path[-1].parent in by_index:
+        path.append(by_index[path[-1].parent])
+    return path[::-1]
+
+
+def _conversation_row(path: list[LLMCall], trained: set[int]) -> tuple[Row, int]:
+    """The row of one chain, and the index of its first call trained here (-1: none)."""
+    pieces = []
+    first = -1
+    for k, c in enumerate(path):
+        fresh = c.index not in trained
+        pieces.append((c.output_ids, c.logprobs, c.versions) if fresh else (c.output_ids, None, None))
+        if fresh:
+            trained.add(c.index)
+            first = c.index if first < 0 else first
+        if k + 1 < len(path):
+            done = len(c.prompt_ids) + len(c.output_ids)
+            nxt = path[k + 1].prompt_ids
+            # Sessions link a call to its parent only when this holds; check rather than trust.
+            if nxt[: len(c.prompt_ids)] != c.prompt_ids or nxt[len(c.prompt_ids): done] != c.output_ids:
+                raise ValueError(f"call {path[k + 1].index} does not continue call {c.index} token-exactly")
+            pieces.append((nxt[done:], None, None))
+    return trajectory_row(path[0].prompt_ids, pieces), first
+
+
+def episode_rows(calls: Sequence[LLMCall], rows: str) -> list[tuple[Row, int, LLMCall]]:
+    """``(row, index of the first call trained in it, last call of the row)`` for every row;
+    rows that train nothing (a branch fully trained elsewhere) are left out."""
+    if rows == "call":
+        return [(trajectory_row(c.prompt_ids, [(c.output_ids, c.logprobs, c.versions)]), c.index, c) for c in calls]
+    by_index = {c.index: c for c in calls}
+    kids = _children(calls)
+    trained: set[int] = set()
+    out = []
+    for leaf in calls:
+        if kids[leaf.index]:
+            continue
+        row, first = _conversation_row(_chain(leaf, by_index), trained)
+        if first >= 0:
+            out.append((row, first, leaf))
+    return out
