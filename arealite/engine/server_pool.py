@@ -308,7 +308,8 @@ class ServerPool:
             detail = "; ".join(f"{a} ({c})" for a, c in failed.items())
             raise ServerStartupError(
                 f"{len(failed)} of {len(self.states)} server(s) never answered "
-                f"{' or '.join(self.wire.liveness_routes)} within {timeout:g}s: {detail}")
+                f"{' or '.join([*self.wire.liveness_routes, self.wire.health_route])} within {timeout:g}s: "
+                f"{detail}")
         await asyncio.gather(*(self._read_info(s) for s in self.states))
 
     async def _wait_healthy(self, s: ServerState, deadline: float) -> str | None:
@@ -317,7 +318,8 @@ class ServerPool:
         weight push continues it)."""
         session = self.ensure_session()
         cause, pause_s = "no answer", 0.05
-        routes = list(reversed(self.wire.liveness_routes))  # the oldest name first: every release has it
+        # The oldest name first (every release has it), the generating health route last.
+        routes = [*reversed(self.wire.liveness_routes), self.wire.health_route]
         while True:
             left = deadline - time.monotonic()
             try:
