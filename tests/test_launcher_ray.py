@@ -60,7 +60,9 @@ def _config(demo: Path, runs: Path, **sections) -> dict:
                  "reward_fn": "arealite.reward.reverse_digits:reverse_digits_reward"},
         "saver": {"export_hf_at_end": False},
         "stats": {"progress_bar": False, "plot": False},
-        "weight_sync": {"bucket_size_mb": 0.05},
+        # A survivor of a server killed mid-push waits for its group's timeout (as SGLang's
+        # scheduler would): keep it short here.
+        "weight_sync": {"bucket_size_mb": 0.05, "timeout_s": 20},
     }
     for section, values in sections.items():
         cfg.setdefault(section, {}).update(values)

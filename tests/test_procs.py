@@ -20,7 +20,9 @@ def test_descendants_alive_and_cmdline_of_a_real_process_tree():
     child = subprocess.Popen([sys.executable, "-c", code])
     try:
         deadline = time.monotonic() + 20
-        while len(procs.descendants(os.getpid())) < 2 and time.monotonic() < deadline:
+        # (Wait on the child's own tree: this process may have other children, e.g. a Ray
+        # cluster a module fixture started.)
+        while not procs.descendants(child.pid) and time.monotonic() < deadline:
             time.sleep(0.05)
         below = procs.descendants(child.pid)
         assert len(below) == 1 and below[0] in procs.descendants(os.getpid())

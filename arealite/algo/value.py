@@ -60,13 +60,14 @@ def value_loss(
 
 
 def explained_variance(values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor) -> float:
-    """``1 - Var(returns - values) / Var(returns)`` over ``mask`` (0.0 when the returns are constant)."""
+    """``1 - Var(returns - values) / Var(returns)`` over ``mask`` (0.0 when the returns are constant,
+    up to rounding)."""
     mask = mask.bool()
     g, v = returns.double()[mask], values.double()[mask]
     if g.numel() < 2:
         return 0.0
     var_g = g.var(unbiased=False)
-    if var_g <= 0:
+    if var_g <= 1e-12:  # (near-)constant returns: nothing to explain (and no 1e14 from rounding)
         return 0.0
     return float(1.0 - (g - v).var(unbiased=False) / var_g)
 

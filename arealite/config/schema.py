@@ -569,8 +569,10 @@ class WeightSyncConfig(Section):
     float32 servers, 5e-2 for bfloat16/float16 ones)."""
     backend: Literal["auto", "gloo", "nccl"] = "auto"
     """Process-group backend for the distributed method (auto = nccl on CUDA, else gloo)."""
-    timeout_s: float = Field(600.0, gt=0)
-    """Timeout of one weight update."""
+    timeout_s: float = Field(120.0, gt=0)
+    """Timeout of one weight update, and of the embedded servers' weight-update group (a server still
+    receiving from a group whose member died stays stuck that long: SGLang's scheduler does the same
+    until its own collective timeout)."""
     disk_dir: str | None = None
     """Scratch directory of the disk method (None = under the run directory)."""
     shm_dir: str = "/dev/shm"

@@ -48,6 +48,8 @@ def embedded_server_command(cfg: ArealiteConfig, port: int, index: int = 0, weig
         "--random-seed", str(server_seed(cfg, index)),
         "--max-batch-size", str(s.max_batch_size),
         "--weight-version", str(weight_version),
+        # A receive from a group whose member died ends at this timeout (see weight_sync.timeout_s).
+        "--weight-sync-timeout-s", str(cfg.weight_sync.timeout_s),
     ]
     if s.strict_sglang:
         cmd.append("--strict-sglang")
