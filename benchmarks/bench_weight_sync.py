@@ -156,6 +156,7 @@ def main() -> None:
         admin = client.admin
         transfers = (
             ("distributed", DistributedTransfer(cfg, admin, run)),
+            ("distributed_flat", DistributedTransfer(cfg, admin, run, flattened=True)),  # one broadcast a bucket
             ("disk", DiskTransfer(cfg, admin, run, Path("/dev/shm") / f"arealite-bench-{os.getpid()}",
                                   str(model_dir))),
             ("shm", ShmTransfer(cfg, admin, run)),  # the servers serve out of the file (shm_alias)
