@@ -106,3 +106,30 @@ def micro_demo_dir(tmp_path_factory) -> Path:
          "--n-train", "64", "--n-eval", "8", "--warmup-steps", "5", "--batch-size", "8"],
         cwd=REPO, env=run_env(), check=True, timeout=300, capture_output=True)
     return out
+
+
+@pytest.fixture(scope="module")
+def tiny_server(tiny_model_dir):
+    """One embedded server on the tiny model (seed 0) for the tests of a module."""
+    from arealite.server.process import ServerProcess
+
+    proc = ServerProcess(tiny_model_dir, free_port(), threads=1, extra_args=["--random-seed", "0"])
+    try:
+        yield proc.wait_healthy(120)
+    finally:
+        proc.stop()
+
+
+class RecordingClient:
+    """A real inference client that records every request's input ids and its completion."""
+
+    def __init__(self, engine):
+        self.engine, self.calls = engine, []
+
+    async def agenerate(self, req):
+        c = await self.engine.agenerate(req)
+        self.calls.append((list(req.input_ids), c))
+        return c
+
+    async def aclose(self):
+        await self.engine.aclose()

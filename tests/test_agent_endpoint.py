@@ -21,7 +21,7 @@ from arealite.config.agent import AgentConfig
 from arealite.config.schema import GenerationConfig, RolloutConfig
 from arealite.workflow.agent import AgentError, AgentWorkflow
 
-from conftest import free_port
+from conftest import RecordingClient
 
 TOOLS = [{"type": "function", "function": {
     "name": "calculator", "description": "evaluate arithmetic",
@@ -34,26 +34,11 @@ def tok(tiny_model_dir):
 
 
 @pytest.fixture(scope="module")
-def server(tiny_model_dir):
-    from arealite.server.process import ServerProcess
-
-    proc = ServerProcess(tiny_model_dir, free_port(), threads=1, extra_args=["--random-seed", "0"])
-    try:
-        yield proc.wait_healthy(120)
-    finally:
-        proc.stop()
+def server(tiny_server):
+    return tiny_server
 
 
-class Recorder:
-    """The real inference client, recording every request's input ids and its completion."""
-
-    def __init__(self, engine):
-        self.engine, self.calls = engine, []
-
-    async def agenerate(self, req):
-        c = await self.engine.agenerate(req)
-        self.calls.append((list(req.input_ids), c))
-        return c
+Recorder = RecordingClient  # (conftest)
 
 
 @pytest.fixture

@@ -16,7 +16,7 @@ from arealite.api.types import validate_trajectory
 from arealite.config.schema import ArealiteConfig, GenerationConfig, RolloutConfig
 from arealite.reward.math import math_reward
 
-from conftest import REPO, free_port
+from conftest import REPO, RecordingClient
 
 EXAMPLE = REPO / "examples" / "custom_workflow.py"
 SPEC = "examples.custom_workflow:AnswerThenCheck"
@@ -29,30 +29,11 @@ def on_repo_path(monkeypatch):
 
 
 @pytest.fixture(scope="module")
-def server(tiny_model_dir):
-    from arealite.server.process import ServerProcess
-
-    proc = ServerProcess(tiny_model_dir, free_port(), threads=1, extra_args=["--random-seed", "0"])
-    try:
-        yield proc.wait_healthy(120)
-    finally:
-        proc.stop()
+def server(tiny_server):
+    return tiny_server
 
 
-class Recorder:
-    """Wraps the real client and records every (request ids, completion) pair."""
-
-    def __init__(self, engine):
-        self.engine = engine
-        self.calls = []
-
-    async def agenerate(self, req):
-        c = await self.engine.agenerate(req)
-        self.calls.append((list(req.input_ids), c))
-        return c
-
-    async def aclose(self):
-        await self.engine.aclose()
+Recorder = RecordingClient  # (conftest)
 
 
 def test_example_stands_alone():

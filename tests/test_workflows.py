@@ -19,8 +19,6 @@ from arealite.reward.math import math_reward
 from arealite.workflow.multi_turn import MultiTurnWorkflow, StepResult
 from arealite.workflow.rlvr import RLVRWorkflow
 
-from conftest import free_port
-
 
 @pytest.fixture(scope="module")
 def tok(micro_model_dir):
@@ -327,14 +325,8 @@ def test_group_builder_matches_rows_padded_and_stacked():
 
 
 @pytest.fixture(scope="module")
-def server(tiny_model_dir):
-    from arealite.server.process import ServerProcess
-
-    proc = ServerProcess(tiny_model_dir, free_port(), threads=1, extra_args=["--random-seed", "0"])
-    try:
-        yield proc.wait_healthy(120)
-    finally:
-        proc.stop()
+def server(tiny_server):
+    return tiny_server
 
 
 def make_controller(server, **cfg):
