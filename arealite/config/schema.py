@@ -327,6 +327,31 @@ class OptimizerConfig(Section):
     """Clip the global gradient norm to this (0 = no clipping)."""
 
 
+class LoraConfig(Section):
+    rank: int = Field(16, ge=1)
+    """LoRA rank r: each adapted weight W [out, in] gets B [out, r] @ A [r, in]."""
+    alpha: float = Field(32.0, gt=0)
+    """LoRA alpha: the update is scaled by `alpha / rank`."""
+    dropout: float = Field(0.0, ge=0, lt=1)
+    """Dropout on the adapter's input in training (PEFT's `lora_dropout`). Keep 0 with decoupled
+    PPO: the proximal log-probs come from the training forward, which must score as `forward`."""
+    target_modules: list[str] = Field(
+        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+        min_length=1)
+    """Names of the linear modules to adapt (the last part of the module path, e.g. `q_proj`);
+    every name must match a linear layer of the model (the engine lists them otherwise)."""
+
+    @field_validator("target_modules")
+    @classmethod
+    def _distinct_names(cls, v: list[str]) -> list[str]:
+        for name in v:
+            if not re.match(r"^[A-Za-z_][A-Za-z0-9_]*$", name):
+                raise ValueError(f"{name!r} is not a module name (letters, digits and '_', e.g. 'q_proj')")
+        if len(set(v)) != len(v):
+            raise ValueError(f"{v} names a module twice")
+        return v
+
+
 class ActorConfig(Section):
     model_path: str = ""
     """Hugging Face model directory to train (config.json, safetensors, tokenizer)."""
@@ -343,6 +368,9 @@ class ActorConfig(Section):
     """Offload parameters and gradients to CPU (FSDP2 CPUOffloadPolicy)."""
     temperature: float | None = Field(None, gt=0)
     """Temperature used to recompute log-probs (None = `generation.temperature`)."""
+    lora: LoraConfig | None = None
+    """LoRA adapters (PEFT) instead of full fine-tuning: only the adapters train, have optimizer
+    state and are pushed to the servers (see docs/lora.md); null = full fine-tuning."""
 
 
 class MismatchConfig(Section):

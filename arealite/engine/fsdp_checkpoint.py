@@ -96,17 +96,24 @@ def tied_duplicate_names(hf_config: Any) -> set[str]:
 def export_hf_dir(path: Path, model: torch.nn.Module, rank: int, source_dir: Path, hf_config: Any) -> None:
     """Gather the full weights and write, from rank 0, a HF directory at ``path``: safetensors,
     ``hf_config``, and the non-weight files of ``source_dir`` (tokenizer, templates)."""
-    from safetensors.torch import save_file
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
     full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     if rank == 0:
-        path.mkdir(parents=True, exist_ok=True)
-        for f in source_dir.iterdir():
-            if f.is_file() and not f.name.endswith(_WEIGHT_SUFFIXES) and f.name != "config.json":
-                shutil.copy2(f, path / f.name)
-        hf_config.save_pretrained(path)
         skip = tied_duplicate_names(hf_config)
-        tensors = {k: v.contiguous() for k, v in full.items() if k not in skip}
-        save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
+        write_hf_dir(path, {k: v for k, v in full.items() if k not in skip}, source_dir, hf_config)
     dist.barrier()
+
+
+def write_hf_dir(path: Path, tensors: dict[str, torch.Tensor], source_dir: Path, hf_config: Any) -> None:
+    """Write a HF directory at ``path``: ``tensors`` (full, HF names) as safetensors, ``hf_config``
+    and the non-weight files of ``source_dir`` (tokenizer, templates). One process calls it."""
+    from safetensors.torch import save_file
+
+    path.mkdir(parents=True, exist_ok=True)
+    for f in source_dir.iterdir():
+        if f.is_file() and not f.name.endswith(_WEIGHT_SUFFIXES) and f.name != "config.json":
+            shutil.copy2(f, path / f.name)
+    hf_config.save_pretrained(path)
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(path / "model.safetensors"),
+              metadata={"format": "pt"})

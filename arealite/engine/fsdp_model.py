@@ -46,6 +46,8 @@ def without_dropout(hf_config: Any) -> Any:
 
 def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
     """The decoder layers of a HF causal LM (``model.model.layers`` for Llama/Qwen-style models)."""
+    if callable(getattr(model, "get_base_model", None)):  # a PEFT model: the HF model it wraps
+        model = model.get_base_model()
     inner = getattr(model, "model", None)
     layers = getattr(inner, "layers", None)
     if layers is None:
@@ -123,9 +125,10 @@ def load_sharded_model(
 def build_optimizer(
     model: torch.nn.Module, opt: OptimizerConfig, total_steps: int | None
 ) -> tuple[torch.optim.Optimizer, Any]:
-    """AdamW on ``model``'s parameters and its LR schedule (``total_steps`` overrides ``opt.total_steps``)."""
+    """AdamW on ``model``'s trainable parameters (all of them, or a LoRA model's adapters) and its
+    LR schedule (``total_steps`` overrides ``opt.total_steps``)."""
     optimizer = torch.optim.AdamW(
-        model.parameters(),
+        [p for p in model.parameters() if p.requires_grad],
         lr=opt.lr,
         betas=(opt.beta1, opt.beta2),
         eps=opt.eps,

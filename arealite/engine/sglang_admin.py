@@ -42,6 +42,7 @@ class SGLangAdmin:
     def __init__(self, pool: ServerPool):
         self.pool = pool
         self._groups: dict[str, list[str]] = {}  # weight-update group -> member servers
+        self.lora_path: str | None = None  # the LoRA adapter the log-prob probe scores with (LoRA runs)
 
     def __repr__(self) -> str:
         return f"SGLangAdmin(servers={self.servers}, healthy={self.healthy_servers})"
@@ -105,6 +106,18 @@ class SGLangAdmin:
             "/update_weights_from_disk", {"model_path": str(path), "weight_version": str(int(version))},
             timeout=timeout)
 
+    async def load_lora_adapter(self, name: str, path: str, *, timeout: float | None = None) -> dict[str, Any]:
+        """Load the PEFT adapter directory ``path`` as ``name`` on every healthy server (SGLang's
+        ``/load_lora_adapter``; the server needs ``--enable-lora``)."""
+        self.pool.exclude_unhealthy(f"loading LoRA adapter {name}")
+        return await self.pool.call_all("/load_lora_adapter", {"lora_name": name, "lora_path": str(path)},
+                                        timeout=timeout)
+
+    async def unload_lora_adapter(self, name: str, *, timeout: float | None = None) -> dict[str, Any]:
+        """Unload adapter ``name`` on every healthy server (``/unload_lora_adapter``)."""
+        self.pool.exclude_unhealthy(f"unloading LoRA adapter {name}")
+        return await self.pool.call_all("/unload_lora_adapter", {"lora_name": name}, timeout=timeout)
+
     async def update_weights_from_shm(self, path: str, names: Sequence[str], dtypes: Sequence[Any],
                                       shapes: Sequence[Sequence[int]], offsets: Sequence[int],
                                       version: int, *, timeout: float | None = None,
@@ -137,7 +150,10 @@ class SGLangAdmin:
         version it computed them with: ``{addr: (logprobs, version)}``. It generates (one
         token), so the servers must not be paused."""
         ids = [int(t) for t in input_ids]
-        answers = await self.pool.call_all("/generate", prompt_score_body(ids, f"weight-probe-{uuid.uuid4().hex}"))
+        body = prompt_score_body(ids, f"weight-probe-{uuid.uuid4().hex}")
+        if self.lora_path:  # a LoRA run: score with the adapter the rollouts use
+            body["lora_path"] = self.lora_path
+        answers = await self.pool.call_all("/generate", body)
         out, bad = {}, {}
         for addr, data in answers.items():
             try:

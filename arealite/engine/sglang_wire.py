@@ -131,6 +131,9 @@ class SGLangWire:
     # routes answer from the tokenizer manager without generating (newest name first).
     health_route = "/health"
     liveness_routes = ("/model_info", "/get_model_info")
+    #: The LoRA adapter every request runs with (``lora_path``; set per version by the LoRA
+    #: weight push, `arealite.weight_sync.lora`); None = the base model.
+    lora_path: str | None = None
 
     def sampling_params(self, sp: SamplingParams) -> dict[str, Any]:
         return sp.to_sglang()
@@ -139,7 +142,10 @@ class SGLangWire:
                       max_new_tokens: int | None = None) -> dict[str, Any]:
         if max_new_tokens is not None:
             params = {**params, "max_new_tokens": max_new_tokens}
-        return {"input_ids": input_ids, "sampling_params": params, "return_logprob": True, "rid": rid}
+        body = {"input_ids": input_ids, "sampling_params": params, "return_logprob": True, "rid": rid}
+        if self.lora_path is not None:
+            body["lora_path"] = self.lora_path
+        return body
 
     def parse_generate(self, raw: bytes) -> Segment:
         try:

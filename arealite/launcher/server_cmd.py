@@ -90,8 +90,18 @@ def sglang_server_command(cfg: ArealiteConfig, port: int, index: int = 0, weight
     context_length = o.context_length if o.context_length is not None else s.context_length
     if context_length is not None:
         cmd += ["--context-length", str(context_length)]
+    cmd += sglang_lora_args(cfg)
     cmd += list(o.extra_args)
     return cmd
+
+
+def sglang_lora_args(cfg: ArealiteConfig) -> list[str]:
+    """SGLang's LoRA flags for `actor.lora` (none without it): adapters are loaded at run time
+    (`/load_lora_adapter`), so SGLang needs the largest rank and the target modules up front."""
+    lora = cfg.actor.lora
+    if lora is None:
+        return []
+    return ["--enable-lora", "--max-lora-rank", str(lora.rank), "--lora-target-modules", *lora.target_modules]
 
 
 def server_command(cfg: ArealiteConfig, port: int, index: int = 0, weight_version: int = 0,

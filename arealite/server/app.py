@@ -23,6 +23,7 @@ from .body import RequestError, check_fields, error_response, json_body, want
 from .runner import ModelRunner, Sequence
 from .strict import SGLangBehaviour
 from .sampling import GenerateInput, SamplingConfig, parse_generate
+from .lora import LoraRoutes
 from .weight_routes import WeightRoutes
 from .weights import model_state, parse_dtype
 
@@ -92,6 +93,7 @@ class EmbeddedServer:
         self.behaviour = SGLangBehaviour.from_flags(
             strict=args.strict_sglang, release=args.sglang_version, readback=args.readback_architectures)
         self.weights = WeightRoutes(self)
+        self.lora = LoraRoutes(self)
 
     # -- helpers ----------------------------------------------------------
 
@@ -227,6 +229,8 @@ class EmbeddedServer:
             body, vocab_size=self.vocab_size, context_length=self.context_length,
             encode=self.encode if self.tokenizer is not None else None,
         )
+        for inp, adapter in zip(inputs, self.lora.lora_names(body, len(inputs))):
+            inp.lora = adapter
         seqs = await asyncio.gather(*(self.runner.generate(i) for i in inputs))
         outs = [self.format_output(s) for s in seqs]
         return web.json_response(outs if batch else outs[0])
@@ -304,6 +308,7 @@ def build_app(server: EmbeddedServer) -> web.Application:
         "/continue_generation": s.continue_generation,
         "/abort_request": s.abort_request,
         **s.weights.routes(),
+        **s.lora.routes(),
     }.items():
         app.router.add_post(path, h)
 

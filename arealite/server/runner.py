@@ -95,6 +95,7 @@ class ModelRunner:
         self._next: torch.Tensor | None = None  # [B] sampled, not yet in the cache
         self._sampling: BatchSamplingState | None = None
         self.stats = {"steps": 0, "prefills": 0, "generated_tokens": 0, "max_running": 0}
+        self.lora = None  # the server's LoRA adapters (`arealite.server.lora.LoraSet`), set by its routes
 
         self._thread = threading.Thread(target=self._main, name="arealite-model", daemon=True)
         self._thread.start()
@@ -232,7 +233,9 @@ class ModelRunner:
         seq.end_time = time.perf_counter()
         seq.loop.call_soon_threadsafe(_deliver, seq.future, seq)
 
-    def _forward(self, input_ids, mask, positions, cache, all_positions: bool = False):
+    def _forward(self, input_ids, mask, positions, cache, all_positions: bool = False, seqs=()):
+        if self.lora is not None:  # the adapter of each row (`lora_path`)
+            self.lora.select([s.inp.lora for s in seqs])
         out = self.model(input_ids=input_ids, attention_mask=mask, position_ids=positions,
                          past_key_values=cache, use_cache=True, logits_to_keep=0 if all_positions else 1)
         return out.logits if all_positions else out.logits[:, -1, :]
@@ -277,7 +280,7 @@ class ModelRunner:
         positions = (mask.cumsum(dim=1) - 1).clamp(min=0)
         cache = DynamicCache()
         want_input = any(s.inp.logprob_start_len >= 0 for s in ready)
-        logits = self._forward(ids, mask, positions, cache, all_positions=want_input)
+        logits = self._forward(ids, mask, positions, cache, all_positions=want_input, seqs=ready)
         if want_input:
             self._input_logprobs(ready, logits, ids, lens)
             logits = logits[:, -1, :]
@@ -321,7 +324,8 @@ class ModelRunner:
     def _decode_step(self) -> None:
         B = len(self._running)
         self._mask = torch.cat([self._mask, torch.ones((B, 1), dtype=self._mask.dtype, device=self.device)], dim=1)
-        logits = self._forward(self._next[:, None], self._mask, self._positions[:, None], self._cache)
+        logits = self._forward(self._next[:, None], self._mask, self._positions[:, None], self._cache,
+                               seqs=self._running)
         self._positions = self._positions + 1
         tokens, logprobs = sample_next(logits, self._sampling, self.shared_gen)
         self._next = tokens

@@ -53,6 +53,8 @@ class GenerateInput:
     return_logprob: bool = False
     logprob_start_len: int = -1
     """First prompt position whose log-prob is returned (``input_token_logprobs``); -1: none."""
+    lora: Any = None
+    """The LoRA adapter the sequence runs with (``lora_path``; `arealite.server.lora`); None: the base."""
 
 
 # --------------------------------------------------------------------------
@@ -124,7 +126,6 @@ _UNSUPPORTED_TOP: dict[str, Callable[[Any], bool]] = {
     "video_data": lambda v: v is None,
     "audio_data": lambda v: v is None,
     "input_embeds": lambda v: v is None,
-    "lora_path": lambda v: v is None,
     "session_params": lambda v: v is None,
     "custom_logit_processor": lambda v: v is None,
     "modalities": lambda v: v is None,
@@ -135,7 +136,8 @@ _UNSUPPORTED_TOP: dict[str, Callable[[Any], bool]] = {
     "priority": lambda v: v is None,
     "log_metrics": lambda v: v is None or isinstance(v, bool),
 }
-_SUPPORTED_TOP = {"text", "input_ids", "sampling_params", "rid", "return_logprob", "logprob_start_len"}
+_SUPPORTED_TOP = {"text", "input_ids", "sampling_params", "rid", "return_logprob", "logprob_start_len",
+                  "lora_path"}  # lora_path: checked by arealite.server.lora
 
 # Top-level keys SGLang 0.5.23 declares (``GenerateReqInput`` and the JSON contract
 # ``sglang.api.v1.GenerateRequest``). Keys it does not declare are ignored there, not

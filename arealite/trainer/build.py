@@ -61,9 +61,14 @@ def make_loader(cfg: ArealiteConfig, items: list[dict], rank: int, world: int) -
 
 def build_train_engines(cfg: ArealiteConfig, total_steps: int) -> tuple[TrainEngine, TrainEngine | None]:
     """The actor's engine (joins the torchrun process group) and, with a KL term, a frozen
-    reference engine."""
+    reference engine (with LoRA: the actor's own weights with the adapters off)."""
     from arealite.engine.fsdp import FSDPEngine
 
+    if cfg.actor.lora is not None:
+        from arealite.lora import LoraFSDPEngine
+
+        lora = LoraFSDPEngine(cfg.actor).initialize(total_steps=total_steps)
+        return lora, (lora.reference() if cfg.algorithm.kl_coef > 0 else None)
     actor = FSDPEngine(cfg.actor).initialize(total_steps=total_steps)
     ref = FSDPEngine(cfg.actor, frozen=True).initialize() if cfg.algorithm.kl_coef > 0 else None
     return actor, ref

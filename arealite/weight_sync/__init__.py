@@ -41,6 +41,7 @@ from arealite.weight_sync.base import (
 )
 from arealite.weight_sync.disk import DiskTransfer
 from arealite.weight_sync.distributed import DistributedTransfer
+from arealite.weight_sync.lora import AdapterSource, LoraTransfer
 from arealite.weight_sync.publisher import WeightPublisher
 from arealite.weight_sync.shm import ShmTransfer
 from arealite.weight_sync.probe import LogprobProbe, default_probe_tolerance, probe_tokens
@@ -49,6 +50,7 @@ from arealite.weight_sync.verify import ReadbackVerifier, Verifiers, WeightVerif
 __all__ = [
     "DiskTransfer",
     "DistributedTransfer",
+    "LoraTransfer",
     "LogprobProbe",
     "ReadbackSample",
     "ReadbackVerifier",
@@ -111,6 +113,21 @@ def make_transfer(config, admin: WeightUpdateAdmin, run: Runner,
                         server_dtype=dtype)
 
 
+def make_lora_transfer(config, admin: WeightUpdateAdmin, run: Runner, engine, client) -> LoraTransfer:
+    """The adapter push of a LoRA run: a PEFT directory per version under ``weight_sync.disk_dir``
+    (or the run directory), loaded by name; the client's requests and the probe then use it."""
+    exp, ws = config.experiment, config.weight_sync
+    root = Path(ws.disk_dir or Path(exp.output_root) / exp.name / exp.trial / "weight_sync") / "lora"
+
+    def use(name: str) -> None:
+        for holder in (getattr(client, "wire", None), admin):
+            if holder is not None and hasattr(holder, "lora_path"):
+                holder.lora_path = name
+
+    return LoraTransfer(ws, admin, run, root, engine.adapter_config(), server_dtype=server_weight_dtype(config),
+                        on_loaded=use)
+
+
 def engine_scorer(engine: TrainEngine) -> Callable[[list[int]], list[float]]:
     """The trainer's log-probs (temperature 1) of ``ids[1:]``: the probe's forward (every rank)."""
     from tensordict import TensorDict
@@ -132,7 +149,9 @@ def make_verifier(config, admin: WeightUpdateAdmin, transfer: WeightTransfer, tr
     """Read-back (where the servers can) plus, unless ``weight_sync.probe`` is off, the log-prob probe."""
     ws = config.weight_sync
     dtype = lambda: getattr(transfer, "server_dtype", None)  # noqa: E731 - known once the transfer starts
-    readback = ReadbackVerifier(admin, ws.verify_n_tensors, dtype=dtype)
+    # A LoRA push sends adapter tensors, which no server can read back by name: the probe checks it.
+    n_readback = 0 if isinstance(transfer, LoraTransfer) else ws.verify_n_tensors
+    readback = ReadbackVerifier(admin, n_readback, dtype=dtype)
     if not ws.probe or not callable(getattr(admin, "score_prompt", None)):
         return readback
     vocab = _vocab_size(train_engine)
@@ -162,7 +181,11 @@ def make_publisher(config, client: InferenceClient, train_engine: TrainEngine, c
     admin = admin_of(client)
     run = run if run is not None else controller.run
     model_path = getattr(getattr(train_engine, "config", None), "model_path", None)
-    transfer = make_transfer(config, admin, run, model_path)
+    if config.actor.lora is not None:  # only the adapter travels (`lora.LoraTransfer`)
+        transfer = make_lora_transfer(config, admin, run, train_engine, client)
+        source = source if source is not None else AdapterSource(train_engine)
+    else:
+        transfer = make_transfer(config, admin, run, model_path)
     verifier = make_verifier(config, admin, transfer, train_engine, probe_prompt)
     return WeightPublisher(transfer, source if source is not None else train_engine, admin, run,
                            parties=_distinct([train_engine, controller, client]), controller=controller,

@@ -1,0 +1,102 @@
+"""The PEFT-wrapped causal LM and its adapter in PEFT's file format.
+
+`lora_causal_lm` builds what `FSDPEngine` shards: the HF causal LM (as `causal_lm` makes it)
+wrapped by ``peft.get_peft_model``, with every base weight frozen and LoRA on
+``target_modules``. The adapter's tensors go out under PEFT's saved names
+(``base_model.model.<module>.lora_A.weight``), which SGLang's and the embedded server's
+``/load_lora_adapter`` read.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Iterator
+
+import torch
+
+from arealite.config.schema import LoraConfig
+from arealite.engine.fsdp_model import causal_lm
+from arealite.lora.modules import check_target_modules
+
+#: PEFT's adapter name for the one adapter the engine trains.
+ADAPTER = "default"
+#: Seed of the adapters' initialisation.
+INIT_SEED = 0
+
+
+def lora_causal_lm(path: Path, hf_config: Any, lora: LoraConfig) -> torch.nn.Module:
+    """The causal LM at ``path`` with LoRA adapters (B initialised to 0: it starts as the base)."""
+    from peft import LoraConfig as PeftLoraConfig
+    from peft import get_peft_model
+
+    model = causal_lm(path, hf_config)
+    check_target_modules(model, lora.target_modules)
+    peft_cfg = PeftLoraConfig(r=lora.rank, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
+                              target_modules=list(lora.target_modules), bias="none")
+    # A is random (B is 0): the same seed on every rank and in every run, so that the shards of
+    # every rank belong to one matrix and a run with 1 or N ranks starts from the same adapter.
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(INIT_SEED)
+        return get_peft_model(model, peft_cfg)
+
+
+def is_lora_param(name: str) -> bool:
+    return ".lora_A." in name or ".lora_B." in name
+
+
+def peft_key(param_name: str) -> str:
+    """A LoRA parameter's name in a saved PEFT adapter (the adapter name dropped)."""
+    return param_name.replace(f".{ADAPTER}.", ".")
+
+
+def hf_name(param_name: str) -> str:
+    """A base parameter's name in the HF checkpoint (PEFT's prefix and ``base_layer`` dropped)."""
+    return param_name.removeprefix("base_model.model.").replace(".base_layer.", ".")
+
+
+def full(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """The whole tensor of a (possibly sharded, possibly offloaded) parameter; a collective."""
+    t = t.detach()
+    if t.device != device:
+        t = t.to(device)
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+def adapter_tensors(model: torch.nn.Module, device: torch.device) -> Iterator[tuple[str, torch.Tensor]]:
+    """The adapter's tensors under PEFT's saved names (every rank must iterate it to the end)."""
+    for name, p in model.named_parameters():
+        if is_lora_param(name):
+            yield peft_key(name), full(p, device)
+
+
+def lora_layers(model: torch.nn.Module) -> dict[str, torch.nn.Module]:
+    """The modules carrying an adapter, by their path in ``model``."""
+    from peft.tuners.lora import LoraLayer
+
+    return {name: m for name, m in model.named_modules() if isinstance(m, LoraLayer)}
+
+
+def merged_weights(model: torch.nn.Module, device: torch.device, skip: set[str]) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every base weight in HF names with its adapter merged in (``W + B @ A * scaling``).
+
+    A collective on a sharded model: every rank iterates it to the end. ``skip``: HF names
+    left out (tied duplicates)."""
+    layers = lora_layers(model)
+    for name, p in model.named_parameters():
+        if is_lora_param(name) or hf_name(name) in skip:
+            continue
+        t = full(p, device)
+        owner = name.rsplit(".base_layer.", 1)[0] if name.endswith(".base_layer.weight") else None
+        if owner in layers:
+            m = layers[owner]
+            a = full(m.lora_A[ADAPTER].weight, device)
+            b = full(m.lora_B[ADAPTER].weight, device)
+            t = t + (b.float() @ a.float()).to(t.dtype) * m.scaling[ADAPTER]
+        yield hf_name(name), t
+
+
+def adapter_config(model: torch.nn.Module, base_model_path: str) -> dict[str, Any]:
+    """``adapter_config.json`` of the trained adapter (JSON-ready)."""
+    cfg = model.peft_config[ADAPTER].to_dict()
+    cfg["base_model_name_or_path"] = base_model_path
+    return {k: (sorted(v) if isinstance(v, set) else v) for k, v in cfg.items()}

@@ -1,0 +1,117 @@
+"""The LoRA weight push end to end: a LoRA engine, the real client and controller, a real
+embedded server. Only the adapter travels; a generation interrupted by the push resumes on
+the new adapter, and every token's log-prob is that of the adapter that produced it."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import urllib.error
+import urllib.request
+
+import pytest
+import torch
+
+from arealite.api.types import GenerationRequest, SamplingParams
+from arealite.config.schema import ArealiteConfig, RolloutConfig
+from arealite.engine.sglang_remote import RemoteSGLangEngine
+from arealite.lora import LoraFSDPEngine
+from arealite.server.process import ServerProcess
+from arealite.weight_sync import LoraTransfer, make_publisher
+from tests.conftest import free_port
+from tests.test_fsdp import LENGTHS, label_logp, make_batch, n_tokens, token_mean_ce
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
+
+
+@pytest.fixture
+def server(micro_model_dir, tmp_path):
+    proc = ServerProcess(micro_model_dir, free_port(), log_path=tmp_path / "server.log", threads=1)
+    try:
+        yield proc.wait_healthy()
+    finally:
+        proc.stop()
+
+
+@pytest.fixture
+def rollout(server):
+    from arealite.rollout.controller import RolloutController
+
+    client = RemoteSGLangEngine([server.url], RolloutConfig(request_timeout_s=60, request_retries=0))
+    controller = RolloutController(client, RolloutConfig()).start(init_timeout=90)
+    yield client, controller
+    controller.stop()
+
+
+def config(tmp_path, model_dir) -> ArealiteConfig:
+    return ArealiteConfig.model_validate({
+        "experiment": {"output_root": str(tmp_path), "name": "e", "trial": "t"},
+        "actor": {"model_path": str(model_dir), "mb_max_tokens": 512, "optimizer": {"lr": 3e-2},
+                  "lora": {"rank": 4, "alpha": 8.0}},
+        "weight_sync": {"method": "disk", "timeout_s": 30}})
+
+
+def server_info(url: str) -> dict:
+    with urllib.request.urlopen(url + "/get_server_info", timeout=5) as r:
+        return json.loads(r.read())
+
+
+def logp_of(engine_or_ref, ids: list[int], n_prompt: int) -> torch.Tensor:
+    t = torch.tensor([ids])
+    batch = {"input_ids": t, "attention_mask": torch.ones_like(t, dtype=torch.bool)}
+    return engine_or_ref.forward(batch, label_logp)[0, n_prompt:]
+
+
+def test_adapter_push_across_an_interrupted_generation(rollout, server, micro_model_dir, tmp_path):
+    client, controller = rollout
+    cfg = config(tmp_path, micro_model_dir)
+    engine = LoraFSDPEngine(cfg.actor, device="cpu").initialize(total_steps=4)
+    pub = make_publisher(cfg, client, engine, controller)
+    assert isinstance(pub.transfer, LoraTransfer)
+    pub.init()
+    try:
+        t0 = pub.publish(0)
+        name0 = client.wire.lora_path
+        assert name0.startswith("policy-v0-")
+        n_lora = sum(p.numel() for n, p in engine.model.named_parameters() if ".lora_" in n)
+        assert t0["bytes"] == 4 * n_lora  # only the adapter, in fp32
+        assert t0["probe_mean_abs_diff"] <= 1e-5
+
+        batch = make_batch(engine.hf_config.vocab_size, LENGTHS)
+        stats = engine.train_batch(batch, token_mean_ce, n_tokens)  # version 1, not yet pushed
+        prompt, budget = list(range(10, 22)), 1000
+        req = GenerationRequest(prompt, SamplingParams(max_new_tokens=budget, temperature=1.0, ignore_eos=True))
+        before = server_info(server.url)["internal_states"][0]["generated_tokens"]
+        fut = asyncio.run_coroutine_threadsafe(client.agenerate(req), controller._loop)
+        deadline = time.monotonic() + 30
+        while server_info(server.url)["internal_states"][0]["generated_tokens"] < before + 5:
+            assert time.monotonic() < deadline, server.log_tail()
+            time.sleep(0.005)
+        assert not fut.done(), "generation finished before the push; raise the budget"
+        t1 = pub.publish(1)
+        c = fut.result(60)
+        assert client.wire.lora_path.startswith("policy-v1-") and t1["probe_mean_abs_diff"] <= 1e-5
+        assert stats["skipped"] == 0 and engine.get_version() == controller.get_version() == 1
+        # The old adapter is unloaded: a request naming it is refused.
+        body = json.dumps({"input_ids": [5, 6], "lora_path": name0}).encode()
+        with pytest.raises(urllib.error.HTTPError) as info:
+            urllib.request.urlopen(urllib.request.Request(server.url + "/generate", body), timeout=5)
+        assert info.value.code == 400
+    finally:
+        pub.close()
+
+    k = c.output_versions.count(0)
+    assert len(c.output_ids) == budget and 0 < k < budget
+    assert c.output_versions == [0] * k + [1] * (budget - k) and c.n_interruptions == 1
+    got = torch.tensor(c.output_logprobs)
+    ids = prompt + c.output_ids
+    old = logp_of(engine.reference(), ids, len(prompt))  # version 0: B = 0, the base model
+    new = logp_of(engine, ids, len(prompt))
+    assert (got[:k] - old[:k]).abs().max().item() <= 1e-5
+    assert (got[k:] - new[k:]).abs().max().item() <= 1e-5
+    assert (got[k:] - old[k:]).abs().max().item() > 1e-3  # the new adapter changed the policy
+    # Only the newest adapter stays on the server; the old one is unloaded, its directory gone.
+    root = tmp_path / "e" / "t" / "weight_sync" / "lora"
+    assert not root.exists() or not any(p.name.startswith("policy-v0-") for p in root.iterdir())
+    engine.destroy()
