@@ -65,3 +65,88 @@ def test_every_server_failing_is_an_error(micro_model_dir):
     j = Judge(JudgeConfig(timeout_s=2), addrs=["127.0.0.1:1"], tokenizer=AutoTokenizer.from_pretrained(micro_model_dir))
     with pytest.raises(RuntimeError, match="every judge server failed: http://127.0.0.1:1"):
         j.score("q", "a")
+
+
+# ---------------------------------------------------------------- judge servers the launcher starts
+
+def test_launched_judges_are_checked_and_get_their_own_model():
+    from arealite.config.schema import ArealiteConfig
+    from arealite.launcher.server_cmd import judge_server_command
+    from arealite.launcher.slurm import check_slurm
+
+    with pytest.raises(ValueError, match="agent.judge.n_servers=2 needs agent.judge.model_path"):
+        ArealiteConfig.model_validate({"agent": {"judge": {"n_servers": 2}}})
+    with pytest.raises(ValueError, match="agent.judge.addrs names some too"):
+        ArealiteConfig.model_validate({"agent": {"judge": {"n_servers": 1, "model_path": "/j", "addrs": ["h:1"]}}})
+    cfg = ArealiteConfig.model_validate({"actor": {"model_path": "/policy"}, "server": {"dtype": "float32"},
+                                         "agent": {"judge": {"n_servers": 1, "model_path": "/judge"}}})
+    cmd = judge_server_command(cfg, 4321, 0)
+    assert cmd[cmd.index("--model-path") + 1] == "/judge" and cmd[cmd.index("--port") + 1] == "4321"
+    assert cmd[cmd.index("--weight-version") + 1] == "0" and cmd[cmd.index("--dtype") + 1] == "float32"
+    with pytest.raises(ValueError, match="agent.judge.n_servers: the Slurm launcher does not start"):
+        check_slurm(cfg)
+
+
+JUDGE_SCRIPT = r'''
+import json, os
+from arealite.config.agent import JudgeConfig
+from arealite.reward import judge
+judge.configure(JudgeConfig(model_path=os.environ["JUDGE_MODEL"], max_new_tokens=4, api_key="judgekey", timeout_s=30))
+score = judge.judge_reward("What is 2+2?", "4", answer="4")
+rec = {"judges": os.environ["AREALITE_JUDGE_ADDRS"].split(","), "policy": os.environ["AREALITE_SERVER_ADDRS"],
+       "score": score, **judge._DEFAULT.counters, "pid": os.getpid()}
+open(os.environ["OUT_FILE"], "w").write(json.dumps(rec))
+'''
+
+
+@pytest.mark.slow
+def test_the_local_launcher_starts_judge_servers_and_hands_them_to_the_reward(tmp_path, micro_model_dir):
+    import json
+    import re
+    import subprocess
+    import sys
+    import time
+
+    import yaml
+
+    from conftest import run_env
+
+    (tmp_path / "train.py").write_text(JUDGE_SCRIPT)
+    cfg = {"experiment": {"output_root": str(tmp_path / "runs"), "name": "exp", "trial": "t"},
+           "actor": {"model_path": str(micro_model_dir)},
+           "server": {"api_key": "policykey"},
+           "launch": {"n_servers": 1, "server_startup_timeout_s": 120},
+           "agent": {"judge": {"n_servers": 2, "model_path": str(micro_model_dir), "api_key": "judgekey"}}}
+    (tmp_path / "cfg.yaml").write_text(yaml.safe_dump(cfg))
+    out = tmp_path / "record.json"
+    env = run_env(OUT_FILE=str(out), JUDGE_MODEL=str(micro_model_dir), AREALITE_LAUNCHER_GRACE_S="5")
+    env.pop("AREALITE_JUDGE_ADDRS", None)
+    res = subprocess.run([sys.executable, "-m", "arealite.launcher.local", str(tmp_path / "train.py"),
+                          "--config", str(tmp_path / "cfg.yaml")], cwd=tmp_path, env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-3000:]
+    rec = json.loads(out.read_text())
+    assert len(rec["judges"]) == 2 and len(set(rec["judges"])) == 2 and rec["policy"] not in rec["judges"]
+    # graded by the launched judges, with the judges' key (the policy's would be refused: an error)
+    assert rec["judged"] == 1 and rec["server_errors"] == 0 and 0.0 <= rec["score"] <= 1.0
+    logs = tmp_path / "runs" / "exp" / "t" / "logs"
+    for i in range(2):
+        text = (logs / f"judge{i}.log").read_text()
+        assert f"--model-path {micro_model_dir}" in text and "judgekey" not in text and "policykey" not in text
+    pids = [int(p) for p in re.findall(r"started \w+ \(pid (\d+)\)", res.stderr)]
+    assert len(pids) == 4  # server0, judge0, judge1, trainer
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and any(_alive(p) for p in pids):
+        time.sleep(0.1)
+    assert not [p for p in pids if _alive(p)], "a judge server outlived the launcher"
+
+
+def _alive(pid: int) -> bool:
+    import os
+
+    try:
+        os.kill(pid, 0)
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (ProcessLookupError, OSError):
+        return False

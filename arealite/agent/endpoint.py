@@ -32,6 +32,7 @@ from arealite.agent.protocol import (
     completion_chunks, completion_response, finish_choice, parse_request,
 )
 from arealite.agent.session import LLMCall, Session, SessionStore
+from arealite.agent.streaming import LiveStream, sse
 from arealite.agent.tool_parsers import make_tool_parser
 from arealite.api.engine import Generator
 from arealite.api.types import GenerationRequest
@@ -47,7 +48,7 @@ __all__ = ["AgentEndpoint"]
 
 _COUNTERS = ("requests", "stream_requests", "request_errors", "unknown_session", "generation_errors", "calls",
              "tool_calls", "tool_calls_malformed", "sampling_overridden", "max_tokens_clamped", "rerendered",
-             "prompt_tokens", "completion_tokens")
+             "prompt_tokens", "completion_tokens", "stream_mismatched")
 
 
 class AgentEndpoint:
@@ -177,6 +178,8 @@ class AgentEndpoint:
             if len(session.calls) + req.n > session.max_calls:
                 raise RequestError(f"this episode made {len(session.calls)} calls; agent.max_calls_per_episode="
                                    f"{session.max_calls} allows no more", code="calls_exhausted")
+            if req.stream:
+                return await self._stream(request, session, req)
             rid, prompt_len, choices = await self._generate(session, req)
         except RequestError as e:
             self.counters["request_errors"] += 1
@@ -188,38 +191,80 @@ class AgentEndpoint:
             self.counters["generation_errors"] += 1
             return web.json_response({"error": {"message": str(e), "type": "server_error", "param": None,
                                                 "code": None}}, status=503)
-        if req.stream:
-            return await self._stream(request, rid, req, choices, prompt_len)
         shape = chat_response if kind == "chat" else completion_response
         return web.json_response(shape(rid, req, self.tok, choices, prompt_len))
 
-    async def _stream(self, request: web.Request, rid: str, req: ParsedRequest, choices: list[Choice],
-                      prompt_len: int) -> web.StreamResponse:
+    async def _stream(self, request: web.Request, s: Session, req: ParsedRequest) -> web.StreamResponse:
+        """Server-sent events: the opening chunk and each generated segment's text as they come
+        (`arealite.agent.streaming`), the rest when the completion is done. An error before the
+        first event is an ordinary error response; after it, an ``error`` event ends the stream."""
         self.counters["stream_requests"] += 1
-        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
-        await resp.prepare(request)
+        live = LiveStream(req, self.tok, self.parser)
+        rid = ("chatcmpl-" if req.kind == "chat" else "cmpl-") + secrets.token_hex(12)
+        wake = asyncio.Event()
+
+        def hook(i: int) -> Callable[[list[int]], None]:
+            add = live.hook(i)
+            return lambda ids: (add(ids), wake.set())
+
+        gen = asyncio.ensure_future(self._generate(s, req, rid, [hook(i) for i in range(req.n)]))
+        resp: web.StreamResponse | None = None
+        try:
+            while not gen.done():
+                waiter = asyncio.ensure_future(wake.wait())
+                await asyncio.wait({gen, waiter}, return_when=asyncio.FIRST_COMPLETED)
+                waiter.cancel()
+                if wake.is_set() and not gen.done():
+                    wake.clear()
+                    chunks = live.early_chunks(rid, opened=resp is not None)
+                    if resp is None:
+                        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream",
+                                                           "Cache-Control": "no-cache"})
+                        await resp.prepare(request)
+                    for chunk in chunks:
+                        await resp.write(sse(chunk))
+            _, prompt_len, choices = gen.result()
+        except (RequestError, BadRequestError, GenerationError, NoHealthyServerError) as e:
+            if resp is None:
+                raise
+            self.counters["generation_errors"] += 1
+            await resp.write(sse({"error": {"message": str(e), "type": "server_error", "param": None, "code": None}}))
+            await resp.write_eof()
+            return resp
+        finally:
+            if not gen.done():  # the agent hung up: stop generating
+                gen.cancel()
+        opened = resp is not None  # the opening chunks went out with the first segment
+        if resp is None:
+            resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+            await resp.prepare(request)
         chunks = chat_chunks if req.kind == "chat" else completion_chunks
-        for chunk in chunks(rid, req, self.tok, choices, prompt_len):
-            await resp.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
+        out = list(chunks(rid, req, self.tok, live.rest_of(choices), prompt_len))
+        self.counters["stream_mismatched"] += live.mismatched
+        for chunk in (live.without_opening(out) if opened else out):
+            await resp.write(sse(chunk))
         await resp.write(b"data: [DONE]\n\n")
         await resp.write_eof()
         return resp
 
     # ------------------------------------------------------------ generation
-    async def _generate(self, s: Session, req: ParsedRequest) -> tuple[str, int, list[Choice]]:
-        """Render the prompt, generate ``n`` choices, record them in the session."""
+    async def _generate(self, s: Session, req: ParsedRequest, rid: str | None = None,
+                        hooks: list[Callable[[list[int]], None]] | None = None) -> tuple[str, int, list[Choice]]:
+        """Render the prompt, generate ``n`` choices, record them in the session. ``hooks[i]``
+        gets choice i's tokens segment by segment (clients that support it)."""
         prompt_ids, parent, key_prefix = self._prompt(s, req)
         task = asyncio.current_task()
         s.tasks.add(task)
         try:
             comps = await asyncio.gather(*(
-                s.engine.agenerate(GenerationRequest(list(prompt_ids), req.sampling, affinity_key=s.affinity_key))
-                for _ in range(req.n)))
+                s.engine.agenerate(GenerationRequest(list(prompt_ids), req.sampling, affinity_key=s.affinity_key,
+                                                     metadata={"on_segment": hooks[i]} if hooks else {}))
+                for i in range(req.n)))
         finally:
             s.tasks.discard(task)
         if s.closed:
             raise invalid_session(f"session {s.id!r} ended while the call ran")
-        rid = ("chatcmpl-" if req.kind == "chat" else "cmpl-") + secrets.token_hex(12)
+        rid = rid or ("chatcmpl-" if req.kind == "chat" else "cmpl-") + secrets.token_hex(12)
         choices = [finish_choice(i, c, req, self.tok, self.parser) for i, c in enumerate(comps)]
         for c in choices:
             if req.kind == "chat":

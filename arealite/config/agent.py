@@ -66,6 +66,20 @@ class JudgeConfig(Section):
     """Timeout of one judge request; a server that fails is retried on the next one."""
     api_key: str | None = Field(None, min_length=1)
     """Bearer key of the judge servers, if they need one; never logged."""
+    n_servers: int = Field(0, ge=0)
+    """Judge servers the local launcher starts (arealite's embedded server on `model_path`,
+    logs `judge0.log`, ...) and hands to the trainer in `AREALITE_JUDGE_ADDRS`; 0 = none
+    (use `addrs`, or servers you started)."""
+
+    @model_validator(mode="after")
+    def _launched_judges(self) -> "JudgeConfig":
+        if self.n_servers and not self.model_path:
+            raise ValueError(f"agent.judge.n_servers={self.n_servers} needs agent.judge.model_path (the "
+                             "judge model the launcher serves)")
+        if self.n_servers and self.addrs:
+            raise ValueError(f"agent.judge.n_servers={self.n_servers} starts the judge servers, but "
+                             "agent.judge.addrs names some too: set one of the two")
+        return self
 
     @field_validator("addrs")
     @classmethod

@@ -317,6 +317,9 @@ class RemoteInferenceClient:
             p.ids += ids
             p.lps += seg.logprobs
             p.vers += [seg.version] * len(ids)
+            on_segment = p.req.metadata.get("on_segment") if p.req.metadata else None
+            if on_segment is not None:  # e.g. the agent endpoint streaming a reply as it comes
+                on_segment(ids)
         p.finish = seg.finish
 
     async def _finished_after_abort(self, p: _Progress, seg: Segment) -> bool:

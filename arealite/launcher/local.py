@@ -54,7 +54,8 @@ from arealite.launcher.common import (  # noqa: F401  (ExitCode, DEFAULT_ENTRY..
     wait_healthy,
     watch_run,
 )
-from arealite.launcher.server_cmd import gpus_per_server, masked, server_command
+from arealite.launcher.server_cmd import gpus_per_server, judge_server_command, masked, server_command
+from arealite.reward.judge import ADDRS_ENV as JUDGE_ADDRS_ENV
 from arealite.utils import procs
 from arealite.utils.net import free_ports, ports_from
 from arealite.utils.run import ENV_ROLLOUT_CPUS, ENV_SERVER_ADDRS, ENV_SERVER_API_KEY
@@ -155,6 +156,7 @@ class LocalLauncher:
         self.log_dir = run_dir / "logs"
         self.echo = echo if echo is not None else sys.stdout
         self.servers: list[Child] = []
+        self.judges: list[Child] = []  # `agent.judge.n_servers`, outside the policy's rotation
         self.trainer: Child | None = None
         self._signals = SignalGuard()
 
@@ -220,23 +222,45 @@ class LocalLauncher:
             env = dict(os.environ, **server_env(cfg))
             if gpu_plan[i] is not None:
                 env["CUDA_VISIBLE_DEVICES"] = gpu_plan[i]
-            log_path = self.log_dir / f"server{i}.log"
-            log_file = open(log_path, "ab", buffering=0)
-            log_file.write(f"[launcher] {masked(cmd)}\n".encode())
-            proc = subprocess.Popen(
-                cmd, stdin=subprocess.DEVNULL, stdout=log_file, stderr=subprocess.STDOUT,
-                env=env, start_new_session=True, preexec_fn=_child_setup(cpus[i]),
-            )
-            child = Child(f"server{i}", proc, log_path, log_file, addr=f"{host}:{port}")
-            self.servers.append(child)
-            pinned = f" on cores {cpus[i]}" if cpus[i] else ""
-            log(f"started server{i} (pid {proc.pid}) on {child.addr}{pinned}; log: {log_path}")
+            self.servers.append(self._spawn(f"server{i}", cmd, env, cpus[i], f"{host}:{port}"))
         return [s.addr for s in self.servers]
+
+    def _spawn(self, name: str, cmd: list[str], env: dict[str, str], cpus: list[int], addr: str) -> Child:
+        """Start one server in its own session, its output in `logs/<name>.log`."""
+        log_path = self.log_dir / f"{name}.log"
+        log_file = open(log_path, "ab", buffering=0)
+        log_file.write(f"[launcher] {masked(cmd)}\n".encode())
+        proc = subprocess.Popen(
+            cmd, stdin=subprocess.DEVNULL, stdout=log_file, stderr=subprocess.STDOUT,
+            env=env, start_new_session=True, preexec_fn=_child_setup(cpus),
+        )
+        pinned = f" on cores {cpus}" if cpus else ""
+        log(f"started {name} (pid {proc.pid}) on {addr}{pinned}; log: {log_path}")
+        return Child(name, proc, log_path, log_file, addr=addr)
+
+    def start_judges(self) -> list[str]:
+        """Start the `agent.judge.n_servers` judge servers (embedded, on free ports, not pinned);
+        return their addresses. The trainer gets them in AREALITE_JUDGE_ADDRS."""
+        judge, host = self.cfg.agent.judge, self.cfg.server.host
+        taken = {int(s.addr.rpartition(":")[2]) for s in self.servers if s.addr}
+        ports = free_ports(judge.n_servers, host)
+        while taken & set(ports):  # a policy server may not have bound its port yet
+            ports = free_ports(judge.n_servers, host)
+        env = {k: v for k, v in os.environ.items() if k != ENV_SERVER_API_KEY}
+        if judge.api_key:
+            env[ENV_SERVER_API_KEY] = judge.api_key  # the judges' own key, never the policy's
+        for i, port in enumerate(ports):
+            self.judges.append(self._spawn(f"judge{i}", judge_server_command(self.cfg, port, i), env, [],
+                                           f"{host}:{port}"))
+        return [j.addr for j in self.judges]
 
     def wait_servers(self) -> None:
         """Wait until every server answers /health, or fail with the log tail of the culprit."""
         wait_healthy(self.servers, self.cfg.launch.server_startup_timeout_s, self.cfg.server.api_key,
                      self._sleep)
+        if self.judges:
+            wait_healthy(self.judges, self.cfg.launch.server_startup_timeout_s, self.cfg.agent.judge.api_key,
+                         self._sleep)
 
     # -- trainer ---------------------------------------------------------------------------
 
@@ -250,6 +274,8 @@ class LocalLauncher:
         env = dict(os.environ)
         env.update(self.cfg.launch.trainer_env)
         env[ENV_SERVER_ADDRS] = ",".join(addrs)
+        if self.judges:
+            env[JUDGE_ADDRS_ENV] = ",".join(j.addr for j in self.judges)
         if self.cfg.server.api_key:
             env[ENV_SERVER_API_KEY] = self.cfg.server.api_key
         env["PYTHONUNBUFFERED"] = "1"
@@ -309,7 +335,7 @@ class LocalLauncher:
 
     def teardown(self) -> None:
         """SIGTERM every child (trainer first), SIGKILL what is left after the grace period."""
-        children = ([self.trainer] if self.trainer else []) + self.servers
+        children = ([self.trainer] if self.trainer else []) + self.servers + self.judges
         for c in children:
             c.remember_descendants()
             if c.any_alive():
@@ -342,6 +368,8 @@ class LocalLauncher:
     def _launch(self) -> int:
         if self.cfg.launch.n_servers > 0:
             addrs = self.start_servers()
+            if self.cfg.agent.judge.n_servers:
+                self.start_judges()
             self.wait_servers()
         else:
             if not self.external_addrs:
@@ -350,6 +378,9 @@ class LocalLauncher:
                     f"{ENV_SERVER_ADDRS}=host:port,...", ExitCode.BAD_CONFIG)
             addrs = self.external_addrs
             log(f"using servers started elsewhere: {','.join(addrs)}")
+            if self.cfg.agent.judge.n_servers:
+                self.start_judges()
+                self.wait_servers()
         self._check_signal()
         self.start_trainer(addrs)
         return int(self.watch())

@@ -335,6 +335,10 @@ class RayLauncher:
         ray.shutdown()
 
     def _launch(self) -> int:
+        if self.cfg.agent.judge.n_servers:
+            raise LaunchError("agent.judge.n_servers: the Ray launcher does not start judge servers (the local "
+                              "launcher does); start them on the cluster and set agent.judge.addrs",
+                              ExitCode.BAD_CONFIG)
         self.connect()
         self._signals.check()
         self._pumping.set()

@@ -37,12 +37,13 @@ def server_seed(cfg: ArealiteConfig, index: int) -> int:
 
 
 def embedded_server_command(cfg: ArealiteConfig, port: int, index: int = 0, weight_version: int = 0,
-                            host: str | None = None) -> list[str]:
-    """`python -m arealite.server ...` for server number `index` on `port`."""
+                            host: str | None = None, model_path: str | None = None) -> list[str]:
+    """`python -m arealite.server ...` for server number `index` on `port` (serving
+    `model_path`, default the policy's `server_model_path`)."""
     s = cfg.server
     cmd = [
         sys.executable, "-m", "arealite.server",
-        "--model-path", server_model_path(cfg),
+        "--model-path", model_path or server_model_path(cfg),
         "--host", host or s.host,
         "--port", str(port),
         "--random-seed", str(server_seed(cfg, index)),
@@ -111,6 +112,16 @@ def server_command(cfg: ArealiteConfig, port: int, index: int = 0, weight_versio
     if cfg.launch.server_backend == "sglang":
         return sglang_server_command(cfg, port, index, weight_version, host)
     return embedded_server_command(cfg, port, index, weight_version, host)
+
+
+def judge_server_command(cfg: ArealiteConfig, port: int, index: int = 0) -> list[str]:
+    """The command line of judge server `index` (`agent.judge.n_servers`): the embedded server
+    on `agent.judge.model_path`, with the `server` section's dtype and batch size, a seed of
+    its own, and no weight updates (its version stays 0)."""
+    path = cfg.agent.judge.model_path
+    if not path:
+        raise ValueError("agent.judge.n_servers > 0 needs agent.judge.model_path (the judge model)")
+    return embedded_server_command(cfg, port, index=10_000 + index, model_path=path)
 
 
 def gpus_per_server(cfg: ArealiteConfig) -> int:

@@ -60,6 +60,9 @@ def check_slurm(cfg) -> None:
                          f"{cfg.launch.n_servers}: a server node would stay idle")
     if cfg.launch.n_servers == 0 and s.server_nodes:
         raise ValueError("launch.slurm.server_nodes is set but launch.n_servers = 0 (servers run elsewhere)")
+    if cfg.agent.judge.n_servers:
+        raise ValueError("agent.judge.n_servers: the Slurm launcher does not start judge servers (the local "
+                         "launcher does); start them in the job and set agent.judge.addrs")
 
 
 def _header(cfg, run_dir: Path) -> list[str]:

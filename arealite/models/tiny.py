@@ -99,14 +99,15 @@ QWEN2_SPLIT_REGEX = (
 )
 
 
-def build_tokenizer(vocab_size: int, seed: int = 0):
+def build_tokenizer(vocab_size: int, seed: int = 0, extra_corpus: list[str] | None = None):
     """Train a byte-level BPE tokenizer with Qwen2's normalizer and pre-tokenizer.
 
     transformers loads every ``model_type: qwen2`` directory with its own
     ``Qwen2Tokenizer``, which rebuilds the normalizer (NFC) and pre-tokenizer
     from code and ignores those in ``tokenizer.json``. Training with exactly
     that pipeline keeps ``AutoTokenizer`` and the raw ``tokenizer.json`` (what
-    any other engine reads) in agreement on every string.
+    any other engine reads) in agreement on every string. ``extra_corpus``: more lines to
+    train on (a task's own vocabulary, e.g. tool-call markup, then gets merges of its own).
     """
     from tokenizers import (
         Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers,
@@ -128,7 +129,7 @@ def build_tokenizer(vocab_size: int, seed: int = 0):
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    tok.train_from_iterator(_training_corpus(seed), trainer=trainer)
+    tok.train_from_iterator(_training_corpus(seed) + list(extra_corpus or []), trainer=trainer)
     return tok
 
 
@@ -138,12 +139,14 @@ def build_tiny_model(
     seed: int = 0,
     max_position_embeddings: int = 1024,
     tie_word_embeddings: bool = True,
+    extra_corpus: list[str] | None = None,
     **overrides: int,
 ) -> Path:
     """Write a Hugging Face model directory and return its path.
 
     ``size`` is one of ``SIZES``; ``overrides`` change single config values
     (e.g. ``num_hidden_layers=1``). Weights are deterministic for ``seed``.
+    ``extra_corpus``: lines the tokenizer is also trained on (see `build_tokenizer`).
     """
     import torch
     from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
@@ -154,7 +157,7 @@ def build_tiny_model(
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
 
-    raw = build_tokenizer(dims["vocab_size"], seed=seed)
+    raw = build_tokenizer(dims["vocab_size"], seed=seed, extra_corpus=extra_corpus)
     vocab_size = raw.get_vocab_size()  # may be below the target on a small corpus
     hf_tok = PreTrainedTokenizerFast(
         tokenizer_object=raw,
