@@ -293,6 +293,22 @@ async def test_concurrent_episodes_never_mix(tok):
         assert text.count("sess-") == 3 and text.count(me) == 3  # only its own session's turns
 
 
+async def test_groups_started_together_share_one_endpoint_and_its_counters(tok):
+    model = Scripted(tok, ["fine"], delay=0.01)
+
+    async def run(client, item):
+        await client.chat.completions.create(model="p", messages=[{"role": "user", "content": "Hi"}])
+        return 1.0
+
+    wf = workflow(tok, run, n=2)
+    # Eight groups ask for the endpoint at once, as the controller's first batch does.
+    tds = await asyncio.gather(*(wf.arun_episode(model, {"prompt_id": i}) for i in range(8)))
+    assert all(td.batch_size[0] == 2 for td in tds)
+    assert wf.stats()["agent_calls"] == 16 and wf.stats()["episodes"] == 16  # none counted on a lost copy
+    ep = await wf.endpoint()
+    assert ep is wf._ep and ep.running
+
+
 @pytest.mark.slow
 def test_served_on_the_controllers_loop(server, tiny_model_dir):
     from arealite.engine.sglang_remote import RemoteSGLangEngine

@@ -97,6 +97,7 @@ class AgentWorkflow(RolloutWorkflow):
         self.counters = {"episodes": 0, "agent_errors": 0, "agent_timeouts": 0, "episodes_without_calls": 0}
         self._ep: Any = None  # the endpoint on the current event loop
         self._http: Any = None
+        self._starting: asyncio.Task | None = None  # the endpoint's start, while under way
 
     @classmethod
     def from_config(cls, cfg: Any, tokenizer: Any, *, run: str, rows: str = "conversation", stepwise: bool = True,
@@ -107,7 +108,7 @@ class AgentWorkflow(RolloutWorkflow):
                    stepwise=stepwise, turn_discount=turn_discount, timeout_s=timeout_s)
 
     def __getstate__(self) -> dict[str, Any]:  # the endpoint belongs to one process's loop
-        return {**self.__dict__, "_ep": None, "_http": None}
+        return {**self.__dict__, "_ep": None, "_http": None, "_starting": None}
 
     def stats(self) -> dict[str, int]:
         out = dict(self.counters)
@@ -117,19 +118,34 @@ class AgentWorkflow(RolloutWorkflow):
 
     # ------------------------------------------------------------ the endpoint
     async def endpoint(self) -> Any:
-        """The endpoint on the running loop, started on first use (and again on a new loop)."""
+        """The endpoint on the running loop, started on first use (and again on a new loop).
+
+        Episodes of a batch ask for it at once: the first starts it and the others wait for
+        that start (one endpoint per loop, not one per episode that found none)."""
+        loop = asyncio.get_running_loop()
+        ep = self._ep
+        if ep is not None and ep.loop is loop and ep.running:
+            return ep
+        if self._starting is None or self._starting.get_loop() is not loop:
+            self._starting = loop.create_task(self._start_endpoint())
+        starting = self._starting
+        try:
+            return await asyncio.shield(starting)  # one waiter cancelled does not cancel the start
+        finally:
+            if starting.done() and self._starting is starting:
+                self._starting = None  # a failed start is tried again by the next episode
+
+    async def _start_endpoint(self) -> Any:
+        import openai
+
         from arealite.agent.endpoint import AgentEndpoint
 
-        loop = asyncio.get_running_loop()
-        if self._ep is None or self._ep.loop is not loop or not self._ep.running:
-            import openai
-
-            ep = AgentEndpoint(self.tokenizer, self.generation, self.agent)
-            await ep.start()
-            http = openai.DefaultAsyncHttpxClient()
-            ep.on_close(http.aclose)
-            self._ep, self._http = ep, http
-        return self._ep
+        ep = AgentEndpoint(self.tokenizer, self.generation, self.agent)
+        await ep.start()
+        http = openai.DefaultAsyncHttpxClient()
+        ep.on_close(http.aclose)
+        self._ep, self._http = ep, http
+        return ep
 
     def _client(self, ep: Any, session: Any) -> Any:
         import openai
