@@ -1,14 +1,21 @@
 #!/usr/bin/env bash
 # The main job: set up a fresh CPU machine and run the asynchronous GRPO demo end to end.
 #   bash ci/demo.sh [key=value config overrides...]
+# DEMO=tool_use runs the tool-use demo instead (what ci/tool_demo.sh does).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 EXTRAS=test bash ci/setup.sh
 export TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1 OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
-DEMO_DIR=${DEMO_DIR:-runs/demo}
-python3 examples/reverse_digits/prepare.py --out "$DEMO_DIR"
+DEMO=${DEMO:-reverse_digits}
+case "$DEMO" in
+    reverse_digits) DEMO_DIR=${DEMO_DIR:-runs/demo} ;;
+    tool_use) DEMO_DIR=${DEMO_DIR:-runs/tool_demo} ;;
+    *) echo "DEMO=$DEMO: no such demo (reverse_digits or tool_use)" >&2; exit 2 ;;
+esac
+python3 "examples/$DEMO/prepare.py" --out "$DEMO_DIR"
+export PYTHONPATH="$PWD/examples${PYTHONPATH:+:$PYTHONPATH}"   # workflows and agents named module:function
 # A fresh trial each time unless the caller names one (re-using a name resumes it).
 TRIAL=${TRIAL:-demo-$(date +%Y%m%d-%H%M%S)}
-exec python3 -m arealite.train --config examples/reverse_digits/config.yaml \
+exec python3 -m arealite.train --config "examples/$DEMO/config.yaml" \
     experiment.trial="$TRIAL" actor.model_path="$DEMO_DIR/model" \
     data.train_path="$DEMO_DIR/train.jsonl" data.eval_path="$DEMO_DIR/eval.jsonl" "$@"

@@ -19,12 +19,8 @@ warm-up trains on the token sequences RL will see.
 
 from __future__ import annotations
 
-import argparse
-import logging
 import random
-import shutil
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -35,10 +31,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from agent import TOOLS, make_items  # noqa: E402  (examples/tool_use/agent.py)
 
 from arealite.agent.chat import ChatRenderer  # noqa: E402
-from arealite.algo.sft import sft_loss_fn, sft_loss_weight  # noqa: E402
-from arealite.config.schema import ActorConfig, OptimizerConfig  # noqa: E402
-from arealite.engine.fsdp import FSDPEngine  # noqa: E402
 from arealite.models.tiny import build_tiny_model  # noqa: E402
+from arealite.models.warm_up import demo_arguments, start_demo_dir, supervised_warm_up  # noqa: E402
 from arealite.reward.reverse_digits import write_jsonl  # noqa: E402
 
 
@@ -129,51 +123,27 @@ def trace_kinds(n: int, tool_fraction: float, copy_fraction: float, rng: random.
 
 def warm_up(model_dir: Path, out_dir: Path, items: list[dict], steps: int, batch_size: int,
             tool_fraction: float, copy_fraction: float, lr: float, seed: int) -> None:
-    tok = AutoTokenizer.from_pretrained(model_dir)
-    builder = TraceBuilder(tok)
-    cfg = ActorConfig(
-        model_path=str(model_dir), mb_max_tokens=8192,
-        optimizer=OptimizerConfig(lr=lr, weight_decay=0.0, beta2=0.98, warmup_steps=min(50, steps // 4),
-                                  lr_scheduler="constant", gradient_clipping=1.0),
-    )
-    engine = FSDPEngine(cfg).initialize(total_steps=steps)
-    rng = random.Random(seed)
-    t0 = time.time()
-    for step in range(1, steps + 1):
+    builder = TraceBuilder(AutoTokenizer.from_pretrained(model_dir))
+
+    def next_batch(rng: random.Random) -> TensorDict:
         kinds = trace_kinds(batch_size, tool_fraction, copy_fraction, rng)
-        rows = [builder.trace(rng.choice(items), k) for k in kinds]
-        stats = engine.train_batch(builder.batch(rows), sft_loss_fn, sft_loss_weight)
-        if step % 50 == 0 or step == steps:
-            print(f"[warm-up] step {step}/{steps}  nll {stats.get('sft_nll', stats.get('loss', 0.0)):.3f}  "
-                  f"({time.time() - t0:.0f}s)", flush=True)
-    engine.export_hf(out_dir)
-    engine.destroy()
+        return builder.batch([builder.trace(rng.choice(items), k) for k in kinds])
+
+    supervised_warm_up(model_dir, out_dir, next_batch, steps=steps, lr=lr, seed=seed, mb_max_tokens=8192,
+                       lr_warmup_steps=50)
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--out", default="runs/tool_demo", help="directory for the model and data")
-    p.add_argument("--size", default="small", help="tiny model size (micro|small|base|large)")
-    p.add_argument("--n-train", type=int, default=4000)
-    p.add_argument("--n-eval", type=int, default=100)
-    p.add_argument("--warmup-steps", type=int, default=1000)
-    p.add_argument("--batch-size", type=int, default=32)
+    p = demo_arguments(__doc__, out="runs/tool_demo", n_eval=100, warmup_steps=1000,
+                       batch_size=32, lr=2e-3)
     p.add_argument("--tool-fraction", type=float, default=0.3,
                    help="share of warm-up traces that choose to call the calculator (the rest guess)")
     p.add_argument("--copy-fraction", type=float, default=0.5,
                    help="share of extra tool traces whose choice to call the tool is not trained")
-    p.add_argument("--lr", type=float, default=2e-3)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--force", action="store_true", help="rebuild even if OUT/model exists")
     args = p.parse_args(argv)
-    logging.basicConfig(level=logging.WARNING)
-    torch.manual_seed(args.seed)
-
-    out = Path(args.out)
-    if (out / "model" / "config.json").exists() and not args.force:
-        print(f"[prepare] {out / 'model'} exists; reusing it (pass --force to rebuild)")
+    out = start_demo_dir(args)
+    if out is None:
         return
-    out.mkdir(parents=True, exist_ok=True)
     base = build_tiny_model(out / "base_model", size=args.size, seed=args.seed,
                             extra_corpus=tokenizer_corpus(args.seed))
     eval_items = make_items(args.n_eval, seed=args.seed + 1000)
@@ -181,12 +151,8 @@ def main(argv: list[str] | None = None) -> None:
     write_jsonl(train_items, out / "train.jsonl")
     write_jsonl(eval_items, out / "eval.jsonl")
     print(f"[prepare] model {base}, {len(train_items)} train / {len(eval_items)} held-out prompts")
-    tmp = out / "model.tmp"
-    shutil.rmtree(tmp, ignore_errors=True)
-    warm_up(base, tmp, train_items, args.warmup_steps, args.batch_size, args.tool_fraction, args.copy_fraction,
-            args.lr, args.seed)
-    shutil.rmtree(out / "model", ignore_errors=True)
-    tmp.rename(out / "model")
+    warm_up(base, out / "model", train_items, args.warmup_steps, args.batch_size, args.tool_fraction,
+            args.copy_fraction, args.lr, args.seed)
     print(f"[prepare] warmed-up starting policy written to {out / 'model'}")
 
 
