@@ -96,7 +96,7 @@ def test_adapter_push_across_an_interrupted_generation(rollout, server, micro_mo
         # The old adapter is unloaded: a request naming it is refused.
         body = json.dumps({"input_ids": [5, 6], "lora_path": name0}).encode()
         with pytest.raises(urllib.error.HTTPError) as info:
-            urllib.request.urlopen(urllib.request.Request(server.url + "/generate", body), timeout=5)
+            urllib.request.urlopen(urllib.request.Request(server.url + "/generate", body, {"Content-Type": "application/json"}), timeout=5)
         assert info.value.code == 400
     finally:
         pub.close()

@@ -280,7 +280,7 @@ BAD_ADMIN = [
 
 @pytest.mark.parametrize("path, body, needle", BAD_ADMIN, ids=[f"{p}-{n}" for p, _, n in BAD_ADMIN])
 async def test_bad_admin_requests_are_400(server, http, path, body, needle):
-    kw = {"data": body} if isinstance(body, str) else {"json": body}
+    kw = {"data": body, "headers": {"Content-Type": "application/json"}} if isinstance(body, str) else {"json": body}
     async with http.post(server.url + path, **kw) as r:
         data = await r.json(content_type=None)
         assert r.status == 400, data

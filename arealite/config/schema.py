@@ -226,6 +226,33 @@ class ServerConfig(Section):
     strict_sglang: bool = False
     """Embedded server: behave as SGLang where it is unforgiving (`/health` generates and waits while
     paused; weights read back only for SGLang's model classes). Tests run with it on."""
+    max_body_bytes: int = Field(8 * 1024 * 1024, ge=1024)
+    """Embedded server: largest request body in bytes; a bigger `Content-Length` is refused (413)
+    before the body is read (see docs/security.md)."""
+    max_prompts_per_request: int = Field(1024, ge=1)
+    """Embedded server: most prompts in one `/generate` batch."""
+    max_request_tokens: int = Field(1 << 20, ge=1)
+    """Embedded server: most tokens one `/generate` request asks for (prompts plus
+    `max_new_tokens`, summed over its batch)."""
+    idle_timeout_s: float = Field(60.0, gt=0)
+    """Embedded server: a connection that sends no complete request head this long after
+    connecting (or after its last answer) is closed (idle keep-alive, slow-header clients)."""
+    body_timeout_s: float = Field(60.0, gt=0)
+    """Embedded server: longest wait for a request body once its head arrived (408 after)."""
+    allowed_origins: list[str] = Field(default_factory=list)
+    """Embedded server: browser origins (`http://host:port`) allowed to call the servers. Every
+    other request with an `Origin` header is refused (403), so that a web page open in a browser
+    on this host cannot drive them (cross-site request forgery). Empty (the default) suits
+    every non-browser client."""
+
+    @field_validator("allowed_origins")
+    @classmethod
+    def _origins(cls, v: list[str]) -> list[str]:
+        for o in v:
+            if "://" not in o or "," in o or not o.strip() or o != o.strip():
+                raise ValueError(f"server.allowed_origins: {o!r} is not an origin such as "
+                                 "'http://localhost:8080' (scheme://host[:port], no comma)")
+        return v
 
 
 class RolloutConfig(Section):

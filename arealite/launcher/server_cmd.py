@@ -59,8 +59,20 @@ def embedded_server_command(cfg: ArealiteConfig, port: int, index: int = 0, weig
         cmd += ["--dtype", s.dtype]
     if s.context_length is not None:
         cmd += ["--context-length", str(s.context_length)]
+    cmd += embedded_limit_args(cfg)
     # `server.api_key` is read from AREALITE_SERVER_API_KEY (`common.server_env`), never argv.
     return cmd
+
+
+def embedded_limit_args(cfg: ArealiteConfig) -> list[str]:
+    """The request limits of `server` (docs/security.md) as embedded-server flags."""
+    s = cfg.server
+    out = ["--max-body-bytes", str(s.max_body_bytes), "--max-prompts", str(s.max_prompts_per_request),
+           "--max-request-tokens", str(s.max_request_tokens), "--idle-timeout-s", str(s.idle_timeout_s),
+           "--body-timeout-s", str(s.body_timeout_s)]
+    if s.allowed_origins:
+        out += ["--allowed-origins", ",".join(s.allowed_origins)]
+    return out
 
 
 def sglang_server_command(cfg: ArealiteConfig, port: int, index: int = 0, weight_version: int = 0,

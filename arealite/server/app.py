@@ -9,7 +9,6 @@ weights back) are in ``weight_routes``.
 from __future__ import annotations
 
 import asyncio
-import hmac
 import logging
 import time
 from pathlib import Path
@@ -19,10 +18,12 @@ import torch
 from aiohttp import web
 
 from .args import ServerArgs
-from .body import RequestError, check_fields, error_response, json_body, want
+from .body import RequestError, check_fields, error_response, json_body, off_loop, want
+from .limits import LIMITS_KEY, OFFLOAD_BYTES, install_log_filter
+from .middleware import make_guard
 from .runner import ModelRunner, Sequence
 from .strict import SGLangBehaviour
-from .sampling import GenerateInput, SamplingConfig, parse_generate
+from .sampling import GenerateInput, RequestCaps, SamplingConfig, parse_generate
 from .lora import LoraRoutes
 from .weight_routes import WeightRoutes
 from .weights import model_state, parse_dtype
@@ -76,6 +77,10 @@ class EmbeddedServer:
         self.context_length = int(args.context_length or getattr(cfg, "max_position_embeddings", 4096))
         self.state = model_state(model)
         self.started = time.time()
+        self.limits = args.limits()
+        self.caps = RequestCaps(max_prompts=self.limits.max_prompts,
+                                max_request_tokens=self.limits.max_request_tokens,
+                                context_length=self.context_length)
 
         eos: set[int] = set()
         for src in (cfg.eos_token_id, getattr(getattr(model, "generation_config", None), "eos_token_id", None),
@@ -225,12 +230,21 @@ class EmbeddedServer:
 
     async def generate(self, request: web.Request) -> web.Response:
         body = await json_body(request)
-        inputs, batch = parse_generate(
-            body, vocab_size=self.vocab_size, context_length=self.context_length,
-            encode=self.encode if self.tokenizer is not None else None,
-        )
-        for inp, adapter in zip(inputs, self.lora.lora_names(body, len(inputs))):
-            inp.lora = adapter
+
+        def parse() -> tuple[list[GenerateInput], bool]:
+            inputs, batch = parse_generate(
+                body, vocab_size=self.vocab_size, context_length=self.context_length,
+                encode=self.encode if self.tokenizer is not None else None, caps=self.caps,
+            )
+            for inp, adapter in zip(inputs, self.lora.lora_names(body, len(inputs))):
+                inp.lora = adapter
+            return inputs, batch
+
+        # Tokenizing and checking a large request runs off the loop; a small one is
+        # cheaper inline than a thread hop.
+        big = request.content_length is None or request.content_length > OFFLOAD_BYTES
+        inputs, batch = await off_loop(parse) if big else parse()
+        # A cancelled request (its client left) takes its sequences out of the batch.
         seqs = await asyncio.gather(*(self.runner.generate(i) for i in inputs))
         outs = [self.format_output(s) for s in seqs]
         return web.json_response(outs if batch else outs[0])
@@ -270,28 +284,14 @@ class EmbeddedServer:
         self.weights.close()
 
 
-def _make_middleware(api_key: str | None):
-    expected = f"Bearer {api_key}".encode() if api_key else None
-
-    @web.middleware
-    async def middleware(request: web.Request, handler):
-        # As SGLang: the health probes (every path starting with /health) need no key.
-        if expected is not None and not request.path.startswith("/health"):
-            got = request.headers.get("Authorization", "").encode()
-            if not hmac.compare_digest(got, expected):
-                return error_response("unauthorized: send 'Authorization: Bearer <api key>'", status=401)
-        try:
-            return await handler(request)
-        except RequestError as e:
-            return error_response(str(e), status=400)
-
-    return middleware
-
-
 def build_app(server: EmbeddedServer) -> web.Application:
     """The aiohttp application serving ``server``'s routes."""
-    app = web.Application(middlewares=[_make_middleware(server.args.api_key)], client_max_size=1 << 30)
+    limits = server.limits
+    # client_max_size caps what aiohttp reads of any body, chunked ones included.
+    app = web.Application(middlewares=[make_guard(limits, server.args.api_key)],
+                          client_max_size=limits.max_body_bytes)
     app[_STATE_KEY] = server
+    app[LIMITS_KEY] = limits
     s = server
     both = {"/health": s.health, "/health_generate": s.health_generate,
             "/model_info": s.get_model_info, "/get_model_info": s.get_model_info,
@@ -330,9 +330,19 @@ def create_server(args: ServerArgs) -> EmbeddedServer:
 async def serve(args: ServerArgs, stop: asyncio.Event | None = None) -> None:
     """Serve until ``stop`` is set (or forever); logs one line when ready."""
     t0 = time.perf_counter()
+    install_log_filter("arealite.server", "aiohttp.server", "aiohttp.web", "aiohttp.access")
+    if args.api_key_on_argv:
+        logger.warning("the API key was given with --api-key: every user of this host can read it in the "
+                       "process list; pass it in $AREALITE_SERVER_API_KEY or --api-key-file instead")
     server = await asyncio.to_thread(create_server, args)
     app = build_app(server)
-    app_runner = web.AppRunner(app, access_log=None)
+    # keepalive_timeout also closes a new connection that sends no complete request head in
+    # time (slow-header clients); handler_cancellation stops a /generate whose client left;
+    # after a refused body, at most a second of its rest is read (and dropped) before closing,
+    # so that the client sees the answer rather than a reset; bodies are never inflated (the
+    # guard refuses any Content-Encoding).
+    app_runner = web.AppRunner(app, access_log=None, keepalive_timeout=args.idle_timeout_s,
+                               handler_cancellation=True, lingering_time=1.0, auto_decompress=False)
     await app_runner.setup()
     site = web.TCPSite(app_runner, args.host, args.port)
     try:

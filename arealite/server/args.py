@@ -5,6 +5,11 @@ from __future__ import annotations
 import argparse
 import os
 from dataclasses import dataclass
+from pathlib import Path
+
+from .limits import Limits, normalize_origin
+
+ENV_API_KEY = "AREALITE_SERVER_API_KEY"
 
 
 @dataclass
@@ -44,6 +49,25 @@ class ServerArgs:
     readback_architectures: str | None = None
     """Model classes whose weights ``/get_weights_by_name`` reads back, comma-separated
     (``all``); default: every class, or SGLang's list under ``--strict-sglang``."""
+    max_body_bytes: int = Limits.max_body_bytes
+    """Largest request body (bytes); see `arealite.server.limits.Limits` for this and the next."""
+    max_prompts: int = Limits.max_prompts
+    max_request_tokens: int = Limits.max_request_tokens
+    idle_timeout_s: float = Limits.idle_timeout_s
+    body_timeout_s: float = Limits.body_timeout_s
+    allowed_origins: str = ""
+    """Comma-separated browser origins allowed to call the server (default none)."""
+    api_key_file: str | None = None
+    """File holding the API key (read at start; the key itself never goes on a command line)."""
+    api_key_on_argv: bool = False
+    """Whether the key came from ``--api-key`` on the command line (warned about at start)."""
+
+    def limits(self) -> Limits:
+        """The per-request caps these flags set."""
+        origins = frozenset(normalize_origin(o) for o in self.allowed_origins.split(",") if o.strip())
+        return Limits(max_body_bytes=self.max_body_bytes, max_prompts=self.max_prompts,
+                      max_request_tokens=self.max_request_tokens, idle_timeout_s=self.idle_timeout_s,
+                      body_timeout_s=self.body_timeout_s, allowed_origins=origins)
 
     def __repr__(self) -> str:  # never print the api key
         fields = {k: v for k, v in self.__dict__.items() if k != "api_key"}
@@ -65,10 +89,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, default=30000)
     p.add_argument("--dtype", default="auto", choices=DTYPES)
     p.add_argument("--random-seed", type=int, default=0)
-    # Launchers pass the key in the environment: a command line shows in `ps`.
-    p.add_argument("--api-key", default=os.environ.get("AREALITE_SERVER_API_KEY") or None,
-                   help="require 'Authorization: Bearer KEY' on every route but /health* "
-                        "(default: $AREALITE_SERVER_API_KEY)")
+    # Launchers pass the key in the environment: a command line shows in `ps`. --api-key
+    # stays for SGLang's flag set, and is warned about.
+    p.add_argument("--api-key", default=None,
+                   help="require 'Authorization: Bearer KEY' on every route but /health*; visible to every "
+                        f"user in the process list: prefer ${ENV_API_KEY} or --api-key-file")
+    p.add_argument("--api-key-file", default=None,
+                   help="read the API key from this file (first line; keep it readable by you alone)")
     p.add_argument("--max-batch-size", "--max-running-requests", dest="max_batch_size", type=int, default=64)
     p.add_argument("--context-length", type=int, default=None)
     p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
@@ -84,6 +111,18 @@ def build_parser() -> argparse.ArgumentParser:
                    help="SGLang release to report and emulate (before 0.5.21: no begin/end_weight_update)")
     p.add_argument("--readback-architectures", default=None,
                    help="comma-separated model classes whose weights can be read back ('all')")
+    g = p.add_argument_group("request limits (docs/security.md)")
+    g.add_argument("--max-body-bytes", type=int, default=Limits.max_body_bytes,
+                   help="largest request body; a bigger Content-Length is refused unread (413)")
+    g.add_argument("--max-prompts", type=int, default=Limits.max_prompts, help="most prompts in one /generate batch")
+    g.add_argument("--max-request-tokens", type=int, default=Limits.max_request_tokens,
+                   help="most prompt + max_new_tokens tokens, summed, in one /generate request")
+    g.add_argument("--idle-timeout-s", type=float, default=Limits.idle_timeout_s,
+                   help="close a connection that sends no complete request head for this long")
+    g.add_argument("--body-timeout-s", type=float, default=Limits.body_timeout_s,
+                   help="longest wait for a request body once its head arrived (408 after)")
+    g.add_argument("--allowed-origins", default="",
+                   help="comma-separated browser origins allowed to call the server (default: none)")
     return p
 
 
@@ -101,4 +140,25 @@ def parse_args(argv: list[str] | None = None) -> ServerArgs:
         p.error(f"--sglang-version {ns.sglang_version!r} is not a release such as 0.5.23")
     if ns.weight_sync_timeout_s <= 0:
         p.error("--weight-sync-timeout-s must be positive")
+    for flag in ("max_body_bytes", "max_prompts", "max_request_tokens"):
+        if getattr(ns, flag) < 1:
+            p.error(f"--{flag.replace('_', '-')} {getattr(ns, flag)} must be at least 1")
+    for flag in ("idle_timeout_s", "body_timeout_s"):
+        if not getattr(ns, flag) > 0:
+            p.error(f"--{flag.replace('_', '-')} {getattr(ns, flag)} must be positive")
+    ns.api_key_on_argv = ns.api_key is not None
+    ns.api_key = ns.api_key or _key_from_file(p, ns.api_key_file) or os.environ.get(ENV_API_KEY) or None
     return ServerArgs(**vars(ns))
+
+
+def _key_from_file(p: argparse.ArgumentParser, path: str | None) -> str | None:
+    """The first line of the key file (None without one); an unreadable or empty file is an error."""
+    if path is None:
+        return None
+    try:
+        key = Path(path).read_text(encoding="utf-8").splitlines()[0].strip() if Path(path).is_file() else ""
+    except (OSError, UnicodeDecodeError, IndexError) as e:
+        p.error(f"--api-key-file {path!r} cannot be read: {e}")
+    if not key:
+        p.error(f"--api-key-file {path!r} is not a regular file holding a key on its first line")
+    return key

@@ -6,14 +6,23 @@ whose message names the route and the field.
 
 from __future__ import annotations
 
+import asyncio
 import json
-from typing import Any
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Callable, TypeVar
 
 from aiohttp import web
 
+from .limits import LIMITS_KEY, OFFLOAD_BYTES, Limits, short
 from .sampling import RequestError
 
-__all__ = ["RequestError", "check_fields", "error_response", "json_body", "want"]
+__all__ = ["RequestError", "check_fields", "error_response", "json_body", "off_loop", "want"]
+
+T = TypeVar("T")
+
+# Parsing and validating large bodies runs here, off the event loop. Two threads:
+# enough to overlap with the loop, few enough that big requests queue, not pile up.
+_PARSE_POOL: ThreadPoolExecutor | None = None
 
 
 def error_response(message: str, status: int = 400) -> web.Response:
@@ -28,7 +37,7 @@ def check_fields(body: dict, required: set[str], optional: set[str], route: str)
         raise RequestError(f"{route}: missing field(s) {missing}")
     unknown = sorted(set(body) - required - optional)
     if unknown:
-        raise RequestError(f"{route}: unknown field(s) {unknown}; known: {sorted(required | optional)}")
+        raise RequestError(f"{route}: unknown field(s) {short(unknown)}; known: {sorted(required | optional)}")
 
 
 def want(body: dict, key: str, types: type | tuple[type, ...], route: str, default: Any = None) -> Any:
@@ -37,21 +46,45 @@ def want(body: dict, key: str, types: type | tuple[type, ...], route: str, defau
     if v is None:
         return default
     if not isinstance(v, types) or (isinstance(v, bool) and bool not in (types if isinstance(types, tuple) else (types,))):
-        raise RequestError(f"{route}: field {key!r} has the wrong type ({type(v).__name__}: {v!r})")
+        raise RequestError(f"{route}: field {key!r} has the wrong type ({type(v).__name__}: {short(v)})")
     return v
 
 
 async def json_body(request: web.Request, allow_empty: bool = False) -> dict:
-    """The request's body, a JSON object (``{}`` for an empty body when ``allow_empty``)."""
-    raw = await request.read()
+    """The request's body, a JSON object (``{}`` for an empty body when ``allow_empty``).
+
+    The body is read within the body timeout and the body cap (aiohttp's
+    ``client_max_size`` counts chunked bodies as they arrive); a large one is parsed
+    on a worker thread.
+    """
+    limits = request.app.get(LIMITS_KEY) or Limits()
+    try:
+        raw = await asyncio.wait_for(request.read(), limits.body_timeout_s)
+    except asyncio.TimeoutError:
+        raise web.HTTPRequestTimeout(text=f"the request body did not arrive within {limits.body_timeout_s:g}s "
+                                          "(server.body_timeout_s / --body-timeout-s)") from None
     if not raw.strip():
         if allow_empty:
             return {}
         raise RequestError("the request body is empty; send a JSON object")
-    try:
-        body = json.loads(raw)
-    except ValueError as e:
-        raise RequestError(f"the request body is not valid JSON: {e}") from e
+    body = await off_loop(_decode, raw) if len(raw) > OFFLOAD_BYTES else _decode(raw)
     if not isinstance(body, dict):
         raise RequestError(f"the request body must be a JSON object, got {type(body).__name__}")
     return body
+
+
+def _decode(raw: bytes) -> Any:
+    try:
+        return json.loads(raw)
+    except RecursionError:
+        raise RequestError("the request body is nested too deeply to parse; flatten it") from None
+    except ValueError as e:  # JSONDecodeError, UnicodeDecodeError, over-long integers
+        raise RequestError(f"the request body is not valid JSON: {short(str(e), 200)}") from None
+
+
+async def off_loop(fn: Callable[..., T], *args: Any) -> T:
+    """``fn(*args)`` on the parse threads, so that the event loop keeps serving meanwhile."""
+    global _PARSE_POOL
+    if _PARSE_POOL is None:
+        _PARSE_POOL = ThreadPoolExecutor(2, thread_name_prefix="arealite-parse")
+    return await asyncio.get_running_loop().run_in_executor(_PARSE_POOL, lambda: fn(*args))

@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+import os
 import threading
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -31,6 +32,8 @@ from aiohttp import web
 from arealite.lora.files import read_adapter_dir
 
 from .body import RequestError, check_fields, json_body, want
+from .files import MAX_JSON_BYTES, UnsafeFile, check_regular
+from .limits import short
 
 if TYPE_CHECKING:
     from .app import EmbeddedServer
@@ -82,6 +85,23 @@ def parse_adapter(name: str, path: str, model: torch.nn.Module) -> Adapter:
     if not weights:
         raise ValueError(f"{path}: the adapter has no LoRA weights")
     return Adapter(name=name, path=str(path), weights=weights, scaling=float(scaling), rank=r)
+
+
+def _read_adapter(name: str, path: str, model: torch.nn.Module) -> Adapter:
+    """`parse_adapter` after checking that the adapter's files are regular files (a FIFO or
+    device named there would block or never end); every library error names the path."""
+    from arealite.lora.files import CONFIG_FILE, WEIGHTS_FILE
+
+    for file, cap in ((CONFIG_FILE, MAX_JSON_BYTES), (WEIGHTS_FILE, None)):
+        full = os.path.join(path, file)
+        if os.path.lexists(full):
+            check_regular(full, "adapter file", cap)
+    try:
+        return parse_adapter(name, path, model)
+    except ValueError:  # parse_adapter's own refusals (UnsafeFile among them) name the problem
+        raise
+    except Exception as e:  # SafetensorError, RecursionError, OSError...
+        raise UnsafeFile(f"adapter {short(path, 300)} cannot be read: {type(e).__name__}: {short(str(e), 200)}") from None
 
 
 class LoraSet:
@@ -172,13 +192,16 @@ class LoraRoutes:
         check_fields(body, {"lora_name", "lora_path"}, {"pinned", "lora_id"}, route)
         name, path = want(body, "lora_name", str, route), want(body, "lora_path", str, route)
         want(body, "pinned", bool, route, False)
-        async with self._lock:
-            try:
-                adapter = await asyncio.to_thread(parse_adapter, name, path, self.server.model)
+        if not name or len(name) > 256 or not name.isprintable():
+            raise RequestError(f"{route}: lora_name {short(name)} must be 1..256 printable characters")
+        try:
+            # Read without the lock: a slow or hostile path must not hold up other loads and unloads.
+            adapter = await asyncio.to_thread(_read_adapter, name, path, self.server.model)
+            async with self._lock:
                 await self.server.runner.call(lambda: self.lora.add(adapter))
-            except ValueError as e:
-                logger.warning("%s(%s, %s) refused: %s", route, name, path, e)
-                return self._answer(str(e))
+        except ValueError as e:
+            logger.warning("%s(%s, %s) refused: %s", route, name, path, e)
+            return self._answer(str(e))
         logger.info("LoRA adapter %s loaded from %s (rank %d, %d modules)", name, path, adapter.rank,
                     len(adapter.weights))
         return self._answer(None)

@@ -120,7 +120,21 @@ class ModelRunner:
                 raise RuntimeError("the model runner is shut down")
             self._waiting.append(seq)
             self._cv.notify()
-        return await seq.future
+        try:
+            return await seq.future
+        except asyncio.CancelledError:
+            # The client left (or its handler was cancelled): free the batch row now,
+            # not after max_new_tokens more steps nobody will read.
+            self._queue_command(lambda: self._abort(lambda s: s is seq, "the client disconnected", waiting=True))
+            raise
+
+    def _queue_command(self, fn: Callable[[], Any]) -> None:
+        """Queue ``fn`` for the model thread without waiting for it."""
+        loop = asyncio.get_running_loop()
+        with self._cv:
+            if not self._stop:
+                self._commands.append((fn, loop.create_future(), loop))
+                self._cv.notify()
 
     async def call(self, fn: Callable[[], Any]) -> Any:
         """Run ``fn()`` on the model thread between two steps and return its result."""

@@ -15,7 +15,10 @@ from typing import Any, Callable
 
 import torch
 
+from .limits import CHARS_PER_TOKEN, short
+
 GREEDY_EPS = 1e-6  # SGLang: a temperature below this is greedy decoding
+SEED_BOUND = 2 ** 64
 
 
 class RequestError(ValueError):
@@ -67,12 +70,14 @@ def _is_int(v: Any) -> bool:
 
 
 def _is_number(v: Any) -> bool:
-    return (isinstance(v, (int, float)) and not isinstance(v, bool)) and math.isfinite(v)
+    if isinstance(v, int) and not isinstance(v, bool):
+        return abs(v) < 2 ** 1000  # math.isfinite(10**400) raises OverflowError
+    return isinstance(v, float) and math.isfinite(v)
 
 
 def _want_int(name: str, v: Any, lo: int | None = None) -> int:
     if not _is_int(v):
-        raise RequestError(f"{name} must be an integer, got {v!r}")
+        raise RequestError(f"{name} must be an integer, got {short(v)}")
     if lo is not None and v < lo:
         raise RequestError(f"{name} must be >= {lo}, got {v}")
     return v
@@ -80,13 +85,13 @@ def _want_int(name: str, v: Any, lo: int | None = None) -> int:
 
 def _want_number(name: str, v: Any) -> float:
     if not _is_number(v):
-        raise RequestError(f"{name} must be a finite number, got {v!r}")
+        raise RequestError(f"{name} must be a finite number, got {short(v)}")
     return float(v)
 
 
 def _want_bool(name: str, v: Any) -> bool:
     if not isinstance(v, bool):
-        raise RequestError(f"{name} must be true or false, got {v!r}")
+        raise RequestError(f"{name} must be true or false, got {short(v)}")
     return v
 
 
@@ -166,7 +171,7 @@ def parse_sampling_params(sp: Any, vocab_size: int, where: str = "sampling_param
         name = f"{where}.{key}"
         if key in _UNSUPPORTED_SAMPLING:
             if not _UNSUPPORTED_SAMPLING[key](v):
-                raise RequestError(f"{name}={v!r} is not supported by the arealite embedded server (leave it unset)")
+                raise RequestError(f"{name}={short(v)} is not supported by the arealite embedded server (leave it unset)")
             continue
         if key not in _SUPPORTED_SAMPLING:
             known = sorted(_SUPPORTED_SAMPLING | set(_UNSUPPORTED_SAMPLING))
@@ -193,15 +198,17 @@ def parse_sampling_params(sp: Any, vocab_size: int, where: str = "sampling_param
                 raise RequestError(f"{name} must be in [0, 1], got {v}")
         elif key == "stop_token_ids":
             if not isinstance(v, list):
-                raise RequestError(f"{name} must be a list of token ids, got {v!r}")
+                raise RequestError(f"{name} must be a list of token ids, got {short(v)}")
             for t in v:
                 if not _is_int(t) or not 0 <= t < vocab_size:
-                    raise RequestError(f"{name}: {t!r} is not a token id in [0, {vocab_size})")
+                    raise RequestError(f"{name}: {short(t)} is not a token id in [0, {vocab_size})")
             out.stop_token_ids = tuple(v)
         elif key == "ignore_eos":
             out.ignore_eos = _want_bool(name, v)
         elif key == "sampling_seed":
-            out.sampling_seed = _want_int(name, v)
+            out.sampling_seed = _want_int(name, v, lo=0)
+            if out.sampling_seed >= SEED_BOUND:  # torch.Generator.manual_seed takes 64 bits
+                raise RequestError(f"{name} must be below 2**64, got {short(v)}")
         elif key == "n":
             if _want_int(name, v) != 1:
                 raise RequestError(f"{name}={v}: only n=1 is supported; send n separate requests (or a batch)")
@@ -219,9 +226,9 @@ def _check_ids(name: str, ids: Any, vocab_size: int) -> list[int]:
         raise RequestError(f"{name} must be a non-empty list of token ids")
     for t in ids:
         if not _is_int(t):
-            raise RequestError(f"{name}: {t!r} is not an integer token id")
+            raise RequestError(f"{name}: {short(t)} is not an integer token id")
         if not 0 <= t < vocab_size:
-            raise RequestError(f"{name}: token id {t} is out of the vocabulary [0, {vocab_size})")
+            raise RequestError(f"{name}: token id {short(t)} is out of the vocabulary [0, {vocab_size})")
     return ids
 
 
@@ -230,12 +237,16 @@ def _check_top_level(body: dict) -> None:
     for key, v in body.items():
         check = _UNSUPPORTED_TOP.get(key) or _IGNORED_TOP_NEUTRAL.get(key)
         if check is not None and not check(v):
-            raise RequestError(f"{key}={str(v)[:80]!r} is not supported by the arealite embedded server "
+            raise RequestError(f"{key}={short(v)} is not supported by the arealite embedded server "
                                "(leave it unset)")
 
 
-def _prompts(body: dict, vocab_size: int, encode: Callable[[str], list[int]] | None) -> tuple[list[list[int]], bool]:
-    """The token ids of every prompt (``text`` encoded, or ``input_ids``) and whether it is a batch."""
+def _prompts(body: dict, vocab_size: int, encode: Callable[[str], list[int]] | None,
+             caps: "RequestCaps") -> tuple[list[list[int]], bool]:
+    """The token ids of every prompt (``text`` encoded, or ``input_ids``) and whether it is a batch.
+
+    Sizes are checked before any per-token work: a request over a cap costs nothing more.
+    """
     text, input_ids = body.get("text"), body.get("input_ids")
     if (text is None) == (input_ids is None):
         raise RequestError("give exactly one of input_ids or text")
@@ -246,18 +257,63 @@ def _prompts(body: dict, vocab_size: int, encode: Callable[[str], list[int]] | N
         texts = text if batch else [text]
         if batch and not texts:
             raise RequestError("text: an empty batch")
-        prompts = []
+        caps.check_batch(len(texts), "text")
         for i, t in enumerate(texts):
-            name = f"text[{i}]" if batch else "text"
             if not isinstance(t, str):
-                raise RequestError(f"{name} must be a string, got {type(t).__name__}")
-            prompts.append(_check_ids(name + " (tokenized)", encode(t), vocab_size))
-        return prompts, batch
+                raise RequestError(f"{_item('text', i, batch)} must be a string, got {type(t).__name__}")
+        caps.check_chars(texts, batch)
+        return [_check_ids(_item("text", i, batch) + " (tokenized)", encode(t), vocab_size)
+                for i, t in enumerate(texts)], batch
     if not isinstance(input_ids, list) or not input_ids:
         raise RequestError("input_ids must be a non-empty list of token ids (or a list of such lists)")
     if isinstance(input_ids[0], list):
+        caps.check_batch(len(input_ids), "input_ids")
+        caps.check_tokens(sum(len(ids) if isinstance(ids, list) else 1 for ids in input_ids), "the prompts")
         return [_check_ids(f"input_ids[{i}]", ids, vocab_size) for i, ids in enumerate(input_ids)], True
+    caps.check_tokens(len(input_ids), "the prompt")
     return [_check_ids("input_ids", input_ids, vocab_size)], False
+
+
+def _item(name: str, i: int, batch: bool) -> str:
+    return f"{name}[{i}]" if batch else name
+
+
+@dataclass(frozen=True)
+class RequestCaps:
+    """The size caps of one ``/generate`` request (``arealite.server.limits.Limits``)."""
+
+    max_prompts: int = 1024
+    max_request_tokens: int = 1 << 20
+    context_length: int = 1 << 20
+
+    def check_batch(self, n: int, name: str) -> None:
+        if n > self.max_prompts:
+            raise RequestError(f"{name}: a batch of {n} prompts exceeds the server's cap of {self.max_prompts} "
+                               "(server.max_prompts_per_request / --max-prompts); split it into smaller requests")
+
+    def check_tokens(self, n: int, what: str) -> None:
+        if n > self.max_request_tokens:
+            raise RequestError(f"{what} and completions ask for {n} tokens, above the server's cap of "
+                               f"{self.max_request_tokens} per request (server.max_request_tokens / "
+                               "--max-request-tokens); split the request")
+
+    def check_chars(self, texts: list[str], batch: bool) -> None:
+        """Refuse texts too long to fit the context (or the request cap) before tokenizing them,
+        and texts that are not valid Unicode (lone surrogates, which no tokenizer takes)."""
+        per_text = CHARS_PER_TOKEN * self.context_length
+        total = 0
+        for i, t in enumerate(texts):
+            if len(t) > per_text:
+                raise RequestError(f"{_item('text', i, batch)}: {len(t)} characters cannot fit the context length "
+                                   f"{self.context_length}; shorten it")
+            total += len(t)
+            try:
+                t.encode("utf-8")
+            except UnicodeEncodeError as e:
+                raise RequestError(f"{_item('text', i, batch)}: invalid Unicode at character {e.start} "
+                                   "(a lone surrogate); send valid UTF-8 text") from None
+        if total > CHARS_PER_TOKEN * self.max_request_tokens:
+            self.check_tokens(total // CHARS_PER_TOKEN, "the texts")
 
 
 def _rids(rid: Any, batch: bool, n: int) -> list[str]:
@@ -269,7 +325,7 @@ def _rids(rid: Any, batch: bool, n: int) -> list[str]:
             return rid
         raise RequestError(f"rid: a batch of {n} needs a list of {n} strings")
     if rid is not None and not isinstance(rid, str):
-        raise RequestError(f"rid must be a string, got {rid!r}")
+        raise RequestError(f"rid must be a string, got {short(rid)}")
     return [rid or uuid.uuid4().hex]
 
 
@@ -278,7 +334,7 @@ def _logprob_start(v: Any, return_logprob: bool, prompt_len: int) -> int:
     if v is None or v == -1 or not return_logprob:
         return -1
     if not _is_int(v) or not 0 <= v < prompt_len:
-        raise RequestError(f"logprob_start_len must be -1 or a prompt position in [0, {prompt_len}), got {v!r}")
+        raise RequestError(f"logprob_start_len must be -1 or a prompt position in [0, {prompt_len}), got {short(v)}")
     return v
 
 
@@ -302,15 +358,18 @@ def parse_generate(
     vocab_size: int,
     context_length: int,
     encode: Callable[[str], list[int]] | None,
+    caps: RequestCaps | None = None,
 ) -> tuple[list[GenerateInput], bool]:
     """Validate a ``/generate`` body; return its sequences and whether it was a batch.
 
-    ``encode`` turns text into token ids (None when no tokenizer is loaded).
+    ``encode`` turns text into token ids (None when no tokenizer is loaded); ``caps``
+    bounds the request's size (default: `RequestCaps`'s defaults).
     """
     if not isinstance(body, dict):
         raise RequestError("the body must be a JSON object")
+    caps = caps or RequestCaps(context_length=context_length)
     _check_top_level(body)
-    prompts, batch = _prompts(body, vocab_size, encode)
+    prompts, batch = _prompts(body, vocab_size, encode, caps)
     n = len(prompts)
 
     def per_item(key: str, value: Any, is_item: Callable[[Any], bool]) -> list[Any]:
@@ -331,7 +390,7 @@ def parse_generate(
         sc = parse_sampling_params(sps[i], vocab_size, where)
         lp = lps[i] if lps[i] is not None else False
         if not isinstance(lp, bool):
-            raise RequestError(f"return_logprob must be true or false, got {lp!r}")
+            raise RequestError(f"return_logprob must be true or false, got {short(lp)}")
         explicit = isinstance(sps[i], dict) and sps[i].get("max_new_tokens") is not None
         _fit_context(sc, explicit, len(prompts[i]), context_length, where,
                      f"input_ids[{i}]" if batch else "input_ids")
@@ -341,6 +400,7 @@ def parse_generate(
                                "prompt while generating; ask for max_new_tokens >= 1")
         out.append(GenerateInput(rid=rids[i], input_ids=list(prompts[i]), sampling=sc, return_logprob=lp,
                                  logprob_start_len=start))
+    caps.check_tokens(sum(len(x.input_ids) + x.sampling.max_new_tokens for x in out), "the prompts")
     return out, batch
 
 

@@ -11,14 +11,17 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, Awaitable, Callable
 
 import torch
 from aiohttp import web
 
 from .body import RequestError, check_fields, json_body, want
+from .files import UnsafeFile, check_regular
+from .limits import short
 from .shm_alias import AliasedFiles, alias_problem, alias_weights, own_weights
 from .strict import NO_SESSION, OUTSIDE_SESSION, READBACK_FAILED, SESSION_OPEN
 from .weights import (
@@ -39,6 +42,12 @@ if TYPE_CHECKING:
     from .app import EmbeddedServer
 
 logger = logging.getLogger("arealite.server")
+
+#: Group joins that may wait for their rendezvous at once; more are refused (429), so
+#: that joins to an address that never answers cannot take every worker thread.
+MAX_PENDING_JOINS = 4
+MAX_WORLD_SIZE = 1 << 16
+MAX_NAME_CHARS = 256
 
 
 class WeightRoutes:
@@ -62,6 +71,11 @@ class WeightRoutes:
         # Strict mode: SGLang's scheduler runs weight operations one at a time, so a receive
         # blocked in a broken group holds up every later one (destroy, join, begin/end).
         self.scheduler = asyncio.Lock() if self.behaviour.strict else None
+        # Receives block for up to weight_sync_timeout_s (joins get a thread each): they have
+        # threads of their own, so that disk loads and the other routes never wait behind them.
+        self._group_pool = ThreadPoolExecutor(4, thread_name_prefix="arealite-group")
+        self._pending_joins = 0
+        self.total_bytes = sum(t.numel() * t.element_size() for t in server.state.values())
 
     def routes(self) -> dict[str, Callable[[web.Request], Awaitable[web.Response]]]:
         """POST path -> handler."""
@@ -95,10 +109,10 @@ class WeightRoutes:
         check_fields(body, {"model_path"}, {"weight_version", "load_format", "abort_all_requests", "flush_cache",
                                             "is_async", "token_step"}, route)
         path = want(body, "model_path", str, route)
-        version = want(body, "weight_version", (str, int), route)
+        version = _version(body, route)
         fmt = want(body, "load_format", str, route)
         if fmt not in (None, "auto", "safetensors"):
-            raise RequestError(f"{route}: load_format {fmt!r} is not supported (safetensors directories only)")
+            raise RequestError(f"{route}: load_format {short(fmt)} is not supported (safetensors directories only)")
         if want(body, "abort_all_requests", bool, route, False):
             await self.runner.call(lambda: self.runner.abort(None, "aborted for a weight update"))
         t0 = time.perf_counter()
@@ -134,13 +148,13 @@ class WeightRoutes:
             raise RequestError(f"{route}: names must be strings")
         for i, off in enumerate(offsets):
             if not isinstance(off, int) or isinstance(off, bool) or off < 0:
-                raise RequestError(f"{route}: offsets[{i}] must be a non-negative int (a byte offset), got {off!r}")
+                raise RequestError(f"{route}: offsets[{i}] must be a non-negative int (a byte offset), got {short(off)}")
         try:
             dtypes = [parse_dtype(d, f"dtypes[{i}]") for i, d in enumerate(dtypes_raw)]
             shapes = [parse_shape(s, f"shapes[{i}]") for i, s in enumerate(shapes_raw)]
         except WeightUpdateError as e:
             raise RequestError(f"{route}: {e}") from e
-        version = want(body, "weight_version", (str, int), route)
+        version = _version(body, route)
         if want(body, "abort_all_requests", bool, route, False):
             await self.runner.call(lambda: self.runner.abort(None, "aborted for a weight update"))
 
@@ -189,10 +203,10 @@ class WeightRoutes:
 
     def _map_shm(self, path: str) -> ShmWeightFile:
         """The mapping of `path`, reusing the cached one while it is the same file."""
-        try:
-            key = file_key(path, os.stat(path))
-        except OSError as e:
-            raise WeightUpdateError(f"path {path!r} cannot be opened: {e.strerror}") from None
+        try:  # a FIFO or device is refused here, before anything opens it under the lock
+            key = file_key(path, check_regular(path, "path"))
+        except UnsafeFile as e:
+            raise WeightUpdateError(str(e)) from None
         return self.shm_files.get(key, path)
 
     async def init_weights_update_group(self, request: web.Request) -> web.Response:
@@ -207,21 +221,34 @@ class WeightRoutes:
         name = want(body, "group_name", str, route)
         backend = want(body, "backend", str, route, "nccl" if self.device.type == "cuda" else "gloo")
         if backend not in ("gloo", "nccl"):
-            raise RequestError(f"{route}: backend {backend!r} is not supported (gloo or nccl)")
+            raise RequestError(f"{route}: backend {short(backend)} is not supported (gloo or nccl)")
         if backend == "nccl" and self.device.type != "cuda":
             raise RequestError(f"{route}: backend 'nccl' needs a CUDA device; this server runs on {self.device}")
-        if not 1 <= rank < world:
-            raise RequestError(f"{route}: rank_offset {rank} must be in [1, world_size={world}) (rank 0 is the trainer)")
+        _check_group_fields(route, addr, port, rank, world, name)
         if name in self.groups:
-            return web.json_response({"success": False, "message": f"group {name!r} already exists"}, status=400)
+            return web.json_response({"success": False, "message": f"group {short(name)} already exists"}, status=400)
+        if self._pending_joins >= MAX_PENDING_JOINS:
+            return web.json_response({"success": False, "message": (
+                f"{MAX_PENDING_JOINS} group joins are already waiting for their rendezvous; retry later")},
+                status=429)
+        self._pending_joins += 1
+        timeout = self.args.weight_sync_timeout_s
         try:
-            group = await asyncio.to_thread(
-                lambda: WeightUpdateGroup(master_address=addr, master_port=port, rank=rank, world_size=world,
-                                          group_name=name, backend=backend,
-                                          timeout_s=self.args.weight_sync_timeout_s, device=self.device))
-        except (RuntimeError, ValueError, OSError) as e:  # rendezvous failed or timed out
-            logger.warning("init_weights_update_group %r failed: %s", name, e)
-            return web.json_response({"success": False, "message": f"joining group {name!r} failed: {e}"}, status=400)
+            group = await _join_in_thread(lambda: WeightUpdateGroup(
+                master_address=addr, master_port=port, rank=rank, world_size=world, group_name=name,
+                backend=backend, timeout_s=timeout, device=self.device), timeout + 1.0)
+        except asyncio.TimeoutError:
+            # A master that accepts the connection and never answers holds TCPStore past its own
+            # timeout; the thread is left behind (and its late group destroyed), the route answers.
+            logger.warning("init_weights_update_group %s: no rendezvous within %gs", short(name), timeout)
+            return web.json_response({"success": False, "message": f"joining group {short(name)} failed: no "
+                                      f"rendezvous with {short(addr)}:{port} within {timeout:g}s"}, status=400)
+        except (RuntimeError, ValueError, OSError, TypeError) as e:  # rendezvous failed or timed out
+            logger.warning("init_weights_update_group %s failed: %s", short(name), e)
+            return web.json_response({"success": False, "message": f"joining group {short(name)} failed: "
+                                                                   f"{short(str(e), 300)}"}, status=400)
+        finally:
+            self._pending_joins -= 1
         self.groups[name] = group
         self.group_locks[name] = asyncio.Lock()
         logger.info("joined weight-update group %r as rank %d of %d (%s)", name, rank, world, backend)
@@ -247,9 +274,14 @@ class WeightRoutes:
         except WeightUpdateError as e:
             # Without a dtype and shape the broadcasts cannot even be received.
             raise RequestError(f"{route}: {e}") from e
+        n_bytes = sum(_nbytes(dt, sh) for dt, sh in zip(dtypes, shapes))
+        if n_bytes > 2 * self.total_bytes + (1 << 20):
+            # Scratch buffers this size would exhaust memory; the sender's broadcast then times out.
+            raise RequestError(f"{route}: the shapes add up to {n_bytes} bytes, far more than this model's "
+                               f"{self.total_bytes}; refused without receiving")
         name = want(body, "group_name", str, route, next(iter(self.groups), None))
         if name not in self.groups:
-            raise RequestError(f"{route}: no weight-update group {name!r}; call init_weights_update_group first "
+            raise RequestError(f"{route}: no weight-update group {short(name)}; call init_weights_update_group first "
                                f"(groups: {sorted(self.groups)})")
         if self.behaviour.has_sessions and not self.session_open:
             # SGLang refuses before receiving: the trainer's broadcast then has no receiver.
@@ -259,13 +291,14 @@ class WeightRoutes:
         # boolean flattened_bucket field is accepted as well.
         fmt = want(body, "load_format", str, route)
         if fmt not in (None, "auto", "flattened_bucket"):
-            raise RequestError(f"{route}: load_format {fmt!r} is not supported (None, 'auto' or 'flattened_bucket')")
+            raise RequestError(f"{route}: load_format {short(fmt)} is not supported (None, 'auto' or 'flattened_bucket')")
         flattened = want(body, "flattened_bucket", bool, route, False) or fmt == "flattened_bucket"
-        version = want(body, "weight_version", (str, int), route)
+        version = _version(body, route)
         if want(body, "abort_all_requests", bool, route, False):
             await self.runner.call(lambda: self.runner.abort(None, "aborted for a weight update"))
 
         problem = check_metadata(self.state, names, dtypes, shapes)
+
         if flattened and len(set(dtypes)) > 1:
             problem = (f"flattened_bucket needs one dtype for all tensors, got {sorted(map(str, set(dtypes)))}; "
                        f"receiving a flat {dtypes[0]} buffer and discarding it")
@@ -275,7 +308,8 @@ class WeightRoutes:
             try:
                 # Received even when the metadata is wrong: rank 0 broadcasts
                 # regardless, and an unmatched broadcast would hang the group.
-                tensors = await asyncio.to_thread(group.receive, dtypes, shapes, flattened)
+                tensors = await asyncio.get_running_loop().run_in_executor(
+                    self._group_pool, group.receive, dtypes, shapes, flattened)
             except (RuntimeError, ValueError) as e:
                 logger.warning("%s: receiving from group %r failed: %s", route, name, e)
                 return web.json_response({"success": False, "message": f"receiving failed: {e}"}, status=400)
@@ -295,7 +329,7 @@ class WeightRoutes:
         name = want(body, "group_name", str, route, next(iter(self.groups), None))
         group = self.groups.pop(name, None)
         if group is None:
-            return web.json_response({"success": False, "message": f"no weight-update group {name!r}"}, status=400)
+            return web.json_response({"success": False, "message": f"no weight-update group {short(name)}"}, status=400)
         self.group_locks.pop(name, None)
         await asyncio.to_thread(group.destroy)
         return web.json_response({"success": True, "message": f"destroyed group {name!r}"})
@@ -305,7 +339,7 @@ class WeightRoutes:
         # SGLang's request structs ignore keys they do not declare.
         selector = want(body, "selector", str, "begin_weight_update", "all")
         if selector not in ("target", "draft", "all"):
-            raise RequestError(f"begin_weight_update: selector {selector!r} is not 'target', 'draft' or 'all'")
+            raise RequestError(f"begin_weight_update: selector {short(selector)} is not 'target', 'draft' or 'all'")
         if self.session_open:
             return web.json_response({"success": False, "message": SESSION_OPEN}, status=400)
         self.session_open = True
@@ -332,7 +366,7 @@ class WeightRoutes:
             # SGLang: the model class has no get_weights_by_name (e.g. Qwen2), whatever the name.
             return web.json_response({"error": {"message": READBACK_FAILED}}, status=400)
         if name not in self.state:
-            raise RequestError(f"{route}: {name!r} is not a weight of this model")
+            raise RequestError(f"{route}: {short(name)} is not a weight of this model")
         # As SGLang: the first `n` rows (of a 1-D tensor, the first `n` values), as nested lists.
         t = torch.atleast_1d(self.state[name].detach())
         values = await self.runner.call(lambda: t[:n].float().cpu().tolist())
@@ -342,7 +376,9 @@ class WeightRoutes:
         body = await json_body(request)
         route = "update_weight_version"
         check_fields(body, {"new_version"}, {"abort_all_requests"}, route)
-        version = str(want(body, "new_version", (str, int), route))
+        version = _version(body, route, "new_version")
+        if version is None:
+            raise RequestError(f"{route}: new_version must be a string or an int, got null")
         abort_all = want(body, "abort_all_requests", bool, route, False)
 
         def apply() -> None:
@@ -359,3 +395,75 @@ class WeightRoutes:
             g.destroy()
         self.groups.clear()
         self.shm_files.close()
+        self._group_pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _version(body: dict, route: str, key: str = "weight_version") -> str | None:
+    """A weight version from the body (None when absent), bounded: it is echoed in every answer."""
+    v = want(body, key, (str, int), route)
+    if v is None:
+        return None
+    text = str(v)
+    if len(text) > MAX_NAME_CHARS or not text.isprintable():
+        raise RequestError(f"{route}: {key} {short(v)} must be at most {MAX_NAME_CHARS} printable characters")
+    return text
+
+
+def _check_group_fields(route: str, addr: str, port: int, rank: int, world: int, name: str) -> None:
+    """Range checks of a group join's numbers and names (before any connection is tried)."""
+    if not 1 <= port <= 65535:
+        raise RequestError(f"{route}: master_port {short(port)} is not a TCP port (1..65535)")
+    if not 2 <= world <= MAX_WORLD_SIZE:
+        raise RequestError(f"{route}: world_size {short(world)} must be in [2, {MAX_WORLD_SIZE}] "
+                           "(the trainer plus at least one server)")
+    if not 1 <= rank < world:
+        raise RequestError(f"{route}: rank_offset {short(rank)} must be in [1, world_size={world}) "
+                           "(rank 0 is the trainer)")
+    for field, value in (("master_address", addr), ("group_name", name)):
+        if not value or len(value) > MAX_NAME_CHARS or not value.isprintable() or value != value.strip():
+            raise RequestError(f"{route}: {field} {short(value)} must be 1..{MAX_NAME_CHARS} printable "
+                               "characters without surrounding spaces")
+
+
+async def _join_in_thread(join: Callable[[], WeightUpdateGroup], timeout: float) -> WeightUpdateGroup:
+    """``join()`` on a thread of its own, awaited at most ``timeout`` seconds.
+
+    Not a pool's thread: a join that never returns would hold that worker forever.
+    A group that arrives after the caller gave up is destroyed.
+    """
+    loop = asyncio.get_running_loop()
+    fut: asyncio.Future = loop.create_future()
+
+    def deliver(group: WeightUpdateGroup | None, error: BaseException | None) -> None:
+        if fut.done():
+            if group is not None:
+                group.destroy()
+        elif error is not None:
+            fut.set_exception(error)
+        else:
+            fut.set_result(group)
+
+    def run() -> None:
+        try:
+            group, error = join(), None
+        except Exception as e:
+            group, error = None, e
+        try:
+            loop.call_soon_threadsafe(deliver, group, error)
+        except RuntimeError:  # the loop is closed: the server is shutting down
+            if group is not None:
+                group.destroy()
+
+    threading.Thread(target=run, name="arealite-group-join", daemon=True).start()
+    try:
+        return await asyncio.wait_for(asyncio.shield(fut), timeout)
+    except asyncio.TimeoutError:
+        fut.cancel()  # marks it done: a late group is destroyed by `deliver`
+        raise
+
+
+def _nbytes(dtype: torch.dtype, shape: tuple[int, ...]) -> int:
+    n = dtype.itemsize
+    for d in shape:
+        n *= d
+    return n

@@ -27,15 +27,16 @@ from already-mapped pages.
 from __future__ import annotations
 
 import datetime
-import json
 import logging
 import mmap
 import os
-import stat
 import warnings
 from pathlib import Path
 
 import torch
+
+from .files import UnsafeFile, checkpoint_files, load_safetensors, open_regular
+from .limits import short
 
 logger = logging.getLogger("arealite.server")
 
@@ -47,11 +48,11 @@ class WeightUpdateError(ValueError):
 def parse_dtype(name: object, where: str = "dtype") -> torch.dtype:
     """``"bfloat16"`` / ``"torch.bfloat16"`` -> ``torch.bfloat16``."""
     if not isinstance(name, str):
-        raise WeightUpdateError(f"{where}: expected a dtype name such as 'bfloat16', got {name!r}")
-    short = name.removeprefix("torch.")
-    dt = getattr(torch, short, None)
+        raise WeightUpdateError(f"{where}: expected a dtype name such as 'bfloat16', got {short(name)}")
+    bare = name.removeprefix("torch.")
+    dt = getattr(torch, bare, None)
     if not isinstance(dt, torch.dtype):
-        raise WeightUpdateError(f"{where}: {name!r} is not a torch dtype (e.g. 'float32', 'bfloat16')")
+        raise WeightUpdateError(f"{where}: {short(name)} is not a torch dtype (e.g. 'float32', 'bfloat16')")
     return dt
 
 
@@ -59,7 +60,7 @@ def parse_shape(shape: object, where: str = "shape") -> tuple[int, ...]:
     if not isinstance(shape, (list, tuple)) or not all(
         isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape
     ):
-        raise WeightUpdateError(f"{where}: expected a list of non-negative ints, got {shape!r}")
+        raise WeightUpdateError(f"{where}: expected a list of non-negative ints, got {short(shape)}")
     return tuple(shape)
 
 
@@ -107,22 +108,20 @@ def check_metadata(
 
 
 def read_hf_dir(model_path: str) -> dict[str, torch.Tensor]:
-    """All tensors of an HF safetensors directory (single file or sharded)."""
-    from safetensors.torch import load_file
+    """All tensors of an HF safetensors directory (single file or sharded).
 
+    Files are opened by `arealite.server.files` (regular files only, an index naming
+    files inside the directory only); any bad file is an error naming it.
+    """
     root = Path(model_path)
     if not root.is_dir():
-        raise WeightUpdateError(f"model_path {model_path!r} is not a directory")
-    index = root / "model.safetensors.index.json"
-    if index.exists():
-        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-    else:
-        files = sorted(p.name for p in root.glob("*.safetensors"))
+        raise WeightUpdateError(f"model_path {short(model_path, 300)} is not a directory")
+    files = checkpoint_files(root)
     if not files:
-        raise WeightUpdateError(f"model_path {model_path!r} holds no *.safetensors file")
+        raise WeightUpdateError(f"model_path {short(model_path, 300)} holds no *.safetensors file")
     tensors: dict[str, torch.Tensor] = {}
     for f in files:
-        tensors.update(load_file(str(root / f)))
+        tensors.update(load_safetensors(f))
     return tensors
 
 
@@ -166,14 +165,12 @@ class ShmWeightFile:
     """
 
     def __init__(self, path: str):
-        try:
-            fd = os.open(path, os.O_RDONLY)
-        except OSError as e:
-            raise WeightUpdateError(f"path {path!r} cannot be opened: {e.strerror}") from None
+        try:  # a FIFO or device is refused before it is opened, and the open never blocks
+            fd = open_regular(path, "path")
+        except UnsafeFile as e:
+            raise WeightUpdateError(str(e)) from None
         try:
             st = os.fstat(fd)
-            if not stat.S_ISREG(st.st_mode):
-                raise WeightUpdateError(f"path {path!r} is not a regular file")
             if st.st_size == 0:
                 raise WeightUpdateError(f"path {path!r} is empty")
             # MAP_POPULATE fills the page tables now, not one fault per page during the copy.
