@@ -18,7 +18,6 @@ exceptions.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import secrets
 from typing import Any, Awaitable, Callable
@@ -41,6 +40,7 @@ from arealite.config.schema import GenerationConfig
 from arealite.engine.errors import BadRequestError, GenerationError, NoHealthyServerError
 from arealite.utils.tokenizer import prepare_decode
 from arealite.workflow.common import sampling_from_config
+from arealite.engine.wire import loads as strict_json  # no NaN, bounded nesting
 
 logger = logging.getLogger("arealite.agent")
 
@@ -171,7 +171,7 @@ class AgentEndpoint:
         try:
             session = self._session(request)
             try:
-                body = await request.json(loads=json.loads)
+                body = await request.json(loads=strict_json)
             except ValueError:
                 raise RequestError("We could not parse the JSON body of your request.") from None
             req = parse_request(kind, body, self.policy, self._chat_stop_ids if kind == "chat" else [])

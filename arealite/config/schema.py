@@ -286,6 +286,9 @@ class RolloutConfig(Section):
     """First backoff between retries; doubles on each retry."""
     max_inflight_per_server: int = Field(256, ge=1)
     """Most requests in flight on one server."""
+    max_response_bytes: int = Field(64 << 20, ge=4096)
+    """Largest answer (body bytes) the client reads from a server; a bigger one is refused as
+    malformed (from its Content-Length, or as it arrives) and the request retried elsewhere."""
     on_workflow_error: Literal["fail", "drop"] = "fail"
     """What a raising workflow does to the run: `fail` stops it, `drop` logs, counts and goes on."""
     reward_timeout_s: float = Field(15.0, gt=0)
@@ -548,6 +551,10 @@ class SaverConfig(Section):
 class RecoverConfig(Section):
     mode: Literal["auto", "disabled", "required"] = "auto"
     """`auto`: resume if a checkpoint exists; `disabled`: always start fresh; `required`: fail without one."""
+    allow_pickle: bool = False
+    """Resume from a checkpoint whose rollout state holds Python objects other than tensors and
+    plain data (e.g. dataset items of your own classes). Off: such a file is refused, since
+    unpickling it could run code; turn on only for a run directory no one else can write."""
 
 
 class CriticConfig(Section):

@@ -66,7 +66,8 @@ def load_sharded(
     extra_file = path / f"engine_rank{rank}.pt"
     if not extra_file.is_file():
         extra_file = path / "engine_rank0.pt"
-    return torch.load(extra_file, weights_only=False)  # our own file: python RNG state is a tuple
+    # Tensors, numbers and tuples only (RNG states, LR schedule, version): no code can run.
+    return torch.load(extra_file, weights_only=True, map_location="cpu")
 
 
 def rng_state(device: torch.device) -> dict[str, Any]:

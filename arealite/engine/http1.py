@@ -20,7 +20,10 @@ only what ``/generate`` needs and nothing else:
 
 Errors: ``TimeoutError`` (deadline), ``HttpConnectionError`` (could not
 connect, or the connection dropped mid-request), ``HttpProtocolError`` (the
-answer is not HTTP/1.x). Admin calls, health probes and TLS stay on aiohttp.
+answer is not HTTP/1.x), ``HttpResponseTooLarge`` (its body would exceed the
+pool's ``max_body``: refused from ``Content-Length`` or as it arrives). Parsing
+is linear in the bytes received, however the server splits them. Admin calls,
+health probes and TLS stay on aiohttp.
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ import asyncio
 import time
 from typing import Any
 
-__all__ = ["Http1Pool", "HttpConnectionError", "HttpProtocolError"]
+__all__ = ["Http1Pool", "HttpConnectionError", "HttpProtocolError", "HttpResponseTooLarge"]
 
 _MAX_HEAD = 64 * 1024  # bytes of status line + headers we accept
 
@@ -42,6 +45,10 @@ class HttpProtocolError(ConnectionError):
     """The server's answer is not well-formed HTTP/1.x."""
 
 
+class HttpResponseTooLarge(HttpProtocolError):
+    """The answer's body is larger than the client accepts (``max_body``)."""
+
+
 class _Stale(Exception):
     """A reused connection was closed before any byte of the answer arrived (safe to resend once)."""
 
@@ -50,7 +57,7 @@ class _Conn(asyncio.Protocol):
     """One keep-alive connection; parses one response at a time."""
 
     __slots__ = ("transport", "closed", "fut", "buf", "got_bytes", "head_end", "status", "length",
-                 "chunked", "keep_alive", "idle_since", "pool")
+                 "chunked", "keep_alive", "idle_since", "pool", "scan", "cpos", "cbody", "clast")
 
     def __init__(self, pool: "Http1Pool"):
         self.pool = pool
@@ -68,6 +75,10 @@ class _Conn(asyncio.Protocol):
         self.length = -1  # -1: until EOF (unless chunked)
         self.chunked = False
         self.keep_alive = True
+        self.scan = 0  # where the next search for a line end starts (nothing before it matches)
+        self.cpos = -1  # chunked: start of the next chunk-size line (-1: not started)
+        self.cbody = bytearray()  # chunked: the body decoded so far
+        self.clast = False  # chunked: the zero-size chunk is in; waiting for the trailer's end
 
     # -- asyncio.Protocol
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -104,10 +115,11 @@ class _Conn(asyncio.Protocol):
     def _parse(self) -> None:
         buf = self.buf
         if self.head_end < 0:
-            end = buf.find(b"\r\n\r\n")
+            end = buf.find(b"\r\n\r\n", self.scan)
             if end < 0:
                 if len(buf) > _MAX_HEAD:
                     raise HttpProtocolError(f"response head is larger than {_MAX_HEAD} bytes")
+                self.scan = max(0, len(buf) - 3)
                 return
             self._parse_head(bytes(buf[:end]))
             self.head_end = end + 4
@@ -118,6 +130,8 @@ class _Conn(asyncio.Protocol):
                 if buf:
                     self._parse()
                 return
+        if len(buf) - self.head_end > self.pool.max_body:
+            raise HttpResponseTooLarge(f"response body exceeds max_body={self.pool.max_body} bytes")
         if self.chunked:
             self._parse_chunked()
         elif self.length >= 0 and len(buf) - self.head_end >= self.length:
@@ -142,6 +156,9 @@ class _Conn(asyncio.Protocol):
                 if not value.isdigit():
                     raise HttpProtocolError(f"bad Content-Length: {value[:40]!r}")
                 self.length = int(value)
+                if self.length > self.pool.max_body:
+                    raise HttpResponseTooLarge(f"Content-Length {self.length} exceeds max_body="
+                                               f"{self.pool.max_body} bytes")
             elif name == b"transfer-encoding":
                 self.chunked = b"chunked" in value.lower()
             elif name == b"connection":
@@ -156,28 +173,36 @@ class _Conn(asyncio.Protocol):
             self.length = 0
 
     def _parse_chunked(self) -> None:
-        # Decode in one pass once the terminating zero-size chunk is in; bodies are small.
+        # Resumes where the previous call stopped (cpos, scan): each byte is looked at a
+        # bounded number of times, so a body sent as many tiny chunks costs linear time.
         buf = self.buf
-        pos, body = self.head_end, bytearray()
-        while True:
-            eol = buf.find(b"\r\n", pos)
+        if self.cpos < 0:
+            self.cpos = self.scan = self.head_end
+        while not self.clast:
+            eol = buf.find(b"\r\n", max(self.cpos, self.scan))
             if eol < 0:
+                self.scan = max(self.cpos, len(buf) - 1)
                 return
-            size_text = bytes(buf[pos:eol]).split(b";", 1)[0].strip()
-            try:
-                size = int(size_text, 16)
-            except ValueError:
-                raise HttpProtocolError(f"bad chunk size {size_text[:20]!r}") from None
+            size_text = bytes(buf[self.cpos:eol]).split(b";", 1)[0].strip()
+            if not size_text or len(size_text) > 16 or size_text.strip(b"0123456789abcdefABCDEF"):
+                raise HttpProtocolError(f"bad chunk size {size_text[:20]!r}")
+            size = int(size_text, 16)
             if size == 0:  # last chunk; optional trailer lines, then an empty line
-                if buf.find(b"\r\n\r\n", eol) < 0:
-                    return
-                self._finish(bytes(body))
-                return
+                self.clast, self.scan = True, eol
+                break
             start, stop = eol + 2, eol + 2 + size
             if len(buf) < stop + 2:
+                self.scan = eol  # the size line is parsed again (cheap) once the chunk is in
                 return
-            body += buf[start:stop]
-            pos = stop + 2
+            if buf[stop:stop + 2] != b"\r\n":
+                raise HttpProtocolError("a chunk does not end with CRLF where its size says")
+            self.cbody += buf[start:stop]
+            self.cpos = self.scan = stop + 2
+        end = buf.find(b"\r\n\r\n", self.scan)
+        if end < 0:
+            self.scan = max(self.scan, len(buf) - 3)
+            return
+        self._finish(bytes(self.cbody))
 
     def _finish(self, body: bytes) -> None:
         fut, self.fut = self.fut, None
@@ -205,12 +230,15 @@ class Http1Pool:
     """Keep-alive HTTP/1.1 connections to one ``host:port``.
 
     ``headers``: extra request headers sent with every request (an
-    ``Authorization`` header, say); they are never logged.
+    ``Authorization`` header, say); they are never logged. ``max_body``: the
+    largest response body accepted (bytes on the wire, chunk framing included).
     """
 
-    def __init__(self, host: str, port: int, headers: dict[str, str] | None = None, max_idle_s: float = 2.0):
+    def __init__(self, host: str, port: int, headers: dict[str, str] | None = None, max_idle_s: float = 2.0,
+                 max_body: int = 64 << 20):
         self.host, self.port = host, int(port)
         self.max_idle_s = max_idle_s
+        self.max_body = int(max_body)
         extra = "".join(f"{k}: {v}\r\n" for k, v in (headers or {}).items())
         self._head_tail = f"Host: {host}:{port}\r\nUser-Agent: arealite\r\n{extra}".encode("latin-1")
         self._idle: list[_Conn] = []

@@ -41,8 +41,9 @@ import aiohttp
 from arealite.api.types import Completion, GenerationRequest
 from arealite.config.schema import RolloutConfig
 from arealite.engine.errors import AttemptFailure, BadRequestError, GenerationError, NoHealthyServerError
-from arealite.engine.http1 import HttpConnectionError, HttpProtocolError
-from arealite.engine.server_pool import Attempt, Router, ServerPool, ServerState
+from arealite.engine.http1 import HttpConnectionError, HttpProtocolError, HttpResponseTooLarge
+from arealite.engine.response_check import check_segment
+from arealite.engine.server_pool import Attempt, Router, ServerPool, ServerState, read_body
 from arealite.engine.wire import JSON_HEADERS, Segment, WireFormat, describe, dumps, error_message, snippet
 
 logger = logging.getLogger(__name__)
@@ -88,7 +89,10 @@ class RemoteInferenceClient:
     ``addrs`` are "host:port" (or "http://host:port"). ``wire`` is the backend's wire
     format. ``api_key`` is sent as ``Authorization: Bearer <key>`` on every request and
     never logged. ``eos_token_ids`` (optional) are treated as stop tokens when an aborted
-    segment ends on one. A server leaves the rotation after ``unhealthy_after``
+    segment ends on one. Every answer is checked before its tokens are kept
+    (`arealite.engine.response_check`: ids ints within ``vocab_size``, at most the budget,
+    finite log-probs <= 0, a body of at most ``rollout.max_response_bytes``); one that
+    fails is a malformed answer, retried on another server. A server leaves the rotation after ``unhealthy_after``
     consecutive failures and is probed every ``health_probe_interval_s`` seconds to come
     back. Requests held by the servers' pause fail once it has lasted ``max_pause_s``
     seconds (a weight update that died half-way).
@@ -97,12 +101,15 @@ class RemoteInferenceClient:
     def __init__(self, addrs: Sequence[str] | str, config: RolloutConfig | None = None,
                  api_key: str | None = None, *, wire: WireFormat, eos_token_ids: Iterable[int] = (),
                  unhealthy_after: int = 3, health_probe_interval_s: float = 5.0,
-                 max_pause_s: float = 3600.0):
+                 max_pause_s: float = 3600.0, vocab_size: int | None = None):
         self.config = config if config is not None else RolloutConfig()
         self.pool = ServerPool(addrs, wire=wire, max_inflight=self.config.max_inflight_per_server,
                                request_timeout_s=self.config.request_timeout_s, api_key=api_key,
                                unhealthy_after=unhealthy_after, probe_interval_s=health_probe_interval_s,
-                               owner=type(self).__name__)
+                               owner=type(self).__name__, max_response_bytes=self.config.max_response_bytes)
+        if vocab_size is not None and not (type(vocab_size) is int and vocab_size >= 1):
+            raise ValueError(f"vocab_size={vocab_size!r} must be an int >= 1 (the model's vocabulary) or None")
+        self.vocab_size = vocab_size
         if not max_pause_s > 0:
             raise ValueError(f"max_pause_s={max_pause_s} must be > 0 (seconds)")
         self.wire = wire
@@ -239,6 +246,8 @@ class RemoteInferenceClient:
                 await self._route(p)
             try:
                 seg = await self._generate_once(p.server, self._next_body(p))
+                if seg is not None:
+                    check_segment(seg, p.budget - len(p.ids), self.vocab_size)
             except AttemptFailure as e:
                 await self._after_failure(p, e)
                 continue
@@ -289,7 +298,7 @@ class RemoteInferenceClient:
         """Count a failed attempt; raise when the retry budget is spent, else back off."""
         server = p.server
         self._record_failure(server, e)
-        p.errors.append(f"{server.addr}{self.wire.generate_route}: {e}")
+        p.errors.append(f"{server.addr}{self.wire.generate_route} ({e.kind}): {e}")
         p.tried.add(server.addr)
         p.server = None
         allowed = self.config.request_retries
@@ -393,7 +402,7 @@ class RemoteInferenceClient:
                     else:
                         async with session.post(server.base_url + route, data=body, headers=JSON_HEADERS,
                                                 timeout=self._req_timeout) as resp:
-                            raw = await resp.read()
+                            raw = await read_body(resp, self.pool.max_response_bytes)
                             status = resp.status
                 finally:
                     server.inflight -= 1
@@ -408,6 +417,8 @@ class RemoteInferenceClient:
             raise AttemptFailure(
                 "timeout", f"no answer within request_timeout_s={self.config.request_timeout_s:g}s"
             ) from None
+        except HttpResponseTooLarge as e:
+            raise AttemptFailure("malformed", describe(e)) from None
         except (aiohttp.ClientError, HttpConnectionError, HttpProtocolError) as e:
             raise AttemptFailure("connection", describe(e)) from None
         finally:

@@ -28,7 +28,7 @@ from typing import Any
 import aiohttp
 
 from arealite.engine.errors import NoHealthyServerError, ServerAdminError, ServerStartupError
-from arealite.engine.http1 import Http1Pool
+from arealite.engine.http1 import Http1Pool, HttpResponseTooLarge
 from arealite.engine.wire import JSON_HEADERS, WireFormat, describe, dumps, error_message, loads, snippet
 
 logger = logging.getLogger(__name__)
@@ -117,7 +117,8 @@ class ServerPool:
 
     def __init__(self, addrs: Sequence[str] | str, *, wire: WireFormat, max_inflight: int,
                  request_timeout_s: float, api_key: str | None = None, unhealthy_after: int = 3,
-                 probe_interval_s: float = 5.0, owner: str = "RemoteSGLangEngine"):
+                 probe_interval_s: float = 5.0, owner: str = "RemoteSGLangEngine",
+                 max_response_bytes: int = 64 << 20):
         if isinstance(addrs, str):
             addrs = [a for a in addrs.split(",") if a.strip()]
         if not addrs:
@@ -135,6 +136,7 @@ class ServerPool:
             self.states.append(s)
             self.by_addr[addr] = s
         self.max_inflight = max_inflight
+        self.max_response_bytes = int(max_response_bytes)  # no answer read is larger
         self.request_timeout_s = request_timeout_s
         self.unhealthy_after = int(unhealthy_after)
         self.probe_interval = float(probe_interval_s)
@@ -294,7 +296,8 @@ class ServerPool:
             for s in self.states:
                 if s.base_url.startswith("http://"):
                     host, _, port = s.addr.rpartition(":")
-                    s.conns = Http1Pool(host.strip("[]"), int(port), headers)
+                    s.conns = Http1Pool(host.strip("[]"), int(port), headers,
+                                        max_body=self.max_response_bytes)
         return self.session
 
     async def initialize(self, timeout: float) -> None:
@@ -325,7 +328,7 @@ class ServerPool:
             try:
                 async with session.get(s.base_url + routes[0],
                                        timeout=aiohttp.ClientTimeout(total=max(0.1, min(5.0, left)))) as resp:
-                    await resp.read()
+                    await read_body(resp, self.max_response_bytes)
                     if resp.status == 200:
                         return None
                     cause = f"HTTP {resp.status}"
@@ -334,7 +337,7 @@ class ServerPool:
                         continue
                     if resp.status in (401, 403):
                         return f"HTTP {resp.status}: the server rejected the api key"
-            except (aiohttp.ClientError, TimeoutError) as e:
+            except (aiohttp.ClientError, TimeoutError, HttpResponseTooLarge) as e:
                 cause = describe(e)
             left = deadline - time.monotonic()
             if left <= 0:
@@ -345,8 +348,8 @@ class ServerPool:
     async def _get(self, s: ServerState, route: str) -> tuple[int, bytes]:
         try:
             async with self.ensure_session().get(s.base_url + route, timeout=self.probe_timeout) as resp:
-                return resp.status, await resp.read()
-        except (aiohttp.ClientError, TimeoutError) as e:
+                return resp.status, await read_body(resp, self.max_response_bytes)
+        except (aiohttp.ClientError, TimeoutError, HttpResponseTooLarge) as e:
             raise ServerStartupError(f"{s.addr}{route} failed: {describe(e)}") from None
 
     async def _read_info(self, s: ServerState) -> None:
@@ -435,12 +438,12 @@ class ServerPool:
                 method, s.base_url + route, data=dumps(body) if body is not None else None,
                 headers=JSON_HEADERS if body is not None else None, timeout=t,
             ) as resp:
-                raw = await resp.read()
+                raw = await read_body(resp, self.max_response_bytes)
                 status = resp.status
         except TimeoutError:
             self.record_admin_fault(s)
             return None, f"no answer within {t.total:g}s"
-        except aiohttp.ClientError as e:
+        except (aiohttp.ClientError, HttpResponseTooLarge) as e:
             self.record_admin_fault(s)
             return None, describe(e)
         try:
@@ -513,3 +516,19 @@ class Router:
             if len(self._affinity) > _AFFINITY_CACHE:
                 self._affinity.popitem(last=False)
         return best
+
+
+async def read_body(resp: aiohttp.ClientResponse, cap: int) -> bytes:
+    """The body of ``resp``, refused (`HttpResponseTooLarge`) past ``cap`` bytes: from its
+    ``Content-Length`` before reading, else as it arrives (after decompression, if any)."""
+    if resp.content_length is not None and resp.content_length > cap:
+        raise HttpResponseTooLarge(f"Content-Length {resp.content_length} exceeds max_response_bytes={cap}")
+    parts, n = [], 0
+    while True:
+        part = await resp.content.read(1 << 16)
+        if not part:
+            return b"".join(parts)
+        n += len(part)
+        if n > cap:
+            raise HttpResponseTooLarge(f"response body exceeds max_response_bytes={cap}")
+        parts.append(part)

@@ -78,7 +78,7 @@ class RemoteSGLangEngine(RemoteInferenceClient):
     ``addrs`` are "host:port" (or "http://host:port"). ``api_key`` is sent as
     ``Authorization: Bearer <key>`` on every request and never logged.
     ``eos_token_ids`` (optional) are treated as stop tokens when an aborted
-    segment ends on one. A server leaves the rotation after
+    segment ends on one; output ids must lie below ``vocab_size`` when it is given. A server leaves the rotation after
     ``unhealthy_after`` consecutive failures and is probed every
     ``health_probe_interval_s`` seconds to come back. Requests held by
     ``pause_generation`` fail once the pause has lasted ``max_pause_s`` seconds
@@ -88,10 +88,10 @@ class RemoteSGLangEngine(RemoteInferenceClient):
     def __init__(self, addrs: Sequence[str] | str, config: RolloutConfig | None = None,
                  api_key: str | None = None, *, eos_token_ids: Iterable[int] = (),
                  unhealthy_after: int = 3, health_probe_interval_s: float = 5.0,
-                 max_pause_s: float = 3600.0):
+                 max_pause_s: float = 3600.0, vocab_size: int | None = None):
         super().__init__(addrs, config, api_key, wire=SGLangWire(), eos_token_ids=eos_token_ids,
                          unhealthy_after=unhealthy_after, health_probe_interval_s=health_probe_interval_s,
-                         max_pause_s=max_pause_s)
+                         max_pause_s=max_pause_s, vocab_size=vocab_size)
         self.admin = SGLangAdmin(self.pool)
 
     async def __aenter__(self) -> "RemoteSGLangEngine":

@@ -62,15 +62,18 @@ def has_weight_update_brackets(version: tuple[int, int, int, int] | None) -> boo
 
 
 def _weight_version(wv: Any) -> int | None:
-    """SGLang reports "default" until the first update_weight_version: that is None."""
+    """SGLang reports "default" until the first update_weight_version: that is None. A
+    version of any other type (a float, a list, true) is not an answer SGLang gives."""
     if type(wv) is int:
         return wv
     if isinstance(wv, str):
         try:
-            return int(wv)
+            return int(wv) if len(wv) <= 32 else None
         except ValueError:
-            pass
-    return None
+            return None
+    if wv is None:
+        return None
+    raise AttemptFailure("malformed", f"meta_info.weight_version is a {type(wv).__name__} ({wv!r:.40})")
 
 
 def prompt_score_body(input_ids: list[int], rid: str) -> dict[str, Any]:
@@ -97,7 +100,11 @@ def parse_prompt_logprobs(data: Any, input_ids: list[int]) -> tuple[list[float],
             raise ValueError(f"meta_info.input_token_logprobs[{i}] is {str(e)[:80]}, expected "
                              f"[logprob, {input_ids[i]}, ...]")
         lps.append(float(e[0]))
-    return lps, _weight_version(meta.get("weight_version"))
+    try:
+        version = _weight_version(meta.get("weight_version"))
+    except AttemptFailure as e:
+        raise ValueError(str(e)) from None
+    return lps, version
 
 
 def _malformed(why: str) -> AttemptFailure:

@@ -19,23 +19,55 @@ from typing import Any, NamedTuple, Protocol, runtime_checkable
 
 from arealite.api.types import SamplingParams
 
+import numpy as np
+
 try:  # orjson is several times faster on token-id lists; plain json is the fallback.
     import orjson
 
     def dumps(obj: Any) -> bytes:
         return orjson.dumps(obj)
 
-    loads = orjson.loads
+    _parse = orjson.loads  # strict JSON: NaN and Infinity are refused
 except ImportError:  # pragma: no cover - exercised only without orjson
     import json
 
     def dumps(obj: Any) -> bytes:
         return json.dumps(obj, separators=(",", ":")).encode()
 
-    loads = json.loads
+    def _no_constant(name: str) -> Any:
+        raise ValueError(f"{name} is not JSON")
 
-__all__ = ["Segment", "ServerFacts", "WireFormat", "describe", "dumps", "error_message", "loads",
-           "snippet"]
+    def _parse(raw: bytes | str) -> Any:
+        return json.loads(raw, parse_constant=_no_constant)
+
+#: Deepest nesting accepted in a server's JSON. SGLang's answers nest 4 levels; a recursive
+#: parser given a few hundred thousand levels overflows the C stack and kills the process.
+MAX_JSON_DEPTH = 512
+
+
+def _nesting_depth(raw: bytes) -> int:
+    """Deepest bracket nesting of ``raw`` (brackets inside strings count too: an over-estimate)."""
+    a = np.frombuffer(raw, dtype=np.uint8)
+    step = ((a == 91) | (a == 123)).astype(np.int32) - ((a == 93) | (a == 125))
+    return int(np.cumsum(step).max(initial=0))
+
+
+def loads(raw: bytes | str) -> Any:
+    """Parse a server's JSON; raise ``ValueError`` for anything that is not strict JSON nested
+    at most `MAX_JSON_DEPTH` levels (NaN, Infinity, a bomb of brackets)."""
+    if isinstance(raw, str):
+        raw = raw.encode("utf-8", "surrogatepass")
+    # Fast path: fewer opening brackets than the limit cannot nest deeper than it.
+    if raw.count(b"[") + raw.count(b"{") > MAX_JSON_DEPTH and _nesting_depth(raw) > MAX_JSON_DEPTH:
+        raise ValueError(f"JSON nested deeper than {MAX_JSON_DEPTH} levels")
+    try:
+        return _parse(raw)
+    except RecursionError:
+        raise ValueError("JSON nested too deeply") from None
+
+
+__all__ = ["MAX_JSON_DEPTH", "Segment", "ServerFacts", "WireFormat", "describe", "dumps", "error_message",
+           "loads", "snippet"]
 
 JSON_HEADERS = {"Content-Type": "application/json"}
 

@@ -25,10 +25,13 @@ import uuid
 from typing import Any
 
 from arealite.config.agent import JudgeConfig
+from arealite.engine.wire import loads as strict_json  # no NaN, bounded nesting
 
 __all__ = ["Judge", "configure", "judge_reward"]
 
 ADDRS_ENV = "AREALITE_JUDGE_ADDRS"
+
+_MAX_ANSWER_BYTES = 8 << 20  # a judge's answer is a few hundred tokens
 
 
 class Judge:
@@ -83,11 +86,15 @@ class Judge:
             try:
                 req = urllib.request.Request(addr + "/generate", data=body, headers=headers)
                 with urllib.request.urlopen(req, timeout=self.config.timeout_s) as r:
-                    data = json.loads(r.read())
+                    raw = r.read(_MAX_ANSWER_BYTES + 1)
+                if len(raw) > _MAX_ANSWER_BYTES:
+                    raise ValueError(f"answer larger than {_MAX_ANSWER_BYTES} bytes")
+                data = strict_json(raw)
                 data = data[0] if isinstance(data, list) else data
                 out = data.get("output_ids") or [e[1] for e in data["meta_info"]["output_token_logprobs"]]
                 return self.tok.decode(out, skip_special_tokens=True)
-            except (urllib.error.URLError, OSError, ValueError, KeyError, TypeError) as e:
+            except (urllib.error.URLError, OSError, ValueError, KeyError, TypeError, IndexError,
+                    OverflowError, AttributeError) as e:  # a broken or hostile answer: the next server
                 self.counters["server_errors"] += 1
                 errors.append(f"{addr}: {e}")
         raise RuntimeError("every judge server failed: " + " | ".join(errors))

@@ -59,15 +59,13 @@ class WorkerSpec:
 def _build_side(spec: WorkerSpec):
     from transformers import AutoTokenizer
 
-    from arealite.engine.backends import make_remote_engine
     from arealite.rollout.side import LocalRollout
-    from arealite.utils.run import server_addrs, server_api_key
+    from arealite.trainer.build import build_inference_client
     from arealite.workflow.registry import build_workflow, samples_at_eval
 
     cfg = spec.config
     tokenizer = AutoTokenizer.from_pretrained(cfg.actor.model_path)
-    client = make_remote_engine(cfg.launch.server_backend, server_addrs(cfg), cfg.rollout,
-                                api_key=server_api_key(cfg), eos_token_ids=[tokenizer.eos_token_id])
+    client = build_inference_client(cfg, tokenizer)
     workflow = spec.workflow or build_workflow(cfg, tokenizer)
     eval_workflow = spec.eval_workflow or (build_workflow(cfg, tokenizer, evaluation=True)
                                            if spec.workflow is None else workflow)

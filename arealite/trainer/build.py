@@ -18,6 +18,7 @@ from arealite.data.dataset import StatefulDataLoader, load_items
 from arealite.data.validate import validate_datasets
 from arealite.utils import accounting
 from arealite.utils.run import server_addrs, server_api_key
+from arealite.utils.tokenizer import vocab_bound
 from arealite.workflow.base import RolloutWorkflow
 from arealite.workflow.registry import build_workflow, samples_at_eval
 
@@ -109,7 +110,8 @@ def build_inference_client(cfg: ArealiteConfig, tokenizer: Any) -> InferenceClie
     from arealite.engine.backends import make_remote_engine
 
     return make_remote_engine(cfg.launch.server_backend, server_addrs(cfg), cfg.rollout,
-                              api_key=server_api_key(cfg), eos_token_ids=[tokenizer.eos_token_id])
+                              api_key=server_api_key(cfg), eos_token_ids=[tokenizer.eos_token_id],
+                              vocab_size=vocab_bound(cfg.actor.model_path, tokenizer))
 
 
 def build_rollout(cfg: ArealiteConfig, tokenizer: Any, loader: Any, world: int,

@@ -41,6 +41,32 @@ class EpochItem(dict):
         self.epoch = epoch
 
 
+_EPOCH_KEY = "__arealite_epoch_item__"
+
+
+def epoch_items_to_plain(obj: Any) -> Any:
+    """``obj`` with every `EpochItem` inside dicts, lists and tuples written as a plain dict
+    (``{_EPOCH_KEY: epoch, "item": {...}}``), so that a checkpoint holds only plain data and
+    loads with ``torch.load(weights_only=True)``. `epoch_items_from_plain` undoes it."""
+    if isinstance(obj, EpochItem):
+        return {_EPOCH_KEY: obj.epoch, "item": {k: epoch_items_to_plain(v) for k, v in obj.items()}}
+    if isinstance(obj, dict):
+        return {k: epoch_items_to_plain(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(epoch_items_to_plain(v) for v in obj) if type(obj) in (list, tuple) else obj
+    return obj
+
+
+def epoch_items_from_plain(obj: Any) -> Any:
+    if isinstance(obj, dict):
+        if _EPOCH_KEY in obj and set(obj) == {_EPOCH_KEY, "item"}:
+            return EpochItem(epoch_items_from_plain(obj["item"]), int(obj[_EPOCH_KEY]))
+        return {k: epoch_items_from_plain(v) for k, v in obj.items()}
+    if type(obj) in (list, tuple):
+        return type(obj)(epoch_items_from_plain(v) for v in obj)
+    return obj
+
+
 def item_epoch(item: Any) -> int:
     return int(getattr(item, "epoch", -1))
 

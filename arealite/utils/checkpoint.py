@@ -22,15 +22,18 @@ from __future__ import annotations
 import json
 import logging
 import os
+import pickle
 import shutil
 import signal
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from arealite.config.schema import RecoverConfig, SaverConfig
+from arealite.utils.accounting import epoch_items_from_plain, epoch_items_to_plain
 
 logger = logging.getLogger("arealite.checkpoint")
 
@@ -133,12 +136,12 @@ class Checkpointer:
             tmp.mkdir(parents=True)
         _barrier()
         engine.save(tmp / "engine")  # DCP fsyncs its own shard files
-        state = {
+        state = epoch_items_to_plain({  # plain data only: it loads with weights_only
             "step": step,
             "world_size": world,
             "controller": controller.state_dict(),
             "dataloader": loader.state_dict(),
-        }
+        })
         part = tmp / f"rollout_rank{rank}.pt"
         torch.save(state, part)
         _fsync(part)
@@ -235,7 +238,7 @@ class Checkpointer:
                 f"checkpoint {path} has no {part.name}: it was written by fewer trainer ranks than this run's "
                 f"{world}; resume with the same launch.n_trainer_procs"
             )
-        state = torch.load(part, weights_only=False)  # our own file: holds tensors and python items
+        state = epoch_items_from_plain(load_state_file(part, allow_pickle=self.recover.allow_pickle))
         if state["world_size"] != world:
             raise RuntimeError(
                 f"checkpoint {path} was written by {state['world_size']} trainer rank(s), this run has {world}; "
@@ -248,3 +251,20 @@ class Checkpointer:
         if rank == 0:
             print(f"[arealite] resumed from {path} (step {step})", flush=True)
         return step
+
+
+def load_state_file(path: Path, allow_pickle: bool = False) -> Any:
+    """A ``torch.save``d state of tensors and plain Python data (dicts, lists, tuples, str,
+    numbers, None), read without running code the file could name (``weights_only``).
+
+    A file that names any other class is refused with a clear error unless ``allow_pickle``
+    (`recover.allow_pickle`: the run directory is trusted)."""
+    try:
+        return torch.load(path, weights_only=not allow_pickle, map_location="cpu")
+    except pickle.UnpicklingError as e:
+        first = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
+        raise RuntimeError(
+            f"checkpoint file {path} holds objects other than tensors and plain Python data ({first}); "
+            "loading it could run code. If you wrote it and no one else can write the run directory, "
+            "set recover.allow_pickle: true"
+        ) from None

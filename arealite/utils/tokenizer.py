@@ -120,3 +120,19 @@ def decode_many(tokenizer: Any, seqs: list[list[int]], skip_special_tokens: bool
     switch interval (5 ms) per call.
     """
     return [decode(tokenizer, s, skip_special_tokens) for s in seqs]
+
+
+def vocab_bound(model_path: str, tokenizer: Any) -> int:
+    """One above the largest token id the model at ``model_path`` can emit: its embedding rows
+    (``config.vocab_size``, often padded beyond the tokenizer), or the tokenizer's size if larger."""
+    from transformers import AutoConfig
+
+    n = len(tokenizer)
+    try:
+        cfg = AutoConfig.from_pretrained(model_path)
+    except (OSError, ValueError) as e:
+        logger.warning("cannot read the model config at %s (%s); output ids are checked against "
+                       "the tokenizer's %d tokens", model_path, e, n)
+        return n
+    text_cfg = getattr(cfg, "get_text_config", lambda: cfg)()
+    return max(n, int(getattr(text_cfg, "vocab_size", 0) or 0))

@@ -1,0 +1,58 @@
+"""What a generation answer must satisfy before its tokens may reach a trajectory.
+
+The client trusts no server: a buggy build, a proxy that rewrites bodies or a hostile
+process on the port must not put an out-of-vocabulary id into an embedding lookup, a NaN
+into an importance ratio or ten thousand tokens into a 64-token budget. Every segment is
+checked here, whatever the backend; a violation is a malformed answer
+(``AttemptFailure("malformed")``), retried on another server like a dropped connection.
+"""
+
+from __future__ import annotations
+
+import math
+
+from arealite.engine.errors import AttemptFailure
+from arealite.engine.wire import Segment
+
+__all__ = ["LOGPROB_SLACK", "MAX_VERSION", "check_segment"]
+
+#: Largest log-prob accepted. A log-softmax is <= 0; fp32 rounding on the server can give
+#: a few ulps above 0 for a near-certain token, which is kept as reported.
+LOGPROB_SLACK = 1e-3
+#: Largest policy version a server may report (versions count training steps).
+MAX_VERSION = 2**53
+
+
+def _malformed(why: str) -> AttemptFailure:
+    return AttemptFailure("malformed", why)
+
+
+def check_segment(seg: Segment, budget: int, vocab_size: int | None) -> Segment:
+    """Return ``seg`` if it is a possible answer to a request for at most ``budget`` new
+    tokens from a model of ``vocab_size`` tokens (None: ids are only checked to be >= 0);
+    raise a malformed-answer `AttemptFailure` naming the first violation otherwise."""
+    ids, lps = seg.ids, seg.logprobs
+    if len(ids) != len(lps):
+        raise _malformed(f"{len(ids)} output tokens but {len(lps)} log-probs")
+    if len(ids) > budget:
+        raise _malformed(f"{len(ids)} output tokens for a budget of {budget} (max_new_tokens)")
+    if ids:
+        # type(...) is int refuses bool (a subclass of int) and floats; min/max are C loops.
+        if not all(type(t) is int for t in ids):
+            bad = next(t for t in ids if type(t) is not int)
+            raise _malformed(f"output token id {bad!r:.40} is a {type(bad).__name__}, not an int")
+        lo, hi = min(ids), max(ids)
+        if lo < 0 or (vocab_size is not None and hi >= vocab_size):
+            bad = lo if lo < 0 else hi
+            raise _malformed(f"output token id {bad} is outside the vocabulary [0, {vocab_size or 'inf'})")
+        if not all(type(x) is float or type(x) is int for x in lps):
+            bad = next(x for x in lps if not (type(x) is float or type(x) is int))
+            raise _malformed(f"log-prob {bad!r:.40} is a {type(bad).__name__}, not a number")
+        top = max(lps)
+        if not (top <= LOGPROB_SLACK and math.isfinite(sum(lps))):  # NaN fails every comparison
+            bad = next((x for x in lps if not (math.isfinite(x) and x <= LOGPROB_SLACK)), top)
+            raise _malformed(f"log-prob {bad!r} is not a finite number <= 0")
+    v = seg.version
+    if v is not None and not 0 <= v <= MAX_VERSION:
+        raise _malformed(f"weight version {v!r:.40} is outside [0, 2**53]")
+    return seg
