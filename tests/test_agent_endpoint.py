@@ -122,6 +122,35 @@ async def test_openai_client_chat_stream_and_completions(tok, engine):
     assert wf.stats()["agent_calls"] == 4 and wf.stats()["agent_stream_requests"] == 1
 
 
+async def test_top_logprobs_come_from_the_server_through_the_openai_client(tok, engine):
+    import openai
+
+    seen = {}
+
+    async def run(client, item):
+        seen["chat"] = await client.chat.completions.create(
+            model="p", messages=[{"role": "user", "content": "Hi"}], max_tokens=5, logprobs=True, top_logprobs=3)
+        seen["cmpl"] = await client.completions.create(model="p", prompt="What is 1 + 1?", max_tokens=4, logprobs=2)
+        for bad in ({"top_logprobs": 2}, {"logprobs": True, "top_logprobs": 21}):
+            with pytest.raises(openai.BadRequestError, match="top_logprobs"):
+                await client.chat.completions.create(model="p", messages=[{"role": "user", "content": "Hi"}],
+                                                     max_tokens=2, **bad)
+        return 1.0
+
+    await workflow(tok, run, rows="call").arun_episode(engine, {"prompt_id": 0})
+    content = seen["chat"].choices[0].logprobs.content
+    assert len(content) == len(engine.calls[0][1].output_ids)
+    for entry in content:
+        alts = [a.logprob for a in entry.top_logprobs]
+        assert len(alts) == 3 and alts == sorted(alts, reverse=True) and alts[-1] <= alts[0] <= 0
+        assert entry.logprob <= alts[0] + 1e-6  # nothing sampled is likelier than the likeliest
+        match = [a.logprob for a in entry.top_logprobs if a.token == entry.token]
+        assert not match or abs(match[0] - entry.logprob) < 1e-5
+    legacy = seen["cmpl"].choices[0].logprobs
+    assert len(legacy.top_logprobs) == len(legacy.tokens) and all(1 <= len(d) <= 2 for d in legacy.top_logprobs)
+    assert all(max(d.values()) >= lp - 1e-6 for d, lp in zip(legacy.top_logprobs, legacy.token_logprobs))
+
+
 async def test_token_exact_across_five_turns_with_tool_results(tok, engine):
     async def run(client, item):
         messages = [{"role": "user", "content": "Multiply 12 by 34."}]

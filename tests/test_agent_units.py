@@ -115,8 +115,10 @@ def test_completion_requests():
     req = parse_request("completion", {"model": "m", "prompt": ["abc"], "logprobs": 0}, policy(), [])
     assert req.prompt == "abc" and req.logprobs
     assert parse_request("completion", {"model": "m", "prompt": [5, 6]}, policy(), []).prompt == [5, 6]
+    two = parse_request("completion", {"model": "m", "prompt": "a", "logprobs": 2}, policy(), [])
+    assert two.logprobs and two.top_logprobs == 2  # the legacy API's alternatives per token
     with pytest.raises(RequestError, match="logprobs"):
-        parse_request("completion", {"model": "m", "prompt": "a", "logprobs": 2}, policy(), [])
+        parse_request("completion", {"model": "m", "prompt": "a", "logprobs": 6}, policy(), [])
     with pytest.raises(RequestError, match="echo"):
         parse_request("completion", {"model": "m", "prompt": "a", "echo": True}, policy(), [])
     with pytest.raises(RequestError, match="Unrecognized request argument supplied: messages"):

@@ -263,6 +263,9 @@ def seg(ids, lps=None, version=0):
     (seg([1, 2], [-0.1, 1e-2]), "not a finite number <= 0"),
     (seg([1, 2], [-0.1, None]), "not a number"),
     (seg([1], version=-1), "weight version -1"),
+    (Segment([1], [-0.1], "length", 0, [[(1, -0.1), (VOCAB, -2.0)]]), "top log-prob names a token id"),
+    (Segment([1], [-0.1], "length", 0, [[(1, -0.1), (2, float("nan"))]]), "top log-prob is not a finite"),
+    (Segment([1, 2], [-0.1, -0.1], "length", 0, [[(1, -0.1)]]), "1 positions of top log-probs for 2"),
 ])
 def test_check_segment_names_the_violation(segment, why):
     with pytest.raises(AttemptFailure, match=why) as e:

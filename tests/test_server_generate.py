@@ -106,6 +106,32 @@ async def test_logprobs_match_hf_forward_under_concurrent_batching(server, http,
     assert info["internal_states"][0]["max_running"] >= 4, "concurrent requests were not batched together"
 
 
+async def test_top_logprobs_are_the_most_likely_tokens_of_the_same_distribution(server, http, hf_model):
+    # Two requests in one batch, one asking for 5 top tokens and one for none (SGLang's shape).
+    prompt = prompt_of(7, 11)
+    sp = {"max_new_tokens": 6, "temperature": 0.7, "ignore_eos": True}
+    asked, plain = await asyncio.gather(
+        post(http, server, "/generate", {"input_ids": prompt, "sampling_params": sp, "return_logprob": True,
+                                         "top_logprobs_num": 5}),
+        post(http, server, "/generate", {"input_ids": prompt, "sampling_params": sp, "return_logprob": True}))
+    assert "output_top_logprobs" not in plain["meta_info"]
+    top = asked["meta_info"]["output_top_logprobs"]
+    full, chosen = hf_logprobs(hf_model, prompt, asked["output_ids"], 0.7)
+    assert len(top) == len(asked["output_ids"]) == 6
+    for pos, entries in enumerate(top):
+        assert len(entries) == 5 and all(e[2] is None for e in entries)
+        want_lp, want_ids = full[pos].topk(5)
+        assert [e[1] for e in entries] == want_ids.tolist()
+        assert max(abs(e[0] - w) for e, w in zip(entries, want_lp.tolist())) <= 1e-5
+        assert entries[0][0] >= chosen[pos].item() - 1e-6  # the sampled token is never likelier than the top one
+    for bad in (-1, 65, 1.5, "3", True):
+        await post(http, server, "/generate", {"input_ids": prompt, "sampling_params": sp, "return_logprob": True,
+                                               "top_logprobs_num": bad}, status=400)
+    # Without return_logprob SGLang reports no log-probs at all, top ones included.
+    out = await post(http, server, "/generate", {"input_ids": prompt, "sampling_params": sp, "top_logprobs_num": 3})
+    assert "output_top_logprobs" not in out["meta_info"]
+
+
 async def test_greedy_is_deterministic_and_batch_returns_a_list(server, http):
     body = {"input_ids": prompt_of(9, 100), "sampling_params": {"max_new_tokens": 12, "temperature": 0}}
     a = await post(http, server, "/generate", body)

@@ -258,7 +258,8 @@ class AgentEndpoint:
         try:
             comps = await asyncio.gather(*(
                 s.engine.agenerate(GenerationRequest(list(prompt_ids), req.sampling, affinity_key=s.affinity_key,
-                                                     metadata={"on_segment": hooks[i]} if hooks else {}))
+                                                     metadata={"on_segment": hooks[i]} if hooks else {},
+                                                     top_logprobs=req.top_logprobs))
                 for i in range(req.n)))
         finally:
             s.tasks.discard(task)

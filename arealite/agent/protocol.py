@@ -31,7 +31,7 @@ CHAT_KEYS = _COMMON | {"messages", "top_logprobs", "max_completion_tokens", "res
 COMPLETION_KEYS = _COMMON | {"prompt", "best_of", "echo", "suffix"}
 # Parameters we cannot honour: refused unless they hold the value that changes nothing.
 _NEUTRAL: dict[str, Any] = {"frequency_penalty": (0, 0.0), "presence_penalty": (0, 0.0), "logit_bias": ({},),
-                            "top_logprobs": (0,), "modalities": (["text"],), "audio": (), "prediction": (),
+                            "modalities": (["text"],), "audio": (), "prediction": (),
                             "web_search_options": (), "functions": (), "function_call": (), "best_of": (1,),
                             "echo": (False,), "suffix": ("",),
                             "response_format": ({"type": "text"},)}
@@ -48,6 +48,7 @@ class ParsedRequest:
     stream: bool = False
     include_usage: bool = False
     logprobs: bool = False
+    top_logprobs: int = 0  # alternatives reported per token (chat: top_logprobs; completions: logprobs)
     stop: list[str] = field(default_factory=list)
     messages: list[dict[str, Any]] | None = None
     tools: list[dict[str, Any]] | None = None
@@ -179,6 +180,10 @@ def parse_request(kind: str, body: Any, policy: SamplingPolicy, extra_stop_ids: 
                         overridden=overridden, clamped=clamped)
     if kind == "chat":
         req.logprobs = body.get("logprobs") is True
+        req.top_logprobs = _int(body, "top_logprobs", 0, 20) or 0
+        if req.top_logprobs and not req.logprobs:
+            raise RequestError("'top_logprobs' needs 'logprobs' set to true", param="top_logprobs",
+                               code="invalid_value")
         req.messages = normalize_messages(body.get("messages"))
         req.tools, req.parse_tools = _tools(body)
         kw = body.get("chat_template_kwargs")
@@ -187,9 +192,7 @@ def parse_request(kind: str, body: Any, policy: SamplingPolicy, extra_stop_ids: 
         req.template_kwargs = kw
     else:
         lp = _int(body, "logprobs", 0, 5)
-        if lp:
-            raise unsupported_value("logprobs", "may only be 0 here (the sampled tokens' log-probs, no alternatives)")
-        req.logprobs = lp == 0
+        req.logprobs, req.top_logprobs = lp is not None, lp or 0
         req.prompt = _prompt(body.get("prompt"))
     return req
 
@@ -222,6 +225,7 @@ class Choice:
     content: str
     tool_calls: list[ToolCall] = field(default_factory=list)
     malformed_tool_call: bool = False
+    top: list[list[tuple[int, float]]] | None = None  # per token: (id, log-prob) of the likeliest
 
 
 def _cut_at_stop(tok: Any, ids: list[int], stop: list[str]) -> tuple[int, str] | None:
@@ -253,6 +257,8 @@ def finish_choice(index: int, comp: Completion, req: ParsedRequest, tok: Any, pa
     else:
         text = decode(tok, ids)
     choice = Choice(index, comp, ids, lps, vers, finish, text, text)
+    if req.top_logprobs and comp.output_top_logprobs is not None:
+        choice.top = [pos[: req.top_logprobs] for pos in comp.output_top_logprobs[: len(ids)]]
     if req.parse_tools:
         parsed = parser.parse(text, req.tool_names)
         choice.content, choice.tool_calls, choice.malformed_tool_call = parsed.content, parsed.calls, parsed.malformed
@@ -261,12 +267,15 @@ def finish_choice(index: int, comp: Completion, req: ParsedRequest, tok: Any, pa
     return choice
 
 
+def _token_entry(tok: Any, t: int, lp: float) -> dict[str, Any]:
+    s = decode(tok, [t], skip_special_tokens=False)
+    return {"token": s, "logprob": lp, "bytes": list(s.encode())}
+
+
 def _token_logprobs(tok: Any, c: Choice) -> list[dict[str, Any]]:
-    out = []
-    for t, lp in zip(c.output_ids, c.logprobs):
-        s = decode(tok, [t], skip_special_tokens=False)
-        out.append({"token": s, "logprob": lp, "bytes": list(s.encode()), "top_logprobs": []})
-    return out
+    tops = c.top if c.top is not None else [()] * len(c.output_ids)
+    return [{**_token_entry(tok, t, lp), "top_logprobs": [_token_entry(tok, a, alp) for a, alp in top]}
+            for t, lp, top in zip(c.output_ids, c.logprobs, tops)]
 
 
 def assistant_message(c: Choice) -> dict[str, Any]:
@@ -305,7 +314,10 @@ def _legacy_logprobs(tok: Any, c: Choice) -> dict[str, Any]:
     for s in tokens:
         offsets.append(pos)
         pos += len(s)
-    return {"tokens": tokens, "token_logprobs": list(c.logprobs), "top_logprobs": None, "text_offset": offsets}
+    top = None
+    if c.top is not None:  # {token text: log-prob} per position, as the legacy API gives it
+        top = [{decode(tok, [a], skip_special_tokens=False): alp for a, alp in pos} for pos in c.top]
+    return {"tokens": tokens, "token_logprobs": list(c.logprobs), "top_logprobs": top, "text_offset": offsets}
 
 
 def _pieces(text: str, size: int = 24) -> list[str]:

@@ -78,6 +78,8 @@ class GenerationRequest:
     rid: str = field(default_factory=lambda: uuid.uuid4().hex)
     affinity_key: str | None = None
     metadata: dict[str, Any] = field(default_factory=dict)
+    top_logprobs: int = 0
+    """How many of the most likely tokens to report at each generated position (0: none)."""
 
 
 @dataclass
@@ -99,6 +101,9 @@ class Completion:
     latency_s: float = 0.0
     server: str = ""
     n_interruptions: int = 0
+    output_top_logprobs: list[list[tuple[int, float]]] | None = None
+    """With ``GenerationRequest.top_logprobs`` > 0: per output token, (id, log-prob) of the most
+    likely tokens of the same distribution, likeliest first."""
 
     @property
     def all_ids(self) -> list[int]:

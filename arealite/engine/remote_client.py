@@ -68,7 +68,7 @@ class _Progress:
     """One request across its attempts (retries) and segments (resubmissions after aborts)."""
 
     __slots__ = ("req", "t0", "prompt", "budget", "params", "ids", "lps", "vers", "n_aborts",
-                 "empty_aborts", "retries", "segment", "errors", "tried", "server", "finish")
+                 "empty_aborts", "retries", "segment", "errors", "tried", "server", "finish", "top")
 
     def __init__(self, req: GenerationRequest, prompt: list[int], budget: int, params: dict[str, Any]):
         self.req, self.prompt, self.budget, self.params = req, prompt, budget, params
@@ -76,6 +76,7 @@ class _Progress:
         self.ids: list[int] = []
         self.lps: list[float] = []
         self.vers: list[int] = []
+        self.top: list[list[tuple[int, float]]] | None = [] if req.top_logprobs else None
         self.n_aborts = self.empty_aborts = self.retries = self.segment = 0
         self.errors: list[str] = []  # one line per failed attempt, for the final error
         self.tried: set[str] = set()
@@ -248,6 +249,8 @@ class RemoteInferenceClient:
                 seg = await self._generate_once(p.server, self._next_body(p))
                 if seg is not None:
                     check_segment(seg, p.budget - len(p.ids), self.vocab_size)
+                    if p.top is not None and seg.ids and seg.top is None:
+                        raise AttemptFailure("malformed", "top log-probs were asked for and not given")
             except AttemptFailure as e:
                 await self._after_failure(p, e)
                 continue
@@ -286,11 +289,13 @@ class RemoteInferenceClient:
     def _next_body(self, p: _Progress) -> dict[str, Any]:
         """The next segment's request: the prompt plus what was generated so far."""
         rid = p.req.rid
+        top = p.req.top_logprobs
         if p.ids:
             body = self.wire.generate_body(p.prompt + p.ids, p.params, f"{rid}-{p.segment}",
-                                           p.budget - len(p.ids))
+                                           p.budget - len(p.ids), top_logprobs=top)
         else:
-            body = self.wire.generate_body(p.prompt, p.params, rid if p.segment == 0 else f"{rid}-{p.segment}")
+            body = self.wire.generate_body(p.prompt, p.params, rid if p.segment == 0 else f"{rid}-{p.segment}",
+                                           top_logprobs=top)
         p.segment += 1
         return body
 
@@ -326,6 +331,8 @@ class RemoteInferenceClient:
             p.ids += ids
             p.lps += seg.logprobs
             p.vers += [seg.version] * len(ids)
+            if p.top is not None:
+                p.top += seg.top
             on_segment = p.req.metadata.get("on_segment") if p.req.metadata else None
             if on_segment is not None:  # e.g. the agent endpoint streaming a reply as it comes
                 on_segment(ids)
@@ -369,7 +376,7 @@ class RemoteInferenceClient:
         return Completion(rid=p.req.rid, input_ids=p.prompt, output_ids=p.ids, output_logprobs=p.lps,
                           output_versions=p.vers, finish_reason=p.finish,
                           latency_s=time.perf_counter() - p.t0, server=p.server.addr,
-                          n_interruptions=p.n_aborts)
+                          n_interruptions=p.n_aborts, output_top_logprobs=p.top)
 
     async def _generate_once(self, server: ServerState, payload: dict[str, Any]) -> Segment | None:
         """One generation call; returns the segment with its version filled in.
@@ -483,6 +490,9 @@ def _check_request(req: GenerationRequest) -> tuple[list[int], int]:
             raise ValueError(
                 f"GenerationRequest.input_ids of request {req.rid} is empty; give at least one token"
             )
+    if type(req.top_logprobs) is not int or not 0 <= req.top_logprobs <= 64:
+        raise ValueError(f"GenerationRequest.top_logprobs={req.top_logprobs!r} of request {req.rid} must be "
+                         "an int in [0, 64]")
     budget = req.sampling.max_new_tokens
     if type(budget) is not int or budget < 1:
         raise ValueError(

@@ -127,6 +127,16 @@ def _split_logprobs(token_lps: Any) -> tuple[list[float], list[int]]:
     return lps, lp_ids
 
 
+def _split_top(top: Any, n: int) -> list[list[tuple[int, float]]]:
+    """``output_top_logprobs`` (per position, ``[[logprob, id, text], ...]``) -> (id, logprob) pairs."""
+    if not isinstance(top, list) or len(top) != n:
+        raise _malformed(f"meta_info.output_top_logprobs has {count(top)} positions for {n} tokens")
+    try:
+        return [[(e[1], e[0]) for e in pos] for pos in top]
+    except (TypeError, IndexError, KeyError):
+        raise _malformed("meta_info.output_top_logprobs entries are not [logprob, token_id, ...]") from None
+
+
 class SGLangWire:
     """`WireFormat` of SGLang 0.5.x (and the embedded server)."""
 
@@ -146,10 +156,12 @@ class SGLangWire:
         return sp.to_sglang()
 
     def generate_body(self, input_ids: list[int], params: dict[str, Any], rid: str,
-                      max_new_tokens: int | None = None) -> dict[str, Any]:
+                      max_new_tokens: int | None = None, top_logprobs: int = 0) -> dict[str, Any]:
         if max_new_tokens is not None:
             params = {**params, "max_new_tokens": max_new_tokens}
         body = {"input_ids": input_ids, "sampling_params": params, "return_logprob": True, "rid": rid}
+        if top_logprobs:
+            body["top_logprobs_num"] = top_logprobs
         if self.lora_path is not None:
             body["lora_path"] = self.lora_path
         return body
@@ -180,7 +192,9 @@ class SGLangWire:
         if ids and (type(ids[0]) is not int or type(lps[0]) not in (float, int)):
             raise _malformed(f"output tokens/logprobs have types {type(ids[0]).__name__}/"
                              f"{type(lps[0]).__name__}, expected int/float")
-        return Segment(ids, lps, finish, _weight_version(meta.get("weight_version")))
+        top = meta.get("output_top_logprobs")
+        return Segment(ids, lps, finish, _weight_version(meta.get("weight_version")),
+                       None if top is None else _split_top(top, len(ids)))
 
     def server_facts(self, addr: str, info: dict[str, Any]) -> ServerFacts:
         release = info.get("version") if isinstance(info.get("version"), str) else None

@@ -79,6 +79,7 @@ class Segment(NamedTuple):
     logprobs: list[float]
     finish: str  # stop | length | abort
     version: int | None  # the weight version the server reported; None when it did not
+    top: list[list[tuple[int, float]]] | None = None  # per token: (id, log-prob) of the likeliest
 
 
 class ServerFacts(NamedTuple):
@@ -105,8 +106,9 @@ class WireFormat(Protocol):
         ...
 
     def generate_body(self, input_ids: list[int], params: dict[str, Any], rid: str,
-                      max_new_tokens: int | None = None) -> dict[str, Any]:
-        """One generation request; ``max_new_tokens`` overrides ``params``' own when given."""
+                      max_new_tokens: int | None = None, top_logprobs: int = 0) -> dict[str, Any]:
+        """One generation request; ``max_new_tokens`` overrides ``params``' own when given;
+        ``top_logprobs`` > 0 asks for that many likeliest tokens per position."""
         ...
 
     def parse_generate(self, raw: bytes) -> Segment:

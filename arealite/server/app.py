@@ -118,6 +118,8 @@ class EmbeddedServer:
         }
         if seq.inp.return_logprob:
             meta["output_token_logprobs"] = [[lp, t, None] for lp, t in zip(seq.output_logprobs, seq.output_ids)]
+            if seq.inp.top_logprobs_num:
+                meta["output_top_logprobs"] = seq.output_top_logprobs or []
             if seq.input_logprobs is not None:
                 ids = seq.inp.input_ids[seq.inp.logprob_start_len:]
                 meta["input_token_logprobs"] = [[lp, t, None] for lp, t in zip(seq.input_logprobs, ids)]

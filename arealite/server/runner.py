@@ -44,6 +44,8 @@ class Sequence:
     generator: torch.Generator | None = None
     output_ids: list[int] = field(default_factory=list)
     output_logprobs: list[float] = field(default_factory=list)
+    output_top_logprobs: list[list[list]] | None = None
+    """Per generated token, ``[logprob, id, None]`` of the most likely tokens (``top_logprobs_num``)."""
     input_logprobs: list[float | None] | None = None
     """SGLang's ``input_token_logprobs`` values from ``logprob_start_len`` (None: not asked)."""
     finish_reason: dict[str, Any] | None = None
@@ -304,9 +306,9 @@ class ModelRunner:
         self._merge(ready, cache, mask, torch.tensor(lens, device=self.device))
         state = BatchSamplingState.build([s.inp.sampling for s in ready], [s.generator for s in ready],
                                          self.vocab_size, self.device)
-        tokens, logprobs = sample_next(logits, state, self.shared_gen)
+        tokens, logprobs, top = self._sample(logits, state, ready)
         self._next[b_old:] = tokens
-        self._record(range(b_old, b_old + len(ready)), tokens.tolist(), logprobs.tolist())
+        self._record(range(b_old, b_old + len(ready)), tokens.tolist(), logprobs.tolist(), top)
 
     def _merge(self, seqs: list[Sequence], cache, mask: torch.Tensor, positions: torch.Tensor) -> None:
         if not self._running:
@@ -341,12 +343,20 @@ class ModelRunner:
         logits = self._forward(self._next[:, None], self._mask, self._positions[:, None], self._cache,
                                seqs=self._running)
         self._positions = self._positions + 1
-        tokens, logprobs = sample_next(logits, self._sampling, self.shared_gen)
+        tokens, logprobs, top = self._sample(logits, self._sampling, self._running)
         self._next = tokens
         self.stats["steps"] += 1
-        self._record(range(B), tokens.tolist(), logprobs.tolist())
+        self._record(range(B), tokens.tolist(), logprobs.tolist(), top)
 
-    def _record(self, rows: range, tokens: list[int], logprobs: list[float]) -> None:
+    def _sample(self, logits: torch.Tensor, state: BatchSamplingState, seqs: list[Sequence]):
+        """`sample_next`, with the top log-probs as lists when a sequence asked for them."""
+        k = max(s.inp.top_logprobs_num for s in seqs)
+        if k == 0:
+            return (*sample_next(logits, state, self.shared_gen), None)
+        tokens, logprobs, (values, ids) = sample_next(logits, state, self.shared_gen, top=k)
+        return tokens, logprobs, (values.tolist(), ids.tolist())
+
+    def _record(self, rows: range, tokens: list[int], logprobs: list[float], top=None) -> None:
         """Append each row's new token; finish rows that hit a stop token or their length."""
         done = []
         for j, i in enumerate(rows):
@@ -354,6 +364,11 @@ class ModelRunner:
             t = tokens[j]
             s.output_ids.append(t)
             s.output_logprobs.append(logprobs[j])
+            k = s.inp.top_logprobs_num
+            if k and top is not None:
+                if s.output_top_logprobs is None:
+                    s.output_top_logprobs = []
+                s.output_top_logprobs.append([[v, x, None] for v, x in zip(top[0][j][:k], top[1][j][:k])])
             if t in s.stop_ids:
                 done.append(i)
                 self._finish(s, {"type": "stop", "matched": t})

@@ -56,6 +56,8 @@ class GenerateInput:
     return_logprob: bool = False
     logprob_start_len: int = -1
     """First prompt position whose log-prob is returned (``input_token_logprobs``); -1: none."""
+    top_logprobs_num: int = 0
+    """Most likely tokens reported at each generated position (``output_top_logprobs``)."""
     lora: Any = None
     """The LoRA adapter the sequence runs with (``lora_path``; `arealite.server.lora`); None: the base."""
 
@@ -123,7 +125,6 @@ _SUPPORTED_SAMPLING = {
 # (accepted only at their neutral value).
 _UNSUPPORTED_TOP: dict[str, Callable[[Any], bool]] = {
     "stream": lambda v: v is None or v is False,
-    "top_logprobs_num": lambda v: v is None or v == 0,
     "token_ids_logprob": lambda v: v is None,
     "return_text_in_logprobs": lambda v: v is None or v is False,
     "return_hidden_states": lambda v: v is None or v is False,
@@ -142,7 +143,7 @@ _UNSUPPORTED_TOP: dict[str, Callable[[Any], bool]] = {
     "log_metrics": lambda v: v is None or isinstance(v, bool),
 }
 _SUPPORTED_TOP = {"text", "input_ids", "sampling_params", "rid", "return_logprob", "logprob_start_len",
-                  "lora_path"}  # lora_path: checked by arealite.server.lora
+                  "top_logprobs_num", "lora_path"}  # lora_path: checked by arealite.server.lora
 
 # Top-level keys SGLang 0.5.23 declares (``GenerateReqInput`` and the JSON contract
 # ``sglang.api.v1.GenerateRequest``). Keys it does not declare are ignored there, not
@@ -329,6 +330,18 @@ def _rids(rid: Any, batch: bool, n: int) -> list[str]:
     return [rid or uuid.uuid4().hex]
 
 
+MAX_TOP_LOGPROBS = 64
+
+
+def _top_logprobs_num(v: Any, return_logprob: bool) -> int:
+    """SGLang reports top log-probs only with ``return_logprob`` (0 otherwise)."""
+    if v is None:
+        return 0
+    if not _is_int(v) or not 0 <= v <= MAX_TOP_LOGPROBS:
+        raise RequestError(f"top_logprobs_num must be an int in [0, {MAX_TOP_LOGPROBS}], got {short(v)}")
+    return v if return_logprob else 0
+
+
 def _logprob_start(v: Any, return_logprob: bool, prompt_len: int) -> int:
     """``logprob_start_len``: -1 (or unset) returns no prompt log-probs; else a prompt position."""
     if v is None or v == -1 or not return_logprob:
@@ -383,6 +396,7 @@ def parse_generate(
     lps = per_item("return_logprob", body.get("return_logprob", False), lambda v: isinstance(v, bool))
     rids = _rids(body.get("rid"), batch, n)
     starts = per_item("logprob_start_len", body.get("logprob_start_len"), _is_int)
+    tops = per_item("top_logprobs_num", body.get("top_logprobs_num"), _is_int)
 
     out = []
     for i in range(n):
@@ -399,7 +413,7 @@ def parse_generate(
             raise RequestError(f"{where}.max_new_tokens=0 with logprob_start_len: this server scores a "
                                "prompt while generating; ask for max_new_tokens >= 1")
         out.append(GenerateInput(rid=rids[i], input_ids=list(prompts[i]), sampling=sc, return_logprob=lp,
-                                 logprob_start_len=start))
+                                 logprob_start_len=start, top_logprobs_num=_top_logprobs_num(tops[i], lp)))
     caps.check_tokens(sum(len(x.input_ids) + x.sampling.max_new_tokens for x in out), "the prompts")
     return out, batch
 
@@ -464,13 +478,26 @@ def filter_probs(probs: torch.Tensor, top_p: torch.Tensor, top_k: torch.Tensor, 
 
 
 def sample_next(
-    logits: torch.Tensor, state: BatchSamplingState, shared_gen: torch.Generator
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Pick the next token of every row; return (tokens [B], log-probs [B]).
+    logits: torch.Tensor, state: BatchSamplingState, shared_gen: torch.Generator, top: int = 0,
+) -> tuple[torch.Tensor, torch.Tensor] | tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+    """Pick the next token of every row; return (tokens [B], log-probs [B]) and, when
+    ``top`` > 0, the ``top`` most likely tokens' (log-probs, ids) [B, top] as a third item.
 
     The log-prob is SGLang's: ``log_softmax(logits / T)`` over the full
-    vocabulary in fp32, before any top-p/top-k truncation (T = 1 for greedy).
+    vocabulary in fp32, before any top-p/top-k truncation (T = 1 for greedy);
+    the top log-probs come from the same distribution.
     """
+    tokens, logp = _sample(logits, state, shared_gen)
+    chosen = logp.gather(-1, tokens[:, None])[:, 0]
+    if top > 0:
+        values, ids = logp.topk(min(top, logp.shape[-1]), dim=-1)
+        return tokens, chosen, (values, ids)
+    return tokens, chosen
+
+
+def _sample(logits: torch.Tensor, state: BatchSamplingState,
+            shared_gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """(tokens [B], the full log-prob matrix [B, V])."""
     logits = logits.float()
     logp = torch.log_softmax(logits / state.temperature[:, None], dim=-1)
     if state.all_greedy:
@@ -492,4 +519,4 @@ def sample_next(
                 noise[i].exponential_(generator=g if g is not None else shared_gen)
         tokens = (probs / noise).argmax(dim=-1)
         tokens = torch.where(state.greedy, logits.argmax(dim=-1), tokens)
-    return tokens, logp.gather(-1, tokens[:, None])[:, 0]
+    return tokens, logp
