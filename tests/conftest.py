@@ -11,7 +11,6 @@ import os
 import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -68,6 +67,16 @@ def run_env(*paths: str | Path, **extra: str) -> dict[str, str]:
                PYTHONPATH=os.pathsep.join(path), AREALITE_STRICT_SGLANG="1", SGLANG_HEALTH_CHECK_TIMEOUT="5",
                **extra)
     return env
+
+
+def stop_process(proc: subprocess.Popen, timeout: float = 15) -> None:
+    """Terminate ``proc``; kill it if it has not exited within ``timeout`` seconds."""
+    proc.terminate()
+    try:
+        proc.wait(timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
 
 
 def free_port() -> int:

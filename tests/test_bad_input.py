@@ -37,7 +37,7 @@ from arealite.workflow.base import RolloutWorkflow
 from arealite.workflow.common import encode_prompt
 from arealite.workflow.rlvr import RLVRWorkflow
 
-from conftest import REPO, free_port
+from conftest import REPO, free_port, stop_process
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -315,12 +315,7 @@ def server(micro_model_dir, tmp_path_factory):
                 time.sleep(0.2)
         yield {"url": url, "port": port, "addr": f"127.0.0.1:{port}", "log": log, "proc": proc}
     finally:
-        proc.terminate()
-        try:
-            proc.wait(15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        stop_process(proc, 15)
 
 
 def http(server, path, body=None, key=None, headers=None, method=None):

@@ -28,7 +28,7 @@ from arealite.config.schema import ArealiteConfig, RolloutConfig
 from arealite.launcher.common import server_env
 from arealite.launcher.server_cmd import embedded_server_command
 
-from conftest import free_port, run_env
+from conftest import free_port, run_env, stop_process
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -138,12 +138,7 @@ def server(tiny_model_dir, tmp_path_factory):
         s.baseline = s.greedy()
         yield s
     finally:
-        proc.terminate()
-        try:
-            proc.wait(15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        stop_process(proc, 15)
 
 
 @pytest.fixture(autouse=True)

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import REPO, free_port, perturbed_weights
+from conftest import REPO, free_port, perturbed_weights, stop_process
 
 from arealite.api.types import GenerationRequest, SamplingParams
 from arealite.config.schema import ArealiteConfig, RolloutConfig
@@ -403,12 +403,7 @@ def server(micro_model_dir, tmp_path_factory):
         stdout=open(log_path, "wb"), stderr=subprocess.STDOUT, env=dict(os.environ, OMP_NUM_THREADS="1"),
         start_new_session=True)
     yield f"127.0.0.1:{port}"
-    proc.terminate()
-    try:
-        proc.wait(10)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
+    stop_process(proc, 10)
 
 
 @pytest.fixture
