@@ -8,7 +8,10 @@ then takes a PPO step with each sequence-mean loss aggregation (the ranks hold 5
 and 3 sequences, so a rank-local mean would show). Every process runs on the
 CPU (gloo), also on a GPU machine. Rank r writes ``result_rank{r}.pt``; tests/test_fsdp_dist.py compares worlds.
 
-    torchrun --nproc_per_node 2 tests/_fsdp_worker.py MODEL_DIR OUT_DIR
+    torchrun --nproc_per_node 2 tests/_fsdp_worker.py MODEL_DIR OUT_DIR [lora]
+
+With ``lora`` the engine is `LoraFSDPEngine` (rank-4 adapters on every linear module): the
+same scenario trains only the adapters, and rank r also writes the adapter's tensors.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from arealite.algo.actor import PPOActor  # noqa: E402
-from arealite.config.schema import ActorConfig, AlgorithmConfig  # noqa: E402
+from arealite.config.schema import ActorConfig, AlgorithmConfig, LoraConfig  # noqa: E402
 from arealite.engine.fsdp import FSDPEngine  # noqa: E402
 
 GLOBAL_B = 8
@@ -92,15 +95,21 @@ def new_loss_steps(engine: FSDPEngine, batch: dict, logp: torch.Tensor, rows: sl
     return out, adv
 
 
-def run(model_dir: str, out_dir: str) -> None:
+def run(model_dir: str, out_dir: str, lora: bool = False) -> None:
     out = Path(out_dir)
-    cfg = ActorConfig(model_path=model_dir, mb_max_tokens=32)
-    cfg.optimizer.lr = 2e-3
+    cfg = ActorConfig(model_path=model_dir, mb_max_tokens=32,
+                      lora=LoraConfig(rank=4, alpha=8.0) if lora else None)
+    cfg.optimizer.lr = 1e-2 if lora else 2e-3
     cfg.optimizer.warmup_steps = 1
     cfg.optimizer.lr_scheduler = "cosine"
     cfg.optimizer.total_steps = 6
     cfg.optimizer.gradient_clipping = 0.5
-    engine = FSDPEngine(cfg, device="cpu").initialize()
+    if lora:
+        from arealite.lora import LoraFSDPEngine
+
+        engine: FSDPEngine = LoraFSDPEngine(cfg, device="cpu").initialize()
+    else:
+        engine = FSDPEngine(cfg, device="cpu").initialize()
     rank, world = engine.rank, engine.world_size
     if world == 2:
         rows = slice(0, SPLIT) if rank == 0 else slice(SPLIT, GLOBAL_B)
@@ -151,6 +160,8 @@ def run(model_dir: str, out_dir: str) -> None:
             "after_new_losses": full_weights(engine),
             "after_seq_mean": full_weights(engine),
             "rows": (rows.start, rows.stop),
+            "adapter": ({n: t.clone() for b in engine.adapter_buckets(1 << 16) for n, t in b} if lora else {}),
+            "n_trainable": sum(p.numel() for p in engine.model.parameters() if p.requires_grad),
         },
         out / f"result_rank{rank}.pt",
     )
@@ -160,4 +171,4 @@ def run(model_dir: str, out_dir: str) -> None:
 
 
 if __name__ == "__main__":
-    run(sys.argv[1], sys.argv[2])
+    run(sys.argv[1], sys.argv[2], lora=sys.argv[3:] == ["lora"])

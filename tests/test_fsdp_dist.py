@@ -36,19 +36,22 @@ def _max_diff(a: dict, b: dict) -> float:
     return max((a[k] - b[k]).abs().max().item() for k in a)
 
 
-@pytest.fixture(scope="module")
-def two_rank_results(micro_model_dir, tmp_path_factory):
-    out = tmp_path_factory.mktemp("fsdp_2rank")
+def _two_ranks(model_dir, out: Path, *extra: str) -> tuple[Path, list[dict]]:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(HERE.parent)}
     cmd = [
         sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
         "--master_addr", "127.0.0.1", "--master_port", str(free_port()),
-        str(WORKER), str(micro_model_dir), str(out),
+        str(WORKER), str(model_dir), str(out), *extra,
     ]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
     if proc.returncode != 0:
         raise AssertionError(f"torchrun failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
     return out, [torch.load(out / f"result_rank{r}.pt", weights_only=False) for r in range(2)]
+
+
+@pytest.fixture(scope="module")
+def two_rank_results(micro_model_dir, tmp_path_factory):
+    return _two_ranks(micro_model_dir, tmp_path_factory.mktemp("fsdp_2rank"))
 
 
 @pytest.fixture(scope="module")
@@ -145,3 +148,35 @@ def test_two_rank_export_loads_in_transformers(two_rank_results):
         assert torch.equal(sd[name], t), name
     tok = AutoTokenizer.from_pretrained(out / "hf")
     assert tok.eos_token == "<|endoftext|>"
+
+
+@pytest.mark.slow
+def test_lora_two_ranks_match_one_process(micro_model_dir, tmp_path):
+    """The same scenario with LoRA adapters: 2 ranks with unequal halves train the adapters as
+    1 process does (losses, gradient norms, adapter and merged weights, log-probs, the PPO
+    steps), only the adapters train, and resuming the sharded checkpoint retakes a step exactly."""
+    out, (r0, r1) = _two_ranks(micro_model_dir, tmp_path / "two", "lora")
+    _load_worker().run(str(micro_model_dir), str(tmp_path / "one"), lora=True)
+    single = torch.load(tmp_path / "one" / "result_rank0.pt", weights_only=False)
+    assert r0["world"] == 2 and single["world"] == 1
+    n_adapter = sum(t.numel() for t in single["adapter"].values())
+    assert single["adapter"] and r0["n_trainable"] == single["n_trainable"] == n_adapter
+    for s2, s1 in zip(r0["stats"] + [r0["redo"]], single["stats"] + [single["redo"]]):
+        assert abs(s2["loss"] - s1["loss"]) <= 1e-5 and abs(s2["grad_norm"] - s1["grad_norm"]) <= 1e-5
+    assert r0["stats"][-1]["loss"] < r0["stats"][0]["loss"]
+    assert _max_diff(r0["adapter"], r1["adapter"]) == 0.0
+    # Weights within 1e-4 (a step moves them by ~lr = 1e-2): A's first gradients are ~0 (B starts
+    # at 0) and Adam divides them by their own tiny size, which magnifies the reduction order's
+    # rounding; a wrong scaling over ranks would differ by a whole step.
+    assert _max_diff(r0["adapter"], single["adapter"]) <= 1e-4
+    assert max(t.abs().max().item() for n, t in single["adapter"].items() if "lora_B" in n) > 1e-3  # B moved
+    for key in ("after_4", "after_seq_mean", "after_new_losses"):
+        assert _max_diff(r0[key], single[key]) <= 1e-4, key
+    assert (torch.cat([r0["logp"], r1["logp"]]) - single["logp"]).abs().max().item() <= 1e-4
+    for mode, s1 in single["seq_mean"].items():
+        assert abs(r0["seq_mean"][mode]["loss"] - s1["loss"]) <= 1e-5, mode
+        assert abs(r0["seq_mean"][mode]["grad_norm"] - s1["grad_norm"]) <= 1e-5, mode
+    for res in (r0, single):  # resume from the sharded checkpoint retakes step 4 exactly
+        assert _max_diff(res["restored_3"], res["after_4"]) > 1e-6
+        assert _max_diff(res["redone_4"], res["after_4"]) == 0.0
+    assert (out / "hf" / "adapter_config.json").is_file()  # the export is the PEFT adapter

@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-import urllib.error
 import urllib.request
 
 import pytest
@@ -36,11 +35,18 @@ def server(micro_model_dir, tmp_path):
 
 @pytest.fixture
 def rollout(server):
+    """A generating client and its controller, and a second client that administers the
+    servers for the publisher, as in a run whose rollout side is a worker process: nothing
+    tells the generating client about a push but the config (``actor.lora.served_name``)."""
     from arealite.rollout.controller import RolloutController
 
-    client = RemoteSGLangEngine([server.url], RolloutConfig(request_timeout_s=60, request_retries=0))
+    rc = RolloutConfig(request_timeout_s=60, request_retries=0)
+    client = RemoteSGLangEngine([server.url], rc, lora_adapter="policy")
     controller = RolloutController(client, RolloutConfig()).start(init_timeout=90)
-    yield client, controller
+    admin_client = RemoteSGLangEngine([server.url], rc, lora_adapter="policy")
+    controller.run(admin_client.initialize(60))
+    yield client, controller, admin_client
+    controller.run(admin_client.aclose())
     controller.stop()
 
 
@@ -64,16 +70,17 @@ def logp_of(engine_or_ref, ids: list[int], n_prompt: int) -> torch.Tensor:
 
 
 def test_adapter_push_across_an_interrupted_generation(rollout, server, micro_model_dir, tmp_path):
-    client, controller = rollout
+    client, controller, admin_client = rollout
     cfg = config(tmp_path, micro_model_dir)
     engine = LoraFSDPEngine(cfg.actor, device="cpu").initialize(total_steps=4)
-    pub = make_publisher(cfg, client, engine, controller)
+    pub = make_publisher(cfg, admin_client, engine, controller)
     assert isinstance(pub.transfer, LoraTransfer)
     pub.init()
+    root = tmp_path / "e" / "t" / "weight_sync" / "lora"
     try:
-        t0 = pub.publish(0)
-        name0 = client.wire.lora_path
-        assert name0.startswith("policy-v0-")
+        t0 = pub.publish(0)  # the first push: the server holds no adapter yet
+        dir0 = pub.transfer.current
+        assert dir0.parent == root and dir0.name.startswith("policy-v0-") and dir0.is_dir()
         n_lora = sum(p.numel() for n, p in engine.model.named_parameters() if ".lora_" in n)
         assert t0["bytes"] == 4 * n_lora  # only the adapter, in fp32
         assert t0["probe_mean_abs_diff"] <= 1e-5
@@ -91,15 +98,17 @@ def test_adapter_push_across_an_interrupted_generation(rollout, server, micro_mo
         assert not fut.done(), "generation finished before the push; raise the budget"
         t1 = pub.publish(1)
         c = fut.result(60)
-        assert client.wire.lora_path.startswith("policy-v1-") and t1["probe_mean_abs_diff"] <= 1e-5
+        assert t1["probe_mean_abs_diff"] <= 1e-5 and t1["bytes"] == t0["bytes"]
         assert stats["skipped"] == 0 and engine.get_version() == controller.get_version() == 1
-        # The old adapter is unloaded: a request naming it is refused.
-        body = json.dumps({"input_ids": [5, 6], "lora_path": name0}).encode()
-        with pytest.raises(urllib.error.HTTPError) as info:
-            urllib.request.urlopen(urllib.request.Request(server.url + "/generate", body, {"Content-Type": "application/json"}), timeout=5)
-        assert info.value.code == 400
+        # One adapter on the server, under the one name, from version 1's directory.
+        body = json.dumps({"lora_name": "policy"}).encode()
+        req_unload = urllib.request.Request(server.url + "/unload_lora_adapter", body,
+                                            {"Content-Type": "application/json"})
+        assert pub.transfer.current.name.startswith("policy-v1-") and not dir0.exists()
     finally:
         pub.close()
+    with urllib.request.urlopen(req_unload, timeout=5) as r:
+        assert json.loads(r.read())["loaded_adapters"] == {}
 
     k = c.output_versions.count(0)
     assert len(c.output_ids) == budget and 0 < k < budget
@@ -111,7 +120,4 @@ def test_adapter_push_across_an_interrupted_generation(rollout, server, micro_mo
     assert (got[:k] - old[:k]).abs().max().item() <= 1e-5
     assert (got[k:] - new[k:]).abs().max().item() <= 1e-5
     assert (got[k:] - old[k:]).abs().max().item() > 1e-3  # the new adapter changed the policy
-    # Only the newest adapter stays on the server; the old one is unloaded, its directory gone.
-    root = tmp_path / "e" / "t" / "weight_sync" / "lora"
-    assert not root.exists() or not any(p.name.startswith("policy-v0-") for p in root.iterdir())
     engine.destroy()

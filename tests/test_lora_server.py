@@ -95,6 +95,29 @@ async def test_bad_adapters_are_refused_naming_why(server, trained, tmp_path):
     status, ans = await post(server, "/load_lora_adapter", {"lora_name": "x"})
     assert status == 400 and "lora_path" in ans["error"]["message"]
     status, ans = await post(server, "/unload_lora_adapter", {"lora_name": "never"})
-    assert status == 400 and "not loaded" in ans["error_message"]
+    assert status == 400 and "LoRA with name never does not exist" in ans["error_message"]  # SGLang's words
     status, ans = await post(server, "/generate", {**score_body([5, 6, 7], None), "lora_path": 3})
     assert status == 400 and "lora_path" in ans["error"]["message"]
+
+
+async def test_a_request_sent_during_a_pause_looks_its_adapter_up_after_it(server, trained):
+    """SGLang resolves ``lora_path`` after the pause wait: a push may unload and load the name
+    while paused, and requests that arrived meanwhile run on what is loaded at continue."""
+    engine, path = trained
+    ids = list(range(5, 21))
+    status, _ = await post(server, "/pause_generation", {"mode": "abort"})
+    assert status == 200
+    try:
+        pending = asyncio.ensure_future(post(server, "/generate", score_body(ids, "reloaded")))
+        await asyncio.sleep(0.5)
+        assert not pending.done(), "a request naming an adapter not loaded yet was answered during the pause"
+        status, ans = await post(server, "/load_lora_adapter", {"lora_name": "reloaded", "lora_path": str(path)})
+        assert status == 200, ans
+    finally:
+        await post(server, "/continue_generation", {})
+    status, ans = await asyncio.wait_for(pending, 30)
+    assert status == 200, ans
+    got = torch.tensor([e[0] for e in ans["meta_info"]["input_token_logprobs"][1:]])
+    assert (got - engine_logp(engine, ids)).abs().max().item() <= 1e-5
+    status, ans = await post(server, "/unload_lora_adapter", {"lora_name": "reloaded"})
+    assert status == 200

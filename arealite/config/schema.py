@@ -370,6 +370,10 @@ class LoraConfig(Section):
         min_length=1)
     """Names of the linear modules to adapt (the last part of the module path, e.g. `q_proj`);
     every name must match a linear layer of the model (the engine lists them otherwise)."""
+    served_name: str = Field("policy", pattern=r"^[A-Za-z0-9_.-]{1,64}$")
+    """The name the inference servers serve the adapter under: every request's `lora_path`.
+    Each push unloads it and loads the new adapter under the same name while generation is
+    paused, so every trainer rank's client knows it from the config alone."""
 
     @field_validator("target_modules")
     @classmethod

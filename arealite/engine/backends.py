@@ -33,8 +33,10 @@ def remote_engine_class(backend: str) -> type[RemoteInferenceClient]:
 
 def make_remote_engine(backend: str, addrs: Sequence[str] | str, config: RolloutConfig | None = None,
                        api_key: str | None = None, *,
-                       eos_token_ids: Iterable[int] = (), vocab_size: int | None = None) -> RemoteInferenceClient:
+                       eos_token_ids: Iterable[int] = (), vocab_size: int | None = None,
+                       lora_adapter: str | None = None) -> RemoteInferenceClient:
     """The client of `backend`'s servers; its ``admin`` is their ``WeightUpdateAdmin``.
-    ``vocab_size``: output ids at or above it are refused as malformed answers."""
+    ``vocab_size``: output ids at or above it are refused as malformed answers;
+    ``lora_adapter``: the LoRA adapter every request names (None: the base model)."""
     return remote_engine_class(backend)(addrs, config, api_key, eos_token_ids=eos_token_ids,
-                                        vocab_size=vocab_size)
+                                        vocab_size=vocab_size, lora_adapter=lora_adapter)

@@ -113,10 +113,22 @@ class SGLangAdmin:
         return await self.pool.call_all("/load_lora_adapter", {"lora_name": name, "lora_path": str(path)},
                                         timeout=timeout)
 
-    async def unload_lora_adapter(self, name: str, *, timeout: float | None = None) -> dict[str, Any]:
-        """Unload adapter ``name`` on every healthy server (``/unload_lora_adapter``)."""
+    async def unload_lora_adapter(self, name: str, *, timeout: float | None = None,
+                                  missing_ok: bool = False) -> dict[str, Any]:
+        """Unload adapter ``name`` on every healthy server (``/unload_lora_adapter``). With
+        ``missing_ok`` a server that does not hold it (SGLang: "LoRA with name X does not
+        exist") is no failure; it answers ``None``."""
+        route = "/unload_lora_adapter"
         self.pool.exclude_unhealthy(f"unloading LoRA adapter {name}")
-        return await self.pool.call_all("/unload_lora_adapter", {"lora_name": name}, timeout=timeout)
+        try:
+            return await self.pool.call_all(route, {"lora_name": name}, timeout=timeout)
+        except ServerAdminError as e:
+            if not missing_ok:
+                raise
+            real = {a: why for a, why in e.failures.items() if not _adapter_missing(why)}
+            if real:
+                raise ServerAdminError(route, real, e.results) from None
+            return {**e.results, **dict.fromkeys(e.failures)}
 
     async def update_weights_from_shm(self, path: str, names: Sequence[str], dtypes: Sequence[Any],
                                       shapes: Sequence[Sequence[int]], offsets: Sequence[int],
@@ -301,3 +313,9 @@ class SGLangAdmin:
             return {}
         return await self.pool.call_all("/destroy_weights_update_group", {"group_name": group_name},
                                         servers=members)
+
+
+def _adapter_missing(why: str) -> bool:
+    """Whether an unload failed only because the server does not hold the adapter (SGLang's
+    ``LoRARegistry.unregister``: "LoRA with name X does not exist")."""
+    return why.startswith("HTTP 400") and "does not exist" in why

@@ -148,8 +148,8 @@ class SGLangWire:
     # routes answer from the tokenizer manager without generating (newest name first).
     health_route = "/health"
     liveness_routes = ("/model_info", "/get_model_info")
-    #: The LoRA adapter every request runs with (``lora_path``; set per version by the LoRA
-    #: weight push, `arealite.weight_sync.lora`); None = the base model.
+    #: The LoRA adapter every request runs with (``lora_path``: ``actor.lora.served_name`` in a
+    #: LoRA run, the name each push reloads, `arealite.weight_sync.lora`); None = the base model.
     lora_path: str | None = None
 
     def sampling_params(self, sp: SamplingParams) -> dict[str, Any]:

@@ -99,6 +99,10 @@ class EmbeddedServer:
             strict=args.strict_sglang, release=args.sglang_version, readback=args.readback_architectures)
         self.weights = WeightRoutes(self)
         self.lora = LoraRoutes(self)
+        # Cleared by pause_generation, set by continue_generation: SGLang's tokenizer manager
+        # holds new requests here (``is_pause``) before it resolves their LoRA adapter.
+        self.unpaused = asyncio.Event()
+        self.unpaused.set()
 
     # -- helpers ----------------------------------------------------------
 
@@ -233,19 +237,21 @@ class EmbeddedServer:
     async def generate(self, request: web.Request) -> web.Response:
         body = await json_body(request)
 
-        def parse() -> tuple[list[GenerateInput], bool]:
+        def parse() -> tuple[list[GenerateInput], bool, list[str | None]]:
             inputs, batch = parse_generate(
                 body, vocab_size=self.vocab_size, context_length=self.context_length,
                 encode=self.encode if self.tokenizer is not None else None, caps=self.caps,
             )
-            for inp, adapter in zip(inputs, self.lora.lora_names(body, len(inputs))):
-                inp.lora = adapter
-            return inputs, batch
+            return inputs, batch, self.lora.lora_names(body, len(inputs))
 
         # Tokenizing and checking a large request runs off the loop; a small one is
         # cheaper inline than a thread hop.
         big = request.content_length is None or request.content_length > OFFLOAD_BYTES
-        inputs, batch = await off_loop(parse) if big else parse()
+        inputs, batch, names = await off_loop(parse) if big else parse()
+        if any(names):  # as SGLang: the adapter is looked up once a pause is over
+            await self.unpaused.wait()
+            for inp, adapter in zip(inputs, self.lora.lora.resolve(names)):
+                inp.lora = adapter
         # A cancelled request (its client left) takes its sequences out of the batch.
         seqs = await asyncio.gather(*(self.runner.generate(i) for i in inputs))
         outs = [self.format_output(s) for s in seqs]
@@ -261,6 +267,7 @@ class EmbeddedServer:
         mode = want(body, "mode", str, "pause_generation", "abort")
         if mode not in ("abort", "in_place"):
             raise RequestError(f"pause_generation: mode {mode!r} is not supported (use 'abort' or 'in_place')")
+        self.unpaused.clear()
         n = await self.runner.call(lambda: self.runner.set_paused(True, mode))
         return web.json_response({"success": True, "message": f"generation paused ({mode}); {n} running requests affected"})
 
@@ -268,6 +275,7 @@ class EmbeddedServer:
         body = await json_body(request, allow_empty=True)
         check_fields(body, set(), set(), "continue_generation")
         await self.runner.call(lambda: self.runner.set_paused(False))
+        self.unpaused.set()
         return web.json_response({"success": True, "message": "generation continued"})
 
     async def abort_request(self, request: web.Request) -> web.Response:

@@ -6,7 +6,9 @@
 - ``POST /unload_lora_adapter {lora_name}``: forget it. Sequences running with it finish on it
   (each holds its adapter), as SGLang's unload waits for the requests using it.
 - ``/generate`` with ``lora_path`` (a name, a list of names per prompt, or null for the base
-  model) selects the adapter; an unknown name is a 400.
+  model) selects the adapter; an unknown name is a 400. As in SGLang's tokenizer manager, a
+  request that arrives while generation is paused looks its adapter up only once the pause
+  is over (so a push may unload and reload a name under a pause; ``EmbeddedServer.generate``).
 
 Both answer SGLang's ``LoRAUpdateOutput``: ``{success, error_message, loaded_adapters}``.
 
@@ -141,7 +143,8 @@ class LoraSet:
     def remove(self, name: str) -> None:
         with self._lock:
             if self.adapters.pop(name, None) is None:
-                raise ValueError(f"LoRA adapter {name} is not loaded (loaded: {sorted(self.adapters)})")
+                # SGLang's words (LoRARegistry.unregister); clients recognise them.
+                raise ValueError(f"LoRA with name {name} does not exist. Loaded LoRAs: {sorted(self.adapters)}")
 
     def select(self, rows: list[Adapter | None]) -> None:
         """The adapter of each batch row of the next forward (model thread)."""
@@ -218,8 +221,8 @@ class LoraRoutes:
                 return self._answer(str(e))
         return self._answer(None)
 
-    def lora_names(self, body: dict, n: int) -> list[Adapter | None]:
-        """The adapters a ``/generate`` body asks for, one per prompt."""
+    def lora_names(self, body: dict, n: int) -> list[str | None]:
+        """The adapter names a ``/generate`` body asks for, one per prompt (None: the base)."""
         v = body.get("lora_path")
         if v is None:
             names: list[Any] = [None] * n
@@ -229,4 +232,4 @@ class LoraRoutes:
             names = v
         else:
             raise RequestError(f"lora_path must be an adapter name, null, or a list of {n} of them, got {str(v)[:80]}")
-        return self.lora.resolve(names)
+        return names

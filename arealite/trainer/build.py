@@ -111,7 +111,8 @@ def build_inference_client(cfg: ArealiteConfig, tokenizer: Any) -> InferenceClie
 
     return make_remote_engine(cfg.launch.server_backend, server_addrs(cfg), cfg.rollout,
                               api_key=server_api_key(cfg), eos_token_ids=[tokenizer.eos_token_id],
-                              vocab_size=vocab_bound(cfg.actor.model_path, tokenizer))
+                              vocab_size=vocab_bound(cfg.actor.model_path, tokenizer),
+                              lora_adapter=cfg.actor.lora.served_name if cfg.actor.lora is not None else None)
 
 
 def build_rollout(cfg: ArealiteConfig, tokenizer: Any, loader: Any, world: int,

@@ -113,19 +113,14 @@ def make_transfer(config, admin: WeightUpdateAdmin, run: Runner,
                         server_dtype=dtype)
 
 
-def make_lora_transfer(config, admin: WeightUpdateAdmin, run: Runner, engine, client) -> LoraTransfer:
+def make_lora_transfer(config, admin: WeightUpdateAdmin, run: Runner, engine) -> LoraTransfer:
     """The adapter push of a LoRA run: a PEFT directory per version under ``weight_sync.disk_dir``
-    (or the run directory), loaded by name; the client's requests and the probe then use it."""
+    (or the run directory), loaded under ``actor.lora.served_name``, the name every client of
+    the run sends (`arealite.trainer.build.build_inference_client`)."""
     exp, ws = config.experiment, config.weight_sync
     root = Path(ws.disk_dir or Path(exp.output_root) / exp.name / exp.trial / "weight_sync") / "lora"
-
-    def use(name: str) -> None:
-        for holder in (getattr(client, "wire", None), admin):
-            if holder is not None and hasattr(holder, "lora_path"):
-                holder.lora_path = name
-
     return LoraTransfer(ws, admin, run, root, engine.adapter_config(), server_dtype=server_weight_dtype(config),
-                        on_loaded=use)
+                        name=config.actor.lora.served_name)
 
 
 def engine_scorer(engine: TrainEngine) -> Callable[[list[int]], list[float]]:
@@ -182,7 +177,7 @@ def make_publisher(config, client: InferenceClient, train_engine: TrainEngine, c
     run = run if run is not None else controller.run
     model_path = getattr(getattr(train_engine, "config", None), "model_path", None)
     if config.actor.lora is not None:  # only the adapter travels (`lora.LoraTransfer`)
-        transfer = make_lora_transfer(config, admin, run, train_engine, client)
+        transfer = make_lora_transfer(config, admin, run, train_engine)
         source = source if source is not None else AdapterSource(train_engine)
     else:
         transfer = make_transfer(config, admin, run, model_path)

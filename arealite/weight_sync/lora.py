@@ -1,21 +1,26 @@
-"""Weight push of a LoRA run: only the adapter travels, as a PEFT directory loaded by name.
+"""Weight push of a LoRA run: only the adapter travels, as a PEFT directory reloaded by name.
 
 Per version ``v`` (the publisher's sequence, `publisher.WeightPublisher`):
 
 - ``stage`` (servers still generating; every trainer rank reads the adapter, a collective):
   rank 0 writes ``adapter_config.json`` and ``adapter_model.safetensors`` (in the servers'
-  dtype) to ``<root>/policy-v<v>-<id>``, the adapter's name;
-- ``transfer`` (servers paused): ``/load_lora_adapter {lora_name, lora_path}`` on every
-  server, ``/update_weight_version`` so they report ``v``, then the previous adapter is
-  unloaded and its directory deleted; from then on every request the client sends, the
-  interrupted ones it resumes after ``continue_generation`` included, carries
-  ``lora_path: <name>`` (`on_loaded` sets it on the client's wire and the probe's admin).
+  dtype) to ``<root>/<name>-v<v>-<id>``;
+- ``transfer`` (servers paused): ``/unload_lora_adapter {lora_name: name}`` (a server that
+  does not hold it yet is fine), ``/load_lora_adapter {lora_name: name, lora_path: dir}``,
+  ``/update_weight_version`` so they report ``v``; the previous directory is deleted.
 
-A fresh name per version means an interrupted request never mixes adapters within a
-segment, and a push that is retried never collides with a name already loaded. Two
-adapters are loaded at most, and only during the push (SGLang: ``--max-loras-per-batch``
-counts the base model too; the launcher passes ``--enable-lora``, ``--max-lora-rank`` and
-``--lora-target-modules``, see `arealite.launcher.server_cmd`). The directory must be on a
+One name for every version (``actor.lora.served_name``): every client of the run, on every
+trainer rank and in every rollout worker, sends ``lora_path: <name>`` from the config alone,
+so nothing has to tell them a new name. This is safe because of how SGLang orders a
+request (``TokenizerManager.generate_request``): it waits while generation is paused
+*before* it resolves ``lora_path``, so requests that arrive during the push (the ones the
+pause aborted, resubmitted) take the new adapter after ``continue_generation``; the pause's
+abort releases every running request's hold on the old adapter, which lets the unload
+finish. A fresh name per version would not work: SGLang remembers every name it ever loaded
+and quietly reloads an unloaded one from its old path when a request names it.
+
+The servers need ``--enable-lora``, ``--max-lora-rank`` and ``--lora-target-modules`` (the
+launcher passes them, see `arealite.launcher.server_cmd`). The directory must be on a
 filesystem the servers see (``weight_sync.disk_dir``).
 """
 
@@ -23,7 +28,6 @@ from __future__ import annotations
 
 import shutil
 import uuid
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -50,14 +54,14 @@ class AdapterSource:
 
 
 class LoraTransfer:
-    """Pushes a LoRA adapter under a new name per version (see the module's docstring).
+    """Pushes a LoRA adapter, reloaded under one name per version (see the module's docstring).
 
-    ``adapter_config`` is the adapter's ``adapter_config.json``; ``on_loaded(name)`` is called
-    once every server holds the new adapter (it points the client's requests at it)."""
+    ``adapter_config`` is the adapter's ``adapter_config.json``; ``name`` the name the servers
+    serve it under (every request's ``lora_path``)."""
 
     def __init__(self, config, admin: WeightUpdateAdmin, run: Runner, root: str | Path,
                  adapter_config: dict[str, Any], *, server_dtype: torch.dtype | None = None,
-                 on_loaded: Callable[[str], None] = lambda name: None, prefix: str = "policy"):
+                 name: str = "policy"):
         require(admin, WeightUpdateAdmin, "the servers' admin of a LoRA weight push")
         for route in ("load_lora_adapter", "unload_lora_adapter", "update_weight_version"):
             if not callable(getattr(admin, route, None)):
@@ -66,9 +70,9 @@ class LoraTransfer:
         self.root = Path(root)
         self.adapter_config = adapter_config
         self.server_dtype = server_dtype
-        self.on_loaded, self.prefix = on_loaded, prefix
-        self.current: tuple[str, Path] | None = None  # the adapter the servers serve
-        self._staged: tuple[str, Path] | None = None
+        self.name = name
+        self.current: Path | None = None  # the directory of the adapter the servers serve
+        self._staged: Path | None = None
         self._counts = (0, 0)
 
     @property
@@ -82,9 +86,8 @@ class LoraTransfer:
         """Write the adapter directory (the servers still generate)."""
         self._discard_staged()
         timer = Timer()
-        name = f"{self.prefix}-v{version}-{uuid.uuid4().hex[:6]}"
-        path = self.root / name
-        self._staged = (name, path)
+        path = self.root / f"{self.name}-v{version}-{uuid.uuid4().hex[:6]}"
+        self._staged = path
         tensors = (t for bucket in source.named_weight_buckets(self.bucket_bytes) for t in bucket)
         try:
             self._counts = write_adapter_dir(path, tensors, self.adapter_config, dtype=self.server_dtype)
@@ -95,31 +98,31 @@ class LoraTransfer:
         return timer.timings
 
     def transfer(self, source, version: int) -> dict[str, float]:
-        """Load the staged adapter on every (paused) server, tag the version, unload the old one."""
+        """On every (paused) server: unload the adapter, load the staged one under the same
+        name, tag the version; then delete the previous directory."""
         if self._staged is None:
             raise RuntimeError("LoraTransfer.transfer without stage(): the publisher calls stage first")
         timer = Timer()
-        name, path = self._staged
-        timeout = self.config.timeout_s
+        path, timeout = self._staged, self.config.timeout_s
         try:
-            self._call(lambda: self.admin.load_lora_adapter(name, str(path.resolve()), timeout=timeout),
+            # A server that does not hold it (a fresh one; the first push of a run) is fine.
+            self._call(lambda: self.admin.unload_lora_adapter(self.name, timeout=timeout, missing_ok=True),
+                       version, "unload_lora_adapter")
+            timer.lap("unload_s")
+            self._call(lambda: self.admin.load_lora_adapter(self.name, str(path.resolve()), timeout=timeout),
                        version, "load_lora_adapter")
         except BaseException:
             self._discard_staged()
             raise
         self._staged = None
-        old, self.current = self.current, (name, path)
-        self.on_loaded(name)
+        old, self.current = self.current, path
         timer.lap("load_s")
         self._call(lambda: self.admin.update_weight_version(version), version, "update_weight_version")
         if old is not None:
-            self._call(lambda: self.admin.unload_lora_adapter(old[0], timeout=timeout), version,
-                       "unload_lora_adapter")
-            shutil.rmtree(old[1], ignore_errors=True)
-        timer.lap("unload_s")
+            shutil.rmtree(old, ignore_errors=True)
         n_tensors, n_bytes = self._counts
-        logger.info("version %d: LoRA adapter %s loaded (%d tensors, %.2f MB)", version, name, n_tensors,
-                    n_bytes / 2**20)
+        logger.info("version %d: LoRA adapter %s loaded from %s (%d tensors, %.2f MB)", version, self.name,
+                    path.name, n_tensors, n_bytes / 2**20)
         return dict(timer.timings, bytes=float(n_bytes), n_tensors=float(n_tensors))
 
     def _call(self, make_coro, version: int, what: str) -> Any:
@@ -127,14 +130,14 @@ class LoraTransfer:
 
     def _discard_staged(self) -> None:
         if self._staged is not None:
-            shutil.rmtree(self._staged[1], ignore_errors=True)
+            shutil.rmtree(self._staged, ignore_errors=True)
             self._staged = None
 
     def close(self) -> None:
         """Delete the adapter directories (the servers keep the adapter they loaded)."""
         self._discard_staged()
         if self.current is not None:
-            shutil.rmtree(self.current[1], ignore_errors=True)
+            shutil.rmtree(self.current, ignore_errors=True)
         try:
             self.root.rmdir()
         except OSError:
