@@ -218,4 +218,8 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    if "--lora" in sys.argv[1:]:  # LoRA vs full weights: benchmarks/bench_lora.py
+        from benchmarks.bench_lora import main as lora_main
+
+        sys.exit(lora_main([a for a in sys.argv[1:] if a != "--lora"] + ["--only", "push"]))
     main()

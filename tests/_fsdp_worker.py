@@ -10,8 +10,9 @@ CPU (gloo), also on a GPU machine. Rank r writes ``result_rank{r}.pt``; tests/te
 
     torchrun --nproc_per_node 2 tests/_fsdp_worker.py MODEL_DIR OUT_DIR [lora]
 
-With ``lora`` the engine is `LoraFSDPEngine` (rank-4 adapters on every linear module): the
-same scenario trains only the adapters, and rank r also writes the adapter's tensors.
+With ``lora`` the engine is `LoraFSDPEngine` (rank-3 adapters on every linear module, so
+that the A matrices split unevenly over 2 ranks): the same scenario trains only the
+adapters, and rank r also writes the adapter's tensors.
 """
 
 from __future__ import annotations
@@ -98,7 +99,7 @@ def new_loss_steps(engine: FSDPEngine, batch: dict, logp: torch.Tensor, rows: sl
 def run(model_dir: str, out_dir: str, lora: bool = False) -> None:
     out = Path(out_dir)
     cfg = ActorConfig(model_path=model_dir, mb_max_tokens=32,
-                      lora=LoraConfig(rank=4, alpha=8.0) if lora else None)
+                      lora=LoraConfig(rank=3, alpha=6.0) if lora else None)
     cfg.optimizer.lr = 1e-2 if lora else 2e-3
     cfg.optimizer.warmup_steps = 1
     cfg.optimizer.lr_scheduler = "cosine"

@@ -63,10 +63,54 @@ def full(t: torch.Tensor, device: torch.device) -> torch.Tensor:
 
 
 def adapter_tensors(model: torch.nn.Module, device: torch.device) -> Iterator[tuple[str, torch.Tensor]]:
-    """The adapter's tensors under PEFT's saved names (every rank must iterate it to the end)."""
-    for name, p in model.named_parameters():
-        if is_lora_param(name):
-            yield peft_key(name), full(p, device)
+    """The adapter's tensors under PEFT's saved names (a collective: every rank calls it).
+
+    They are small and many (two per adapted layer), so they are gathered together, in one
+    collective (`full_together`), not one per tensor."""
+    named = [(peft_key(name), p) for name, p in model.named_parameters() if is_lora_param(name)]
+    yield from zip((n for n, _ in named), full_together([p for _, p in named], device))
+
+
+def full_together(params: list[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
+    """`full` of every parameter with one all-gather when they are all sharded on dim 0 of one
+    mesh in one dtype, as FSDP2 shards them (else one `full` each). A collective.
+
+    Rank r of a world of W holds rows ``[r*c, (r+1)*c)`` of a tensor with n rows, c =
+    ceil(n / W) (``torch.chunk``'s split, FSDP2's and DTensor's ``Shard(0)``): each rank pads
+    its pieces to c rows and sends them as one flat buffer; every piece is then cut out of
+    every rank's buffer and the rows are joined."""
+    dts = [p.detach() for p in params]
+    if not dts or not all(hasattr(t, "full_tensor") for t in dts):
+        return [full(t, device) for t in params]
+    from torch.distributed.tensor import Shard
+
+    mesh, dtype = dts[0].device_mesh, dts[0].dtype
+    if (mesh.ndim != 1 or any(t.device_mesh != mesh or t.dtype != dtype or tuple(t.placements) != (Shard(0),)
+                              for t in dts)):
+        return [full(t, device) for t in params]
+    world = mesh.size()
+    locals_ = [t.to_local().to(device) for t in dts]
+    if world == 1:
+        return locals_
+    import math
+
+    import torch.distributed as dist
+
+    rows = [math.ceil(t.shape[0] / world) for t in dts]
+    row_numel = [math.prod(t.shape[1:]) for t in dts]
+    sizes = [r * k for r, k in zip(rows, row_numel)]
+    buf = torch.zeros(sum(sizes), dtype=dtype, device=device)
+    offsets = [0]
+    for size, local in zip(sizes, locals_):
+        buf[offsets[-1]:offsets[-1] + local.numel()] = local.reshape(-1)
+        offsets.append(offsets[-1] + size)
+    gathered = [torch.empty_like(buf) for _ in range(world)]
+    dist.all_gather(gathered, buf, group=mesh.get_group())
+    out = []
+    for t, start, size, k in zip(dts, offsets, sizes, row_numel):
+        flat = torch.cat([g[start:start + size] for g in gathered])[:t.shape[0] * k]
+        out.append(flat.view(t.shape))
+    return out
 
 
 def lora_layers(model: torch.nn.Module) -> dict[str, torch.nn.Module]:
