@@ -54,7 +54,7 @@ class AdapterSource:
 
 
 class LoraTransfer:
-    """Pushes a LoRA adapter, reloaded under one name per version (see the module's docstring).
+    """Pushes a LoRA adapter, reloaded under the same name at every version (see the module's docstring).
 
     ``adapter_config`` is the adapter's ``adapter_config.json``; ``name`` the name the servers
     serve it under (every request's ``lora_path``)."""
