@@ -36,7 +36,8 @@ def _train(demo: Path, runs: Path, steps: int) -> subprocess.CompletedProcess:
         # recomputes, so any gap between them is a client sampling with other weights.
         "rollout.max_head_offpolicyness=0",
         "actor.lora.rank=4", "actor.lora.alpha=8", "actor.optimizer.lr=2e-2", "algorithm.kl_coef=0.01",
-        "evaluation.freq_steps=100", "saver.freq_steps=2", "stats.progress_bar=false", "stats.plot=false",
+        "evaluation.freq_steps=100", "saver.freq_steps=2", "saver.export_merged_at_end=true",
+        "stats.progress_bar=false", "stats.plot=false",
     ]
     return subprocess.run(cmd, cwd=REPO, env=run_env(REPO / "tests"), timeout=600, capture_output=True, text=True)
 
@@ -70,6 +71,9 @@ def test_lora_run_samples_with_the_trained_adapter_and_resumes(micro_demo_dir, t
     assert all(r["train/grad_norm"] > 0 for r in steps)
     assert steps[-1]["train/kl_ref"] > 0  # the adapter moved away from the reference (adapters off)
     assert (run / "final_model" / "adapter_config.json").is_file()
+    merged = run / "final_model_merged"  # saver.export_merged_at_end: a plain HF model, no adapter
+    with safe_open(str(merged / "model.safetensors"), "pt") as f:
+        assert not any("lora" in k for k in f.keys()) and len(list(f.keys())) > 0
 
     res2 = _train(micro_demo_dir, runs, steps=4)
     assert res2.returncode == 0, res2.stdout[-3000:] + res2.stderr[-3000:]

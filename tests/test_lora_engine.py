@@ -182,3 +182,16 @@ def test_bad_lora_configs_name_the_field(tmp_path, override, field, says):
     with pytest.raises(ConfigError) as info:
         load_config(path, check_paths=False)
     assert field in str(info.value) and says in str(info.value)
+
+
+def test_a_merged_export_without_lora_is_a_config_error(tmp_path):
+    import yaml
+
+    from arealite.config.loader import ConfigError, load_config
+
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump({"saver": {"export_merged_at_end": True}}))
+    with pytest.raises(ConfigError, match="saver.export_merged_at_end.*actor.lora is null"):
+        load_config(path, check_paths=False)
+    path.write_text(yaml.safe_dump({"saver": {"export_merged_at_end": True}, "actor": {"lora": {"rank": 4}}}))
+    assert load_config(path, check_paths=False).saver.export_merged_at_end

@@ -634,6 +634,16 @@ def _check_shm_backend(cfg: ArealiteConfig) -> list[ConfigProblem]:
     return []
 
 
+def _check_merged_export(cfg: ArealiteConfig) -> list[ConfigProblem]:
+    """`saver.export_merged_at_end` needs `actor.lora` (full fine-tuning's export is already the whole model)."""
+    if cfg.saver.export_merged_at_end and cfg.actor.lora is None:
+        return [ConfigProblem(
+            "saver.export_merged_at_end", "merges LoRA adapters into the base, but actor.lora is null: set "
+            "actor.lora, or leave it false (saver.export_hf_at_end already exports the whole model)", True,
+        )]
+    return []
+
+
 from arealite.config.algo_checks import check_algorithm  # noqa: E402  (the algorithm's rules live with it)
 
 #: Checks that relate several fields; each docstring is listed in docs/config_reference.md.
@@ -646,6 +656,7 @@ CROSS_FIELD_CHECKS = (
     _check_reward_fn,
     _check_workflow,
     _check_shm_backend,
+    _check_merged_export,
     check_algorithm,
 )
 

@@ -549,7 +549,11 @@ class SaverConfig(Section):
     keep_last: int = Field(2, ge=1)
     """Complete checkpoints kept; older ones are deleted."""
     export_hf_at_end: bool = True
-    """Export the final model as a Hugging Face directory."""
+    """Export the final model as a Hugging Face directory (`final_model`; with `actor.lora`, the
+    PEFT adapter directory)."""
+    export_merged_at_end: bool = False
+    """With `actor.lora`: also export the base with the adapter merged in, a full Hugging Face
+    directory any server loads without LoRA support (`final_model_merged`)."""
 
 
 class RecoverConfig(Section):

@@ -197,6 +197,8 @@ class RLTrainer:
             print(f"[arealite] stats: {self.stats_logger.path}  reward curve: {png}", flush=True)
         if cfg.saver.export_hf_at_end:
             self.actor_engine.export_hf(self.out_dir / "final_model")
+        if cfg.saver.export_merged_at_end and cfg.actor.lora is not None:
+            self.actor_engine.export_hf(self.out_dir / "final_model_merged", merged=True)
         final = {**{f"before/{k}": v for k, v in before.items()}, **after, **end}
         self._call("on_train_end", final)
         return final
