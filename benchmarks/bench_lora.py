@@ -4,10 +4,11 @@ Two figures, both measured on the real engines in one run:
 
 - **push**: one `WeightPublisher.publish` end to end to an embedded server (pause, transfer,
   version, continue): the LoRA run's `LoraTransfer` (the adapter as a PEFT directory,
-  ``/load_lora_adapter``, the old adapter unloaded) vs full weights by the same route kind
-  (`DiskTransfer`: safetensors shards, ``/update_weights_from_disk``) and by the fastest
-  full-weight path (`ShmTransfer`). Bytes pushed and seconds, best of ``--rounds``, repeated
-  ``--repeats`` times (median and spread).
+  unloaded and reloaded under one name) vs full weights by disk (`DiskTransfer`, the same
+  route kind: a directory loaded by path), by same-host shared memory (`ShmTransfer`, the
+  fastest full-weight path) and by a process group (`DistributedTransfer`, the default
+  `weight_sync.method`). Bytes pushed and seconds with each phase, best of ``--rounds``,
+  repeated ``--repeats`` times (median and spread).
 - **trainer memory**: parameters + gradients + optimizer state of `LoraFSDPEngine` vs
   `FSDPEngine` after one PPO-style training step, summed from the tensors themselves
   (parameter storage, each gradient as it is accumulated, AdamW's state tensors).

@@ -9,10 +9,12 @@ wrapped by ``peft.get_peft_model``, with every base weight frozen and LoRA on
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any, Iterator
 
 import torch
+import torch.distributed as dist
 
 from arealite.config.schema import LoraConfig
 from arealite.engine.fsdp_model import causal_lm
@@ -92,10 +94,6 @@ def full_together(params: list[torch.Tensor], device: torch.device) -> list[torc
     locals_ = [t.to_local().to(device) for t in dts]
     if world == 1:
         return locals_
-    import math
-
-    import torch.distributed as dist
-
     rows = [math.ceil(t.shape[0] / world) for t in dts]
     row_numel = [math.prod(t.shape[1:]) for t in dts]
     sizes = [r * k for r, k in zip(rows, row_numel)]
