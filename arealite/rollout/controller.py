@@ -114,6 +114,7 @@ class RolloutController:
         self.last_batch_items: list[Any] = []
         self.record_dropped = False
         self._dropped: list[Any] = []
+        self._dropped_lock = threading.Lock()  # take_dropped() reads it without a hop to the loop
 
     # ------------------------------------------------------------ lifecycle
     def start(self, init_timeout: float = 300.0) -> "RolloutController":
@@ -261,7 +262,8 @@ class RolloutController:
 
     def _record_dropped(self, items: list[Any]) -> None:
         if self.record_dropped:
-            self._dropped.extend(items)
+            with self._dropped_lock:
+                self._dropped.extend(items)
 
     def _on_failure(self, item: Any, tb: str) -> None:
         self._counters["failed"] += 1
@@ -362,8 +364,18 @@ class RolloutController:
         self._call(self._set_paused, True)
 
     def resume(self) -> None:
-        """Admit episodes again."""
-        self._call(self._set_paused, False)
+        """Admit episodes again.
+
+        Does not wait for the loop (like `set_version`): admitting the episodes held
+        during a pause is a burst of work there that the trainer has no need to wait for;
+        the loop applies it before any later call to the controller.
+        """
+        loop = self._loop
+        if loop is None:
+            self._call(self._set_paused, False)  # raises ControllerStopped, as pause() does
+        else:
+            self._paused = False  # seen at once by `paused`; the loop admits on its next turn
+            loop.call_soon_threadsafe(self._set_paused, False)
 
     def _set_paused(self, paused: bool) -> None:
         self._paused = paused
@@ -428,7 +440,7 @@ class RolloutController:
                 **self._output.state_dict(),  # ready, staleness_hist
                 "pending_items": pending,
                 "unsubmitted_items": list(self._feed.leftover),
-                "dropped_items": list(self._dropped),
+                "dropped_items": self._dropped_snapshot(),
             }
 
         return self._here_or_on_loop(_snap)
@@ -451,12 +463,18 @@ class RolloutController:
         self._dropped = list(state.get("dropped_items", []))
 
     def take_dropped(self) -> list[Any]:
-        """Items rejected or failed since the last call (they will not be trained on)."""
-        def _take() -> list[Any]:
-            out, self._dropped = self._dropped, []
-            return out
+        """Items rejected or failed since the last call (they will not be trained on).
 
-        return self._here_or_on_loop(_take)
+        Taken under a lock, not on the loop: the trainer asks right after a weight update,
+        when the loop is busy admitting a burst of episodes, and must not wait behind it.
+        """
+        with self._dropped_lock:
+            out, self._dropped = self._dropped, []
+        return out
+
+    def _dropped_snapshot(self) -> list[Any]:
+        with self._dropped_lock:
+            return list(self._dropped)
 
     def resubmit_pending(self, workflow: RolloutWorkflow, should_accept: ShouldAccept | None = None) -> int:
         """Resubmit the unfinished items restored by ``load_state_dict``; returns how many."""

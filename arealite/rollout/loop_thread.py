@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import gc
 import sys
 import threading
 from typing import Any, Callable, Coroutine
 
 import torch
 import uvloop
+
+from arealite.utils.heap import freeze_heap
 
 
 class ControllerStopped(RuntimeError):
@@ -122,8 +123,7 @@ def tune_process(switch_interval_ms: float | None, freeze_gc: bool) -> float | N
         old = sys.getswitchinterval()
         sys.setswitchinterval(switch_interval_ms / 1000)
     if freeze_gc:
-        gc.collect()
-        gc.freeze()
+        freeze_heap()
     return old
 
 

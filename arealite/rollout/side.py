@@ -86,9 +86,15 @@ class LocalRollout:
         return self.controller.take_dropped()
 
     def pause(self) -> None:
+        """Around a weight update: admit no new episodes, and hold the requests that the
+        servers' pause aborts until `resume`, so that the publisher's checks after
+        ``continue_generation`` (the log-prob probe) find the servers idle rather than
+        behind a burst of resubmissions."""
         self.controller.pause()
+        self.client.pause()
 
     def resume(self) -> None:
+        self.client.resume()
         self.controller.resume()
 
     def set_version(self, version: int) -> None:

@@ -73,6 +73,15 @@ def _build_side(spec: WorkerSpec):
     return LocalRollout(client, cfg.rollout, spec.loader, spec.world_size, workflow, eval_workflow, sampled)
 
 
+def _batch_with_items(side: Any) -> tuple[Any, list[Any]]:
+    """A batch and the items it came from, in one round trip over the pipe."""
+    return side.prepare_batch(), side.last_batch_items
+
+
+#: Calls answered in the child by more than the `LocalRollout` method of that name (one
+#: round trip instead of several).
+_COMBINED = {"prepare_batch": _batch_with_items}
+
 #: Calls the trainer may make on the child's `LocalRollout` (the attribute reads included).
 _CALLS = {"start", "prepare_batch", "take_dropped", "pause", "resume", "set_version", "stats",
           "unfinished_state", "epochs_handed_out", "eval_sums", "stop", "last_batch_items",
@@ -105,10 +114,13 @@ def _child_main(conn: Any, spec: WorkerSpec) -> None:
             side.stop()
             return
         try:
-            target: Any = side
-            for part in name.split("."):
-                target = getattr(target, part)
-            result = target(*args) if callable(target) else target
+            if name in _COMBINED:
+                result = _COMBINED[name](side, *args)
+            else:
+                target: Any = side
+                for part in name.split("."):
+                    target = getattr(target, part)
+                result = target(*args) if callable(target) else target
             _send(conn, (True, result))
         except BaseException as e:  # reported to the trainer, which raises it there
             _send(conn, (False, f"{type(e).__name__}: {e}\n--- in the rollout worker:\n{traceback.format_exc()}"))
@@ -283,12 +295,11 @@ class RolloutWorker:
 
     def prepare_batch(self) -> Any:
         t0 = time.monotonic()
-        batch = self.call("prepare_batch")
+        batch, self.last_batch_items = self.call("prepare_batch")
         now = time.monotonic()
         if self._placement is not None and self._last_batch_at is not None:
             self._placement.observe(now - t0, now - self._last_batch_at)
         self._last_batch_at = now
-        self.last_batch_items = self.call("last_batch_items")
         return batch
 
     def take_dropped(self) -> list[Any]:

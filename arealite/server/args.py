@@ -61,6 +61,8 @@ class ServerArgs:
     """File holding the API key (read at start; the key itself never goes on a command line)."""
     api_key_on_argv: bool = False
     """Whether the key came from ``--api-key`` on the command line (warned about at start)."""
+    freeze_gc: bool = True
+    """Once loaded, keep the garbage collector off the startup heap (`arealite.utils.heap`)."""
 
     def limits(self) -> Limits:
         """The per-request caps these flags set."""
@@ -109,6 +111,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "paused), read-back only for SGLang's model classes")
     p.add_argument("--sglang-version", default="0.5.23",
                    help="SGLang release to report and emulate (before 0.5.21: no begin/end_weight_update)")
+    p.add_argument("--no-freeze-gc", dest="freeze_gc", action="store_false",
+                   help="let the garbage collector keep scanning the model and libraries loaded at start "
+                        "(by default they are frozen once: full scans of them stall generation ~0.2 s)")
     p.add_argument("--readback-architectures", default=None,
                    help="comma-separated model classes whose weights can be read back ('all')")
     g = p.add_argument_group("request limits (docs/security.md)")

@@ -31,6 +31,7 @@ from arealite.trainer.hooks import TrainerHook
 from arealite.trainer.step_stats import StepStats, reduce_stats
 from arealite.utils import accounting
 from arealite.utils.checkpoint import Checkpointer, fault_point
+from arealite.utils.heap import freeze_heap
 from arealite.utils.progress import Progress
 from arealite.utils.run import run_dir
 from arealite.utils.stats_logger import StatsLogger, plot_reward_curve
@@ -71,6 +72,8 @@ class RLTrainer:
         try:
             self._setup()
             start = self._resume()
+            if self.config.rollout.freeze_gc:
+                freeze_heap()  # engines, model and libraries live as long as the run
             self._call("on_train_start", start)
             before = self._evaluate(start, label="before RL")
             for step in range(start, self.total_steps):
