@@ -225,6 +225,70 @@ def test_prepare_batch_keeps_the_next_step_generating():
         ctl.stop()
 
 
+def _stash_after_push(ctl, loader, wf, version):
+    """A step's end: pause, new version, resume with prefetch once a whole batch is ready."""
+    ctl.pause()
+    ctl.set_version(version)
+    deadline = time.monotonic() + 5
+    while ctl.stats()["output_queue"] < ctl.batch_size:
+        assert time.monotonic() < deadline, ctl.stats()
+        time.sleep(0.005)
+    ctl.resume(prefetch=(loader, wf))
+
+
+def test_resume_takes_a_ready_batch_ahead_and_prepare_batch_needs_no_loop():
+    ctl = make(consumer_batch_size=2, max_head_offpolicyness=1)
+    try:
+        wf = ItemWorkflow()
+        loader = StatefulDataLoader([{"prompt_id": i} for i in range(20)], batch_size=2, shuffle=False)
+        b0 = ctl.prepare_batch(loader, wf)
+        _stash_after_push(ctl, loader, wf, 1)
+        assert not ctl.paused
+        time.sleep(0.05)  # the loop took the batch ahead, then admitted
+        assert ctl.stats()["consumed"] == 4
+        # The loop is busy (a burst of launches, here a blocking callback): the stashed batch
+        # comes back at once, without a trip there.
+        release = threading.Event()
+        ctl._loop.call_soon_threadsafe(release.wait, 5)
+        t0 = time.monotonic()
+        b1 = ctl.prepare_batch(loader, wf)
+        elapsed = time.monotonic() - t0
+        release.set()
+        assert elapsed < 1.0 and b1.batch_size[0] == 2
+        assert set(ids(b0)).isdisjoint(ids(b1)) and sorted(ids(b0) + ids(b1)) == [0, 1, 2, 3]
+        assert sorted(it["prompt_id"] for it in ctl.last_batch_items) == ids(b1)
+        assert sum(ctl.stats()["staleness_hist"].values()) == 4  # recorded once per row
+    finally:
+        ctl.stop()
+
+
+def test_a_stashed_batch_is_saved_as_ready_and_handed_out_once():
+    ctl = make(consumer_batch_size=2, max_head_offpolicyness=1)
+    try:
+        wf = ItemWorkflow()
+        loader = StatefulDataLoader([{"prompt_id": i} for i in range(20)], batch_size=2, shuffle=False)
+        b0 = ctl.prepare_batch(loader, wf)
+        _stash_after_push(ctl, loader, wf, 1)
+        time.sleep(0.05)
+        # A checkpoint between the resume and the next prepare_batch: the stashed groups are
+        # not trained on yet, so they are saved as ready and not counted as consumed.
+        state = ctl.state_dict()
+        assert state["counters"]["consumed"] == 2
+        ready = sorted(int(d["prompt_id"][0]) for d, _ in state["ready"])
+        assert set(ready) >= {2, 3} and not set(ready) & set(ids(b0))
+        assert sum(state["staleness_hist"].values()) == 2
+        # ... and the next batch is the same groups, taken from the queue this time.
+        b1 = ctl.prepare_batch(loader, wf)
+        assert ids(b1) == [2, 3] and ctl.stats()["consumed"] == 4
+        # wait() also puts a stash back first: groups go out in completion order.
+        _stash_after_push(ctl, loader, wf, 2)
+        time.sleep(0.05)
+        assert ids(ctl.wait(2, timeout=5)) == [4, 5]
+        assert ctl.prepare_batch(loader, wf).batch_size[0] == 2 and ctl.stats()["consumed"] == 8
+    finally:
+        ctl.stop()
+
+
 def test_back_pressure_bounds_the_queues():
     ctl = make(consumer_batch_size=2, max_head_offpolicyness=100, queue_size=4)
     try:

@@ -59,11 +59,16 @@ def test_worker_produces_batches_state_and_evaluation(cfg):
         worker.start(0)
         batch = worker.prepare_batch()
         assert batch["input_ids"].shape[0] == 4 and batch["versions"].max().item() == 0
-        assert len(worker.last_batch_items) == 2 and worker.take_dropped() == []
+        # The dropped items came with the batch: taking them costs no round trip.
+        calls = []
+        real_call = worker.call
+        worker.call = lambda name, *a, **kw: (calls.append(name), real_call(name, *a, **kw))[1]
+        assert len(worker.last_batch_items) == 2 and worker.take_dropped() == [] and calls == []
         worker.pause()
         worker.set_version(1)
         worker.resume()
         stats = worker.stats()
+        assert worker.take_dropped() == [] and calls[-1] == "take_dropped"  # other calls came since the batch
         assert stats["controller"]["version"] == 1 and stats["client"]["requests"] >= 4
         state = worker.controller_state.state_dict()
         assert state["counters"]["consumed"] == 2 and "pending_items" in state
@@ -72,7 +77,8 @@ def test_worker_produces_batches_state_and_evaluation(cfg):
         sums = worker.eval_sums(ITEMS[:3])
         correct, n = sums["correct"], sums["n"]
         assert n == 3 and 0 <= correct <= n  # the evaluation copy: one greedy sample per prompt
-        assert worker.epochs_handed_out() == 0
+        # 8 items: the resume may have taken the next batch ahead and refilled from epoch 2.
+        assert worker.epochs_handed_out() in (0, 1)
         admin = worker.admin  # the trainer's own client administers the same servers
         assert admin.healthy_servers == [os.environ[ENV_SERVER_ADDRS]]
         assert worker.run(admin.continue_generation()) is not None

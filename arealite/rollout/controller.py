@@ -146,6 +146,7 @@ class RolloutController:
             self._running.clear()
             self.staleness.running = 0
             self._closing = False
+            self._unstash()  # the loop is gone: nothing else touches the queue now
             restore_switch_interval(self._old_switch_interval)
             self._old_switch_interval = None
 
@@ -293,6 +294,7 @@ class RolloutController:
 
     async def _wait_on_loop(self, count: int, timeout: float | None, should_accept: ShouldAccept | None) -> TensorDict:
         deadline = None if timeout is None else time.monotonic() + timeout
+        self._unstash()  # groups are handed out in completion order
         while True:
             self._raise_error()
             if should_accept is not None:
@@ -356,6 +358,11 @@ class RolloutController:
         """
         if should_accept is None and self.config.filter_equal_rewards:
             should_accept = reject_equal_rewards
+        if should_accept is None:
+            stashed = self._output.take_stashed()
+            if stashed is not None:
+                batch, self.last_batch_items = stashed
+                return batch
         return self.run(self._feed.prepare(dataloader, workflow, should_accept, poll_s))
 
     # --------------------------------------------------------------- admin
@@ -363,19 +370,36 @@ class RolloutController:
         """Stop admitting new episodes (running ones go on); used around weight updates."""
         self._call(self._set_paused, True)
 
-    def resume(self) -> None:
+    def resume(self, prefetch: tuple[Iterable, RolloutWorkflow] | None = None) -> None:
         """Admit episodes again.
 
         Does not wait for the loop (like `set_version`): admitting the episodes held
         during a pause is a burst of work there that the trainer has no need to wait for;
         the loop applies it before any later call to the controller.
+
+        ``prefetch``: the ``(dataloader, workflow)`` of the trainer's `prepare_batch`. When
+        a whole batch is ready, the loop takes it before it admits anything, and the next
+        `prepare_batch` returns it without a trip to the loop, which by then is busy
+        launching the released episodes (`ReadyGroups.stash`).
         """
         loop = self._loop
         if loop is None:
             self._call(self._set_paused, False)  # raises ControllerStopped, as pause() does
         else:
             self._paused = False  # seen at once by `paused`; the loop admits on its next turn
-            loop.call_soon_threadsafe(self._set_paused, False)
+            loop.call_soon_threadsafe(self._resume_on_loop, prefetch)
+
+    def _resume_on_loop(self, prefetch: tuple[Iterable, RolloutWorkflow] | None) -> None:
+        if (prefetch is not None and self._error is None and not self.config.filter_equal_rewards
+                and not self._output.stashed and not len(self._feed) and len(self._output) >= self.batch_size):
+            self._output.stash(self.batch_size, self.staleness.version)
+            self._counters["consumed"] += self.batch_size
+            self._feed.top_up(*prefetch, None)  # as prepare_batch refills after a take
+        self._set_paused(False)
+
+    def _unstash(self) -> None:
+        """A batch taken ahead and not handed out goes back in front (on the loop)."""
+        self._counters["consumed"] -= self._output.unstash()
 
     def _set_paused(self, paused: bool) -> None:
         self._paused = paused
@@ -433,6 +457,7 @@ class RolloutController:
     def state_dict(self) -> dict[str, Any]:
         """Version, counters, produced-but-unconsumed groups and unfinished items (to resubmit)."""
         def _snap() -> dict[str, Any]:
+            self._unstash()  # not trained on yet: saved as ready
             pending = [j.item for j in self._running.values()] + [j.item for j in self._input] + self._feed.restored
             return {
                 "staleness": self.staleness.state_dict(),

@@ -44,6 +44,11 @@ class DataFeed:
         (rejected groups free slots that new items must fill).
         """
         ctl = self._ctl
+        stashed = ctl._output.take_stashed() if should_accept is None else None
+        if stashed is not None:  # taken at resume; this call was on its way meanwhile
+            batch, ctl.last_batch_items = stashed
+            return batch
+        ctl._unstash()
         while True:
             if self.restored or self.leftover:
                 self.drain(workflow, should_accept)

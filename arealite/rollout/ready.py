@@ -5,12 +5,20 @@ Groups wait in completion order, each with the dataset item it came from, so
 that the trainer knows which prompts a batch holds (per-prompt accounting) and a
 checkpoint can save the groups produced but not yet trained on. Taking a batch
 records the staleness of its trajectories in a histogram.
+
+A batch can also be taken ahead of its ``prepare_batch`` (`ReadyGroups.stash`): when a
+weight update resumes generation with a whole batch already ready, the controller takes
+it before launching the episodes the update released, and the trainer's next call picks
+it up from any thread (`take_stashed`) instead of queueing on the loop behind that burst.
+Until then it can be put back in front (`unstash`), as for a checkpoint.
 """
 
 from __future__ import annotations
 
 import asyncio
 import collections
+import threading
+from dataclasses import dataclass
 from typing import Any, Callable
 
 from tensordict import TensorDict
@@ -19,12 +27,25 @@ from arealite.rollout.staleness import trajectory_staleness
 from arealite.workflow.base import concat_trajectories
 
 
+@dataclass
+class _Stash:
+    """A batch taken ahead of its `prepare_batch`: its groups, the batch, items and staleness."""
+
+    groups: list[tuple[TensorDict, Any]]
+    batch: TensorDict
+    items: list[Any]
+    stale: list[int]
+
+
 class ReadyGroups:
-    """A FIFO of ``(trajectory group, item)`` with the staleness histogram of what was taken."""
+    """A FIFO of ``(trajectory group, item)`` with the staleness histogram of what was taken,
+    and at most one batch taken ahead (the stash)."""
 
     def __init__(self) -> None:
         self._groups: collections.deque[tuple[TensorDict, Any]] = collections.deque()
         self.staleness_hist: collections.Counter[int] = collections.Counter()
+        self._stash: _Stash | None = None
+        self._stash_lock = threading.Lock()  # take_stashed() runs on the trainer's thread
 
     def __len__(self) -> int:
         return len(self._groups)
@@ -34,11 +55,49 @@ class ReadyGroups:
 
     def take(self, count: int, version: int) -> tuple[TensorDict, list[Any]]:
         """The oldest ``count`` groups as one right-padded batch, and their items."""
+        s = self._pop(count, version)
+        return s.batch, s.items
+
+    def _pop(self, count: int, version: int) -> _Stash:
         taken = [self._groups.popleft() for _ in range(count)]
         batch = concat_trajectories([td for td, _ in taken])
-        stale = trajectory_staleness(batch["versions"], batch["loss_mask"], version)
-        self.staleness_hist.update(stale.tolist())
-        return batch, [item for _, item in taken]
+        stale = trajectory_staleness(batch["versions"], batch["loss_mask"], version).tolist()
+        self.staleness_hist.update(stale)
+        return _Stash(taken, batch, [item for _, item in taken], stale)
+
+    # ------------------------------------------------------------ the stash
+    @property
+    def stashed(self) -> int:
+        """Groups in the stash (0 or a batch)."""
+        s = self._stash
+        return 0 if s is None else len(s.groups)
+
+    def stash(self, count: int, version: int) -> None:
+        """Take the oldest ``count`` groups now, as `take` would, and keep the batch for
+        `take_stashed` (on the loop; at most one batch is stashed)."""
+        if self._stash is not None:
+            raise RuntimeError("a batch is stashed already: take_stashed() or unstash() it first")
+        s = self._pop(count, version)
+        with self._stash_lock:
+            self._stash = s
+
+    def take_stashed(self) -> tuple[TensorDict, list[Any]] | None:
+        """The stashed batch and its items (None when there is none); any thread."""
+        with self._stash_lock:
+            s, self._stash = self._stash, None
+        return None if s is None else (s.batch, s.items)
+
+    def unstash(self) -> int:
+        """Put a stashed batch's groups back in front, as if never taken; returns how many
+        (on the loop)."""
+        with self._stash_lock:
+            s, self._stash = self._stash, None
+        if s is None:
+            return 0
+        self._groups.extendleft(reversed(s.groups))
+        self.staleness_hist.subtract(s.stale)
+        self.staleness_hist = +self.staleness_hist  # drop the counts that went back to 0
+        return len(s.groups)
 
     def filter(self, should_accept: Callable[[TensorDict], bool]) -> list[Any]:
         """Drop the groups ``should_accept`` refuses; return their items."""

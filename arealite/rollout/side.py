@@ -95,7 +95,9 @@ class LocalRollout:
 
     def resume(self) -> None:
         self.client.resume()
-        self.controller.resume()
+        # A batch already ready is taken before the released episodes launch (see
+        # `RolloutController.resume`): the trainer asks for it right after this call.
+        self.controller.resume(prefetch=(self.loader, self.workflow))
 
     def set_version(self, version: int) -> None:
         self.controller.set_version(version)

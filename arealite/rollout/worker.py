@@ -73,14 +73,16 @@ def _build_side(spec: WorkerSpec):
     return LocalRollout(client, cfg.rollout, spec.loader, spec.world_size, workflow, eval_workflow, sampled)
 
 
-def _batch_with_items(side: Any) -> tuple[Any, list[Any]]:
-    """A batch and the items it came from, in one round trip over the pipe."""
-    return side.prepare_batch(), side.last_batch_items
+def _batch_with_extras(side: Any) -> tuple[Any, list[Any], list[Any]]:
+    """A batch, the items it came from and the items dropped since the last batch, in one
+    round trip over the pipe (the trainer reads all three)."""
+    batch = side.prepare_batch()
+    return batch, side.last_batch_items, side.take_dropped()
 
 
 #: Calls answered in the child by more than the `LocalRollout` method of that name (one
 #: round trip instead of several).
-_COMBINED = {"prepare_batch": _batch_with_items}
+_COMBINED = {"prepare_batch": _batch_with_extras}
 
 #: Calls the trainer may make on the child's `LocalRollout` (the attribute reads included).
 _CALLS = {"start", "prepare_batch", "take_dropped", "pause", "resume", "set_version", "stats",
@@ -236,6 +238,10 @@ class RolloutWorker:
         self.controller_state = _Remote(self, "controller")
         self.loader_state = _Remote(self, "loader")
         self.last_batch_items: list[Any] = []
+        # The dropped items the child sent with the last batch, until `take_dropped`; once
+        # another call has been made since that batch (`_fresh` false), the child may have newer.
+        self._pending_dropped: list[Any] = []
+        self._fresh = False
         # The publisher's administration runs here, on a client of the trainer's own.
         self._admin_client = admin_client
         self._loop = LoopThread("arealite-admin")
@@ -249,6 +255,7 @@ class RolloutWorker:
             raise ValueError(f"unknown rollout worker call {name!r}")
         if self._stopped:
             raise RolloutWorkerError(f"the rollout worker was stopped; {name} cannot run")
+        self._fresh = False
         try:
             _send(self._conn, (name, args))
         except OSError as e:  # a broken pipe: the child is gone
@@ -295,7 +302,9 @@ class RolloutWorker:
 
     def prepare_batch(self) -> Any:
         t0 = time.monotonic()
-        batch, self.last_batch_items = self.call("prepare_batch")
+        batch, self.last_batch_items, dropped = self.call("prepare_batch")
+        self._pending_dropped.extend(dropped)
+        self._fresh = True
         now = time.monotonic()
         if self._placement is not None and self._last_batch_at is not None:
             self._placement.observe(now - t0, now - self._last_batch_at)
@@ -303,7 +312,12 @@ class RolloutWorker:
         return batch
 
     def take_dropped(self) -> list[Any]:
-        return self.call("take_dropped")
+        """Items dropped since the last call: those sent with the last batch, and, once any
+        other call has been made since that batch, the child's newer ones."""
+        out, self._pending_dropped = self._pending_dropped, []
+        if not self._fresh:
+            out += self.call("take_dropped")
+        return out
 
     def pause(self) -> None:
         self.call("pause")

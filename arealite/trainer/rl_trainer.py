@@ -87,6 +87,7 @@ class RLTrainer:
         stats = StepStats(version)
         batch = self.rollout.prepare_batch()
         stats.lap("rollout_wait")
+        dropped = self.rollout.take_dropped()  # sent with the batch by a rollout worker
         self._call("on_batch", step, batch)
         actor = self.actor
         if actor.needs_prox_logp:  # decoupled PPO with several mini-batches
@@ -100,11 +101,12 @@ class RLTrainer:
         if self.critic is not None:
             stats.add("critic", self.critic.update(batch, actor.train_mask(batch)))
         stats.lap("train")
+        # Before the push: after it, the rollout side is busy launching the episodes it released.
+        side = self.rollout.stats()
         stats.add("weight_sync", self.publisher.publish(version + 1))
         stats.lap("weight_sync")
         stats.add_batch(batch)
-        stats.add_accounting(self.rollout.last_batch_items, self.rollout.take_dropped())
-        side = self.rollout.stats()
+        stats.add_accounting(self.rollout.last_batch_items, dropped)
         stats.add_rollout_side(side["controller"], side["client"])
         record = stats.finish()
         done = step + 1
