@@ -42,7 +42,8 @@ class FakeSGLang:
     """A programmable SGLang-like server.
 
     ``actions`` is a queue consumed by /generate calls: None (normal), "500",
-    "garbage", "hang", "400", "abort0" (abort, no tokens), "abort_eos" (abort
+    "garbage", "hang", "400", "abort0" (abort, no tokens), "queued" (no tokens, aborted
+    by the next pause), "abort_eos" (abort
     after two tokens, the last one EOS). ``always`` applies when the queue is empty.
     """
 
@@ -163,6 +164,9 @@ class FakeSGLang:
             return self._reply([], start, "abort")
         if action == "abort_eos":
             return self._reply([tok(start), EOS], start, "abort")
+        if action == "queued":  # waits in the server's queue until a pause drops it (SGLang's abort mode)
+            await self._abort.wait()
+            return self._reply([], start, "abort")
         await self._resumed.wait()  # a paused server holds new requests
         self.inflight += 1
         self.max_inflight = max(self.max_inflight, self.inflight)
@@ -446,6 +450,32 @@ async def test_empty_abort_retries_without_spending_retry_budget(fakes):
         st = eng.stats()
     assert c.output_ids == [tok(5 + i) for i in range(4)] and c.n_interruptions == 2
     assert st["retries"] == 0 and st["empty_aborts"] == 2
+
+
+async def test_a_request_our_pause_drops_from_the_queue_waits_at_the_gate(fakes, monkeypatch):
+    # SGLang's abort mode drops waiting requests too: with no token out, that is not a stuck
+    # server (the empty-abort limit, here 0) and needs no backoff: it goes again on resume.
+    from arealite.engine import remote_client
+
+    monkeypatch.setattr(remote_client, "_MAX_EMPTY_ABORTS", 0)
+    (f,) = await fakes(1)
+    f.actions = ["queued"]
+    async with RemoteSGLangEngine([f.addr], cfg()) as eng:
+        task = asyncio.create_task(eng.agenerate(req(max_new=4)))
+        while not f.generate_payloads:
+            await asyncio.sleep(0.005)
+        eng.pause()
+        await eng.pause_generation()
+        while not eng.stats()["empty_aborts"]:
+            await asyncio.sleep(0.005)
+        await eng.continue_generation()
+        await asyncio.sleep(0.05)
+        assert not task.done() and len(f.generate_payloads) == 1  # held by the client's gate
+        t0 = time.monotonic()
+        eng.resume()
+        c = await asyncio.wait_for(task, 3)
+        assert time.monotonic() - t0 < 0.5
+    assert c.output_ids == [tok(5 + i) for i in range(4)] and c.n_interruptions == 1
 
 
 async def test_client_pause_gate_holds_submissions(fakes):

@@ -85,6 +85,26 @@ async def test_pause_in_place_freezes_and_continue_resumes(srv):
     check_logprobs(srv.model, s, 1.0)
 
 
+async def test_pause_abort_returns_running_and_waiting_requests(srv):
+    # As SGLang's abort mode (abort_request(abort_all=True)): the waiting queue is dropped
+    # too, so nothing waits in the server to start on the weights about to be replaced.
+    r = srv.runner  # max_batch_size 8: two of these ten wait
+    tasks = [asyncio.create_task(r.generate(req(f"q{i}", [4, 5, 6 + i], max_new_tokens=500, ignore_eos=True)))
+             for i in range(10)]
+    while r.n_running < 8:
+        await asyncio.sleep(0.002)
+    await wait_tokens(r, 8)
+    assert r.n_waiting == 2
+    await r.call(lambda: r.set_paused(True, "abort"))
+    try:
+        done = await asyncio.wait_for(asyncio.gather(*tasks), 30)
+    finally:
+        await r.call(lambda: r.set_paused(False))
+    assert all(s.finish_reason["type"] == "abort" for s in done)
+    assert sorted(len(s.output_ids) == 0 for s in done) == [False] * 8 + [True] * 2
+    assert r.n_waiting == 0 and r.n_running == 0
+
+
 async def test_eos_stops_unless_ignored(micro_model_dir, tmp_path):
     # Make the model's eos the token greedy decoding produces second, so that
     # the stop is certain.

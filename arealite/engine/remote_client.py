@@ -355,9 +355,13 @@ class RemoteInferenceClient:
         if ids:
             p.empty_aborts = 0
             return False
-        # No progress: not a retry (the budget is for faults), but bounded.
-        p.empty_aborts += 1
         self._counters["empty_aborts"] += 1
+        if self.paused:
+            # Our own weight update: the pause aborts waiting requests too (SGLang's abort
+            # mode), and the gate holds this one until the update is done.
+            return False
+        # No progress and no pause of ours: not a retry (the budget is for faults), but bounded.
+        p.empty_aborts += 1
         if p.empty_aborts > _MAX_EMPTY_ABORTS:
             self._counters["failed"] += 1
             raise GenerationError(

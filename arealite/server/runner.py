@@ -165,7 +165,11 @@ class ModelRunner:
         if paused:
             self.pause_mode = mode
             if mode == "abort":
-                self._abort(lambda s: True, "generation paused (pause_generation, mode abort)", waiting=False)
+                # SGLang's abort mode is abort_request(abort_all=True): the scheduler drops its
+                # waiting queue as well as finishing the running batch, so every request in
+                # the server returns (the waiting ones with no output) and none starts on the
+                # weights about to be replaced.
+                self._abort(lambda s: True, "generation paused (pause_generation, mode abort)", waiting=True)
         return n
 
     def abort(self, rid_prefix: str | None, message: str) -> int:
