@@ -62,6 +62,7 @@ class FakeSGLang:
         self.auth_headers: list[str | None] = []
         self.inflight = 0
         self.max_inflight = 0
+        self.max_running_requests: int | None = None  # reported in /server_info when set
         self.paused = False
         self._abort = asyncio.Event()
         self._resumed = asyncio.Event()
@@ -114,6 +115,8 @@ class FakeSGLang:
         info = {"version": self.version_text, "engine": "fake"}
         if self.tp_size is not None:
             info["tp_size"] = self.tp_size
+        if self.max_running_requests is not None:
+            info["max_running_requests"] = self.max_running_requests
         return web.json_response(info)
 
     async def _admin(self, request):
@@ -575,6 +578,18 @@ async def test_inflight_bound_per_server(fakes):
     async with RemoteSGLangEngine([f.addr], cfg(max_inflight_per_server=3)) as eng:
         comps = await asyncio.gather(*(eng.agenerate(req(max_new=10)) for _ in range(20)))
     assert len(comps) == 20 and f.max_inflight == 3
+
+
+@pytest.mark.parametrize("reported,bound", [(2, 4), (None, 10), (50, 10), (True, 10), ("8", 10)])
+async def test_inflight_bound_follows_the_servers_own_batch(fakes, reported, bound):
+    # Twice what the server runs at once (a batch running, one waiting): a weight update
+    # aborts whatever waits in its queue. Nothing or nonsense reported: the configured bound.
+    (f,) = await fakes(1, token_delay=0.002)
+    f.max_running_requests = reported
+    async with RemoteSGLangEngine([f.addr], cfg(max_inflight_per_server=10)) as eng:
+        await eng.initialize(timeout=5)
+        comps = await asyncio.gather(*(eng.agenerate(req(max_new=10)) for _ in range(30)))
+    assert len(comps) == 30 and f.max_inflight == bound
 
 
 # ---------------------------------------------------- start-up, key, versions

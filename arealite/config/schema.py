@@ -290,7 +290,9 @@ class RolloutConfig(Section):
     retry_backoff_s: float = Field(0.5, ge=0)
     """First backoff between retries; doubles on each retry."""
     max_inflight_per_server: int = Field(256, ge=1)
-    """Most requests in flight on one server."""
+    """Most requests in flight on one server; fewer where the server reports
+    ``max_running_requests`` in its ``/server_info`` (twice that: a batch running, one
+    waiting), since a weight update aborts every request queued there."""
     max_response_bytes: int = Field(64 << 20, ge=4096)
     """Largest answer (body bytes) the client reads from a server; a bigger one is refused as
     malformed (from its Content-Length, or as it arrives) and the request retried elsewhere."""

@@ -386,7 +386,7 @@ class RemoteInferenceClient:
         """One generation call; returns the segment with its version filled in.
 
         Returns None without sending when, by the time the request has a slot on
-        ``server``, the server left the rotation or generation is paused.
+        ``server``, the server left the rotation or generation is paused (by the servers or this client).
         """
         session = self.pool.session or self.pool.ensure_session()
         route = self.wire.generate_route
@@ -403,7 +403,10 @@ class RemoteInferenceClient:
         sent = False
         try:
             async with server.sem:
-                if not server.healthy or not self.pool.running.is_set():
+                # Re-checked once a slot is ours: the wait for it may have outlasted a pause
+                # (our own gate, or the servers'), and a request sent now would wait in the
+                # paused server and crowd in ahead of what runs right after the update.
+                if not server.healthy or not self.pool.running.is_set() or not self._gate.is_set():
                     return None
                 sent = True
                 server.inflight += 1

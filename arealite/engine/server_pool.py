@@ -367,10 +367,22 @@ class ServerPool:
         if not isinstance(info, dict):
             raise ServerStartupError(f"{s.addr}{route} returned {type(info).__name__}, not an object")
         s.info = info
+        self._fit_inflight(s, info.get("max_running_requests"))
         s.version_text, s.version, s.tp_size = self.wire.server_facts(s.addr, info)
         s.routes = await self._read_routes(s)
         live = [r for r in self.wire.liveness_routes if s.serves(r)]
         s.liveness = live[0] if live else self.wire.liveness_routes[-1]
+
+    def _fit_inflight(self, s: ServerState, running: Any) -> None:
+        """Send a server at most twice the requests it says it runs at once
+        (``max_running_requests``, when it reports a number): one batch running and one
+        waiting to step in. Beyond that, requests only wait in its queue, and a weight
+        update's pause aborts the whole queue (SGLang's abort mode), so each of them would
+        cost an abort and a resubmission per update; the rest wait in the client instead."""
+        if isinstance(running, int) and not isinstance(running, bool) and 0 < 2 * running < self.max_inflight:
+            s.sem = asyncio.Semaphore(2 * running)
+            logger.info("%s runs at most %d requests at once: at most %d in flight there", s.addr, running,
+                        2 * running)
 
     async def _read_routes(self, s: ServerState) -> frozenset[str] | None:
         """The paths of the server's OpenAPI document; None (logged) when it has none."""
