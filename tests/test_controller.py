@@ -225,6 +225,30 @@ def test_prepare_batch_keeps_the_next_step_generating():
         ctl.stop()
 
 
+def test_the_first_batch_generates_alone_then_the_bound_runs_ahead():
+    ctl = make(consumer_batch_size=2, max_head_offpolicyness=2)
+    gate = threading.Event()
+    try:
+        wf = ItemWorkflow()
+        loader = StatefulDataLoader([{"prompt_id": i, "gate": gate} for i in range(20)], batch_size=2, shuffle=False)
+        first = []
+        t = threading.Thread(target=lambda: first.append(ctl.prepare_batch(loader, wf)))
+        t.start()
+        time.sleep(0.1)
+        st = ctl.stats()
+        assert st["running"] == 2 and st["capacity"] == 0, st  # eta=2 alone would allow 6
+        gate.set()
+        t.join(5)
+        assert ids(first[0]) == [0, 1]
+        deadline = time.monotonic() + 5
+        while ctl.stats()["consumed"] + ctl.stats()["output_queue"] + ctl.stats()["running"] < 6:
+            assert time.monotonic() < deadline, ctl.stats()  # the two batches eta=2 allows ahead
+            time.sleep(0.005)
+    finally:
+        gate.set()
+        ctl.stop()
+
+
 def _stash_after_push(ctl, loader, wf, version):
     """A step's end: pause, new version, resume with prefetch once a whole batch is ready."""
     ctl.pause()

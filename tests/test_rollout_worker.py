@@ -67,6 +67,8 @@ def test_worker_produces_batches_state_and_evaluation(cfg):
         worker.pause()
         worker.set_version(1)
         worker.resume()
+        at_pause = worker.stats()  # the first read after a pause: the figures from before it
+        assert at_pause["controller"]["version"] == 0 and not at_pause["controller"]["paused"]
         stats = worker.stats()
         assert worker.take_dropped() == [] and calls[-1] == "take_dropped"  # other calls came since the batch
         assert stats["controller"]["version"] == 1 and stats["client"]["requests"] >= 4

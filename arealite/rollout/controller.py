@@ -217,7 +217,12 @@ class RolloutController:
             return 0
         # Back-pressure: finished + running groups never exceed the output queue.
         by_output = self.config.queue_size - (len(self._output) + len(self._running))
-        return max(0, min(self.staleness.capacity(), by_output))
+        cap = min(self.staleness.capacity(), by_output)
+        if self._feed.started and self._counters["consumed"] == 0:
+            # The first training batch overlaps with nothing: it generates alone, so that the
+            # trainer starts as soon as it is done; what the bound lets run ahead follows.
+            cap = min(cap, self.batch_size - len(self._output) - len(self._running))
+        return max(0, cap)
 
     def _admit(self) -> None:
         n = min(self._capacity(), len(self._input))

@@ -32,6 +32,8 @@ class DataFeed:
         self.restored: list[Any] = []
         #: Items pulled from the dataloader but not yet submitted (the input queue was full).
         self.leftover: list[Any] = []
+        #: Whether `prepare` was ever called (the controller then feeds training batches).
+        self.started = False
 
     def __len__(self) -> int:
         return len(self.restored) + len(self.leftover)
@@ -44,6 +46,7 @@ class DataFeed:
         (rejected groups free slots that new items must fill).
         """
         ctl = self._ctl
+        self.started = True
         stashed = ctl._output.take_stashed() if should_accept is None else None
         if stashed is not None:  # taken at resume; this call was on its way meanwhile
             batch, ctl.last_batch_items = stashed

@@ -53,6 +53,7 @@ class LocalRollout:
         self.workflow, self.eval_workflow = workflow, eval_workflow
         # Several sampled answers per held-out prompt (pass@k); None: greedy evaluation only.
         self.sampled_eval_workflow = sampled_eval_workflow
+        self._stats_at_pause: dict[str, dict[str, Any]] | None = None
 
     # What the checkpointer saves and restores ("controller", "dataloader").
     @property
@@ -89,7 +90,10 @@ class LocalRollout:
         """Around a weight update: admit no new episodes, and hold the requests that the
         servers' pause aborts until `resume`, so that the publisher's checks after
         ``continue_generation`` (the log-prob probe) find the servers idle rather than
-        behind a burst of resubmissions."""
+        behind a burst of resubmissions. The stats are read first, as they stand at the
+        end of the step: the next `stats()` returns them (asked after the resume, they
+        would wait behind the episodes it launches)."""
+        self._stats_at_pause = self._read_stats()
         self.controller.pause()
         self.client.pause()
 
@@ -104,6 +108,12 @@ class LocalRollout:
         self.client.set_version(version)
 
     def stats(self) -> dict[str, dict[str, Any]]:
+        """Controller and client figures: the ones read at the last pause if no call has
+        taken them yet, else read now."""
+        snap, self._stats_at_pause = self._stats_at_pause, None
+        return snap if snap is not None else self._read_stats()
+
+    def _read_stats(self) -> dict[str, dict[str, Any]]:
         return {"controller": self.controller.stats(), "client": self.client.stats()}
 
     def unfinished_state(self) -> dict[str, Any]:

@@ -101,12 +101,11 @@ class RLTrainer:
         if self.critic is not None:
             stats.add("critic", self.critic.update(batch, actor.train_mask(batch)))
         stats.lap("train")
-        # Before the push: after it, the rollout side is busy launching the episodes it released.
-        side = self.rollout.stats()
         stats.add("weight_sync", self.publisher.publish(version + 1))
         stats.lap("weight_sync")
         stats.add_batch(batch)
         stats.add_accounting(self.rollout.last_batch_items, dropped)
+        side = self.rollout.stats()  # as read at the push's pause (`LocalRollout.pause`)
         stats.add_rollout_side(side["controller"], side["client"])
         record = stats.finish()
         done = step + 1
