@@ -390,6 +390,20 @@ def test_init_refuses_servers_on_another_host(shm_dir):
         bad_dir.init()
 
 
+@pytest.mark.parametrize("devices,alias", [(("cpu", "cpu"), True), (("cpu", "cuda:0"), False)])
+def test_alias_gives_way_to_copies_when_a_server_runs_on_a_gpu(shm_dir, devices, alias):
+    # Found on an H200: a CUDA embedded server refuses alias (400), which stopped the run at
+    # its first push; such a server copies into device memory anyway.
+    addrs = ["127.0.0.1:1", "127.0.0.1:2"]
+    c = RemoteSGLangEngine(addrs)
+    for addr, dev in zip(addrs, devices):
+        c.pool.get(addr).info = {"engine": "arealite-embedded", "device": dev, "dtype": "float32"}
+    sync = ShmTransfer(_cfg(shm_dir=str(shm_dir), shm_alias=True), c.admin, run=None)
+    sync.init()
+    assert sync.alias is alias and len(sync._slots) == (2 if alias else 1)
+    assert sync.server_dtype == torch.float32
+
+
 def test_config_accepts_shm_only_for_embedded_servers_on_this_host(tmp_path):
     cfg = ArealiteConfig.model_validate({"weight_sync": {"method": "shm", "shm_dir": "/dev/shm"}})
     check_config(cfg, check_paths=False)

@@ -173,11 +173,21 @@ class ShmTransfer:
                                       "weight_sync.method=distributed or disk", server=addr)
             if info.get("dtype"):
                 dtypes.add(str(info["dtype"]))
+            self._copy_for_device(addr, str(info.get("device") or "cpu"))
         if self.server_dtype is None and dtypes:
             if len(dtypes) > 1:
                 raise WeightSyncError(f"the servers hold weights in different dtypes {sorted(dtypes)}; "
                                       "set server.dtype so that they agree")
             self.server_dtype = getattr(torch, dtypes.pop())
+
+    def _copy_for_device(self, addr: str, device: str) -> None:
+        """A server on a GPU cannot serve out of a host file (it refuses ``alias``): it copies
+        the weights into device memory anyway, so every server loads by copy (one file)."""
+        if self.alias and not device.startswith("cpu"):
+            logger.warning("weight_sync.shm_alias: server %s runs on %s, which copies the weights into its "
+                           "own memory: every server loads them by copy", addr, device)
+            self.alias = False
+            self._slots = [[None, None]]
 
     def _prepare(self, t: torch.Tensor) -> torch.Tensor:
         t = t.detach()

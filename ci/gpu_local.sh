@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# The one-GPU check that needs no SGLang (and no internet): on a CUDA machine,
+#   1. the FSDP2 engine's CUDA path (bf16 compute, fp32 reduction and master weights),
+#   2. the embedded server generating on the GPU, checked token by token against an HF forward,
+#   3. a 20-step asynchronous GRPO run of the demo with the trainer and the embedded server on
+#      one GPU (weights by shm), its log-prob probe agreeing every step.
+#
+#   bash ci/gpu_local.sh
+#
+# Python packages the machine lacks can be put as wheels in .whl/ (installed to a scratch
+# directory first). Without a GPU it says so and exits 0. The real-SGLang check is ci/gpu.sh.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+if ! command -v nvidia-smi >/dev/null || ! nvidia-smi -L >/dev/null 2>&1; then
+    echo "[gpu] no CUDA device here (nvidia-smi finds none): skipping the GPU check"
+    exit 0
+fi
+PY=${PYTHON:-python3}
+if compgen -G ".whl/*.whl" >/dev/null; then
+    $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/arealite-site .whl/*.whl
+    export PYTHONPATH=/tmp/arealite-site${PYTHONPATH:+:$PYTHONPATH}
+fi
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1
+nvidia-smi -L
+$PY -c 'import torch, transformers; print(f"[gpu] torch {torch.__version__}, transformers {transformers.__version__}, {torch.cuda.get_device_name()}")'
+$PY -m pytest -q -rs -p no:cacheprovider -m gpu tests/test_fsdp.py tests/test_gpu.py "$@"
