@@ -133,7 +133,15 @@ for a in addrs:
         health.append(r.status)
 record = {"addrs": addrs, "health": health, "argv": sys.argv[1:], "pid": os.getpid(),
           "ppid": os.getppid(), "api_key": os.environ.get("AREALITE_SERVER_API_KEY"),
-          "rank": os.environ.get("RANK"), "affinity": sorted(os.sched_getaffinity(0))}
+          "rank": os.environ.get("RANK"), "affinity": sorted(os.sched_getaffinity(0)),
+          "nice": os.getpriority(os.PRIO_PROCESS, 0), "servers_nice": []}
+for pid in filter(str.isdigit, os.listdir("/proc") if addrs[0] else []):  # the first server's niceness
+    try:
+        cmd = open(f"/proc/{pid}/cmdline", "rb").read().split(b"\0")
+        if b"arealite.server" in cmd and addrs[0].rpartition(":")[2].encode() in cmd:
+            record["servers_nice"].append(os.getpriority(os.PRIO_PROCESS, int(pid)))
+    except OSError:
+        pass
 with open(out + ".tmp", "w") as f:
     json.dump(record, f)
 os.replace(out + ".tmp", out)
@@ -337,3 +345,6 @@ def test_server_cpus_pins_server_and_trainer_to_their_cores(tmp_path, micro_mode
     assert f"on cores {cpus[:1]}" in run.err() and f"trainer processes pinned to cores {cpus[1:]}" in run.err()
     record = json.loads(run.out.read_text())
     assert record["affinity"] == cpus[1:]
+    # The rollout workers share the server's core: the server yields to them (its niceness).
+    assert f"on cores {cpus[:1]} at nice +5" in run.err()
+    assert record["servers_nice"] == [5] and record["nice"] == 0
