@@ -140,11 +140,6 @@ class LaunchConfig(Section):
     servers it starts (split evenly between them), the others to the trainer processes.
     Keeps inference and training from taking each other's cores when they run at the
     same time (asynchronous RL on a CPU machine). `null`: no pinning."""
-    server_nice: int = Field(5, ge=0, le=19)
-    """With `server_cpus`, the servers run at this niceness (lower priority), since the
-    trainers' rollout workers share their cores: a worker handing the trainer its batch,
-    or launching the episodes a weight update released, then runs at once instead of
-    waiting out the server's time slice (several ms on a busy core). 0 keeps the default."""
     trainer_env: dict[str, str] = Field(default_factory=dict)
     """Extra environment variables for the trainer processes."""
     on_server_death: Literal["continue", "stop"] = "continue"

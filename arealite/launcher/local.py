@@ -78,29 +78,13 @@ def cpu_plan(n_servers: int, server_cpus: int | None, cpus: list[int]) -> tuple[
     return plan, cpus[server_cpus:]
 
 
-def _child_setup(cpus: list[int], nice: int = 0) -> Callable[[], None]:
-    """``preexec_fn`` of a child: the parent-death signal, then its cores (if any) and its
-    niceness (``nice`` > 0 lowers its priority)."""
+def _child_setup(cpus: list[int]) -> Callable[[], None]:
+    """``preexec_fn`` of a child: the parent-death signal, then its cores (if any)."""
     def setup() -> None:
         procs.die_with_parent(signal.SIGTERM)  # the launcher's SIGKILL leaves no orphan
         if cpus:
             os.sched_setaffinity(0, cpus)
-        if nice:
-            os.nice(nice)
-            _autogroup_nice(nice)
     return setup
-
-
-def _autogroup_nice(nice: int) -> None:
-    """Where the kernel groups processes by session (``kernel.sched_autogroup_enabled``), a
-    process's niceness counts only within its own session's group: the group's niceness is
-    what weighs against other sessions (the trainer's, whose rollout worker shares the
-    server's cores). A process may always lower its own group's priority."""
-    try:
-        with open("/proc/self/autogroup", "w") as f:
-            f.write(str(nice))
-    except OSError:  # no autogroups (kernel built without them): os.nice was enough
-        pass
 
 
 @dataclass
@@ -238,21 +222,19 @@ class LocalLauncher:
             env = dict(os.environ, **server_env(cfg))
             if gpu_plan[i] is not None:
                 env["CUDA_VISIBLE_DEVICES"] = gpu_plan[i]
-            self.servers.append(self._spawn(f"server{i}", cmd, env, cpus[i], f"{host}:{port}",
-                                            nice=cfg.launch.server_nice if cpus[i] else 0))
+            self.servers.append(self._spawn(f"server{i}", cmd, env, cpus[i], f"{host}:{port}"))
         return [s.addr for s in self.servers]
 
-    def _spawn(self, name: str, cmd: list[str], env: dict[str, str], cpus: list[int], addr: str,
-               nice: int = 0) -> Child:
+    def _spawn(self, name: str, cmd: list[str], env: dict[str, str], cpus: list[int], addr: str) -> Child:
         """Start one server in its own session, its output in `logs/<name>.log`."""
         log_path = self.log_dir / f"{name}.log"
         log_file = open(log_path, "ab", buffering=0)
         log_file.write(f"[launcher] {masked(cmd)}\n".encode())
         proc = subprocess.Popen(
             cmd, stdin=subprocess.DEVNULL, stdout=log_file, stderr=subprocess.STDOUT,
-            env=env, start_new_session=True, preexec_fn=_child_setup(cpus, nice),
+            env=env, start_new_session=True, preexec_fn=_child_setup(cpus),
         )
-        pinned = f" on cores {cpus}" + (f" at nice +{nice}" if nice else "") if cpus else ""
+        pinned = f" on cores {cpus}" if cpus else ""
         log(f"started {name} (pid {proc.pid}) on {addr}{pinned}; log: {log_path}")
         return Child(name, proc, log_path, log_file, addr=addr)
 
