@@ -29,6 +29,7 @@ from tensordict import TensorDict
 from arealite.api.engine import InferenceClient
 from arealite.api.types import validate_trajectory
 from arealite.config.schema import RolloutConfig
+from arealite.rollout.dropped import DroppedItems
 from arealite.rollout.feed import DataFeed, ShouldAccept
 from arealite.rollout.loop_thread import (
     ControllerStopped,
@@ -38,6 +39,7 @@ from arealite.rollout.loop_thread import (
     tune_process,
 )
 from arealite.rollout.ready import ReadyGroups, Waiters
+from arealite.rollout.recovery import controller_state, restore_controller
 from arealite.rollout.staleness import StalenessManager
 from arealite.workflow.base import RolloutWorkflow, reject_equal_rewards
 
@@ -113,8 +115,7 @@ class RolloutController:
         # and, when ``record_dropped`` is set, items rejected/failed since the last ``take_dropped()``.
         self.last_batch_items: list[Any] = []
         self.record_dropped = False
-        self._dropped: list[Any] = []
-        self._dropped_lock = threading.Lock()  # take_dropped() reads it without a hop to the loop
+        self._dropped = DroppedItems()
 
     # ------------------------------------------------------------ lifecycle
     def start(self, init_timeout: float = 300.0) -> "RolloutController":
@@ -268,8 +269,7 @@ class RolloutController:
 
     def _record_dropped(self, items: list[Any]) -> None:
         if self.record_dropped:
-            with self._dropped_lock:
-                self._dropped.extend(items)
+            self._dropped.extend(items)
 
     def _on_failure(self, item: Any, tb: str) -> None:
         self._counters["failed"] += 1
@@ -347,19 +347,12 @@ class RolloutController:
                       poll_s: float = 0.05) -> TensorDict:
         """One training batch (``consumer_batch_size // world_size`` groups), keeping the pipeline full.
 
-        Items are pulled from ``dataloader`` (an iterable of lists of items,
-        restarted for a new epoch when exhausted) whenever the bound leaves
-        room, so the next step's groups are already generating while the
-        trainer trains on this one (``arealite.rollout.feed``). Items restored
-        by ``load_state_dict`` go first.
-
-        The whole call is one coroutine on the controller's loop (the
-        dataloader is iterated there too, so it must be cheap to iterate, as
-        in-memory loaders are): a trainer thread that hops to the loop once
-        per batch, not once per data batch, is never the bottleneck (each
-        hop can cost a GIL switch interval while the loop is busy). Every
-        ``poll_s`` seconds without a batch, the input queue is topped up again
-        (rejected groups free slots that new items must fill).
+        Items are pulled from ``dataloader`` (lists of items, restarted for a new epoch)
+        whenever the bound leaves room, so the next step's groups generate while the trainer
+        trains on this one; restored items go first (``arealite.rollout.feed``). One
+        coroutine on the loop (the dataloader is iterated there: it must be cheap to
+        iterate), or none when `resume` took the batch ahead. Every ``poll_s`` seconds
+        without a batch, the input queue is topped up again (rejections free slots).
         """
         if should_accept is None and self.config.filter_equal_rewards:
             should_accept = reject_equal_rewards
@@ -376,16 +369,12 @@ class RolloutController:
         self._call(self._set_paused, True)
 
     def resume(self, prefetch: tuple[Iterable, RolloutWorkflow] | None = None) -> None:
-        """Admit episodes again.
+        """Admit episodes again, without waiting for the loop (like `set_version`): the
+        burst of launches it sets off is none of the trainer's business.
 
-        Does not wait for the loop (like `set_version`): admitting the episodes held
-        during a pause is a burst of work there that the trainer has no need to wait for;
-        the loop applies it before any later call to the controller.
-
-        ``prefetch``: the ``(dataloader, workflow)`` of the trainer's `prepare_batch`. When
-        a whole batch is ready, the loop takes it before it admits anything, and the next
-        `prepare_batch` returns it without a trip to the loop, which by then is busy
-        launching the released episodes (`ReadyGroups.stash`).
+        ``prefetch``: the ``(dataloader, workflow)`` of `prepare_batch`. When a whole batch
+        is ready, the loop takes it before it launches anything, and the next
+        `prepare_batch` returns it without a trip to the then busy loop (`ReadyGroups.stash`).
         """
         loop = self._loop
         if loop is None:
@@ -461,19 +450,7 @@ class RolloutController:
     # ------------------------------------------------------------ recovery
     def state_dict(self) -> dict[str, Any]:
         """Version, counters, produced-but-unconsumed groups and unfinished items (to resubmit)."""
-        def _snap() -> dict[str, Any]:
-            self._unstash()  # not trained on yet: saved as ready
-            pending = [j.item for j in self._running.values()] + [j.item for j in self._input] + self._feed.restored
-            return {
-                "staleness": self.staleness.state_dict(),
-                "counters": dict(self._counters),
-                **self._output.state_dict(),  # ready, staleness_hist
-                "pending_items": pending,
-                "unsubmitted_items": list(self._feed.leftover),
-                "dropped_items": self._dropped_snapshot(),
-            }
-
-        return self._here_or_on_loop(_snap)
+        return self._here_or_on_loop(lambda: controller_state(self))
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore a ``state_dict``; call before ``start()``.
@@ -484,27 +461,12 @@ class RolloutController:
         """
         if self._thread is not None:
             raise RuntimeError("load_state_dict() must be called before start()")
-        self.staleness.load_state_dict(state["staleness"])
-        self._version = self.staleness.version
-        self._counters.update({k: int(v) for k, v in state["counters"].items()})
-        self._output.load_state_dict(state)
-        self._feed.restored = list(state["pending_items"])
-        self._feed.leftover = list(state.get("unsubmitted_items", []))
-        self._dropped = list(state.get("dropped_items", []))
+        restore_controller(self, state)
 
     def take_dropped(self) -> list[Any]:
-        """Items rejected or failed since the last call (they will not be trained on).
-
-        Taken under a lock, not on the loop: the trainer asks right after a weight update,
-        when the loop is busy admitting a burst of episodes, and must not wait behind it.
-        """
-        with self._dropped_lock:
-            out, self._dropped = self._dropped, []
-        return out
-
-    def _dropped_snapshot(self) -> list[Any]:
-        with self._dropped_lock:
-            return list(self._dropped)
+        """Items rejected or failed since the last call (they will not be trained on); from
+        any thread, without waiting for the loop (`DroppedItems`)."""
+        return self._dropped.take()
 
     def resubmit_pending(self, workflow: RolloutWorkflow, should_accept: ShouldAccept | None = None) -> int:
         """Resubmit the unfinished items restored by ``load_state_dict``; returns how many."""

@@ -1,0 +1,40 @@
+"""The items the rollout will not train on (groups rejected, or failed and dropped), kept
+for the per-prompt accounting (`arealite.utils.accounting`)."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterable
+from typing import Any
+
+
+class DroppedItems:
+    """A list the controller's loop appends to and the trainer's thread takes from.
+
+    It is guarded by a lock instead of being read on the loop: the trainer asks right
+    after a weight update, when the loop is busy launching the episodes the update
+    released, and must not wait behind them.
+    """
+
+    def __init__(self) -> None:
+        self._items: list[Any] = []
+        self._lock = threading.Lock()
+
+    def extend(self, items: Iterable[Any]) -> None:
+        with self._lock:
+            self._items.extend(items)
+
+    def take(self) -> list[Any]:
+        """Everything dropped since the last call."""
+        with self._lock:
+            out, self._items = self._items, []
+        return out
+
+    def snapshot(self) -> list[Any]:
+        """A copy, left in place (for a checkpoint)."""
+        with self._lock:
+            return list(self._items)
+
+    def restore(self, items: Iterable[Any]) -> None:
+        with self._lock:
+            self._items = list(items)
