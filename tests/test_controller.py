@@ -202,11 +202,15 @@ def test_state_dict_round_trip_loses_and_duplicates_nothing(tmp_path):
         ctl2.stop()
 
 
+def _fed():
+    """A started controller (2 groups a step, eta = 1), a workflow and a 20-item loader."""
+    loader = StatefulDataLoader([{"prompt_id": i} for i in range(20)], batch_size=2, shuffle=False)
+    return make(consumer_batch_size=2, max_head_offpolicyness=1), ItemWorkflow(), loader
+
+
 def test_prepare_batch_keeps_the_next_step_generating():
-    ctl = make(consumer_batch_size=2, max_head_offpolicyness=1)
+    ctl, wf, loader = _fed()
     try:
-        wf = ItemWorkflow()
-        loader = StatefulDataLoader([{"prompt_id": i} for i in range(20)], batch_size=2, shuffle=False)
         b0 = ctl.prepare_batch(loader, wf)
         assert b0.batch_size[0] == 2
         time.sleep(0.1)  # the trainer "trains" on b0 ...
@@ -261,10 +265,8 @@ def _stash_after_push(ctl, loader, wf, version):
 
 
 def test_resume_takes_a_ready_batch_ahead_and_prepare_batch_needs_no_loop():
-    ctl = make(consumer_batch_size=2, max_head_offpolicyness=1)
+    ctl, wf, loader = _fed()
     try:
-        wf = ItemWorkflow()
-        loader = StatefulDataLoader([{"prompt_id": i} for i in range(20)], batch_size=2, shuffle=False)
         b0 = ctl.prepare_batch(loader, wf)
         _stash_after_push(ctl, loader, wf, 1)
         assert not ctl.paused
@@ -287,10 +289,8 @@ def test_resume_takes_a_ready_batch_ahead_and_prepare_batch_needs_no_loop():
 
 
 def test_a_stashed_batch_is_saved_as_ready_and_handed_out_once():
-    ctl = make(consumer_batch_size=2, max_head_offpolicyness=1)
+    ctl, wf, loader = _fed()
     try:
-        wf = ItemWorkflow()
-        loader = StatefulDataLoader([{"prompt_id": i} for i in range(20)], batch_size=2, shuffle=False)
         b0 = ctl.prepare_batch(loader, wf)
         _stash_after_push(ctl, loader, wf, 1)
         time.sleep(0.05)

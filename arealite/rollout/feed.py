@@ -47,11 +47,6 @@ class DataFeed:
         """
         ctl = self._ctl
         self.started = True
-        stashed = ctl._output.take_stashed() if should_accept is None else None
-        if stashed is not None:  # taken at resume; this call was on its way meanwhile
-            batch, ctl.last_batch_items = stashed
-            return batch
-        ctl._unstash()
         while True:
             if self.restored or self.leftover:
                 self.drain(workflow, should_accept)

@@ -86,7 +86,7 @@ _COMBINED = {"prepare_batch": _batch_with_extras}
 
 #: Calls the trainer may make on the child's `LocalRollout` (the attribute reads included).
 _CALLS = {"start", "prepare_batch", "take_dropped", "pause", "resume", "set_version", "stats",
-          "unfinished_state", "epochs_handed_out", "eval_sums", "stop", "last_batch_items",
+          "unfinished_state", "epochs_handed_out", "eval_sums", "stop",
           "controller.state_dict", "controller.load_state_dict", "loader.state_dict",
           "loader.load_state_dict"}
 
