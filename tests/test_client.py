@@ -42,7 +42,8 @@ class FakeSGLang:
     """A programmable SGLang-like server.
 
     ``actions`` is a queue consumed by /generate calls: None (normal), "500",
-    "garbage", "hang", "400", "abort0" (abort, no tokens), "queued" (no tokens, aborted
+    "garbage", "hang", "400", "short" (a batch answered with one entry too few),
+    "abort0" (abort, no tokens), "queued" (no tokens, aborted
     by the next pause), "abort_eos" (abort
     after two tokens, the last one EOS). ``always`` applies when the queue is empty.
     """
@@ -57,7 +58,9 @@ class FakeSGLang:
         self.always: str | None = None
         self.weight_version = "0"
         self.admin_fail: dict[str, str] = {}  # route -> message (success false)
-        self.generate_payloads: list[dict] = []
+        self.generate_payloads: list[dict] = []  # one per request, a batch's split
+        self.generate_bodies: list[dict] = []  # one per HTTP call
+        self.refuse_batches = False  # answer a batch (a list of rids) with a 400
         self.calls: list[tuple[str, object]] = []
         self.auth_headers: list[str | None] = []
         self.inflight = 0
@@ -147,21 +150,32 @@ class FakeSGLang:
             "output_token_logprobs": [[-0.01 * (start + i), t, None] for i, t in enumerate(ids)],
             "weight_version": self.weight_version,
         }
-        return web.json_response({"output_ids": ids, "meta_info": meta})
+        return {"output_ids": ids, "meta_info": meta}
 
     async def _generate(self, request):
-        payload = await request.json()
-        self.generate_payloads.append(payload)
-        action = self.actions.pop(0) if self.actions else self.always
-        if action == "500":
+        body = await request.json()
+        self.generate_bodies.append(body)
+        if self.refuse_batches and isinstance(body.get("rid"), list):
+            return web.json_response({"error": {"message": "rid must be a string"}}, status=400)
+        items = split_batch(body)
+        self.generate_payloads.extend(items or [body])
+        actions = [self.actions.pop(0) if self.actions else self.always for _ in items or [body]]
+        # As SGLang: one item that fails fails the whole request.
+        if "500" in actions:
             return web.Response(status=500, text="internal error: CUDA out of memory")
-        if action == "400":
+        if "400" in actions:
             return web.json_response({"error": {"message": "Unknown sampling parameter 'foo'"}}, status=400)
-        if action == "garbage":
+        if "garbage" in actions:
             return web.Response(text="{not json at all", content_type="application/json")
-        if action == "hang":
+        if "hang" in actions:
             await self._release.wait()
             return web.Response(status=503)
+        replies = await asyncio.gather(*(self._one(p, a) for p, a in zip(items or [body], actions)))
+        if "short" in actions:  # a batch answered with one entry missing
+            return web.json_response(replies[:-1])
+        return web.json_response(replies if items is not None else replies[0])
+
+    async def _one(self, payload, action):
         start = len(payload["input_ids"])
         if action == "abort0":
             return self._reply([], start, "abort")
@@ -185,6 +199,33 @@ class FakeSGLang:
             return self._reply(ids, start, "length")
         finally:
             self.inflight -= 1
+
+
+def split_batch(body: dict) -> list[dict] | None:
+    """A batched /generate body as its single requests (None: not a batch), checked as SGLang's
+    ``GenerateReqInput.normalize_batch_and_arguments`` checks it."""
+    ids = body["input_ids"]
+    if not (isinstance(ids, list) and ids and isinstance(ids[0], list)):
+        return None
+    n = len(ids)
+    rids = body.get("rid")
+    if isinstance(rids, list) and len(rids) != n:
+        raise web.HTTPBadRequest(text="The specified rids length mismatch with the batch_size for batch processing.")
+    if isinstance(rids, list) and len(set(rids)) != n:
+        raise web.HTTPBadRequest(text=f"Duplicate request IDs detected within the request: {rids}")
+
+    def item(key: str, i: int):
+        v = body.get(key)
+        return v[i] if isinstance(v, list) else v
+
+    out = []
+    for i in range(n):
+        one = {k: item(k, i) for k in body if k != "input_ids"}
+        if not isinstance(rids, list) and rids is not None:
+            one["rid"] = f"{rids}_{i}"
+        one["input_ids"] = ids[i]
+        out.append(one)
+    return out
 
 
 def cfg(**kw) -> RolloutConfig:
@@ -717,3 +758,112 @@ async def test_aclose_leaves_no_unclosed_session_warning(fakes):
         gc.collect()
         await asyncio.sleep(0)
     assert not [w for w in caught if "Unclosed" in str(w.message)]
+
+
+# ------------------------------------------------- a group's requests in one exchange
+
+
+async def test_a_groups_requests_leave_as_one_batched_generate(fakes):
+    (f,) = await fakes(1)
+    async with RemoteSGLangEngine([f.addr], cfg()) as eng:
+        reqs = [req(n_prompt=5 + i, max_new=4 + i, affinity_key="g") for i in range(4)]
+        comps = await asyncio.gather(*(eng.agenerate(r) for r in reqs))
+        lone = await eng.agenerate(req(affinity_key="h"))
+        st = eng.stats()
+    assert len(f.generate_bodies) == 2
+    body = f.generate_bodies[0]
+    assert body["rid"] == [r.rid for r in reqs]
+    assert body["input_ids"] == [r.input_ids for r in reqs] and body["return_logprob"] is True
+    assert [sp["max_new_tokens"] for sp in body["sampling_params"]] == [4, 5, 6, 7]
+    assert isinstance(f.generate_bodies[1]["input_ids"][0], int), "a request alone goes in the plain form"
+    for r, c in zip(reqs, comps):  # each member got its own part, in order
+        n = len(r.input_ids)
+        assert c.rid == r.rid and c.output_ids == [tok(n + i) for i in range(r.sampling.max_new_tokens)]
+        assert c.output_logprobs == pytest.approx([-0.01 * (n + i) for i in range(r.sampling.max_new_tokens)])
+    assert lone.output_ids and st["batches"] == 1 and st["batched_requests"] == 4 and st["completed"] == 5
+
+
+async def test_batching_can_be_turned_off(fakes):
+    (f,) = await fakes(1)
+    async with RemoteSGLangEngine([f.addr], cfg(batch_requests=False)) as eng:
+        await asyncio.gather(*(eng.agenerate(req(affinity_key="g")) for _ in range(3)))
+    assert len(f.generate_bodies) == 3 and all(isinstance(b["rid"], str) for b in f.generate_bodies)
+
+
+async def test_a_batch_refused_with_400_is_resent_one_by_one_and_only_the_culprit_fails(fakes):
+    (f,) = await fakes(1)
+    # The batch's four items: the last is refused, so SGLang refuses the whole request. Sent
+    # again alone, the opener's is refused once more and the three others go through.
+    f.actions = [None, None, None, "400", "400"]
+    async with RemoteSGLangEngine([f.addr], cfg()) as eng:
+        out = await asyncio.gather(*(eng.agenerate(req(affinity_key="g")) for _ in range(4)),
+                                   return_exceptions=True)
+        st = eng.stats()
+    assert isinstance(out[0], BadRequestError) and "Unknown sampling parameter" in str(out[0])
+    assert all(len(c.output_ids) == 8 for c in out[1:])
+    assert len(f.generate_bodies) == 5 and st["batches_split"] == 1
+    assert st["bad_requests"] == 1 and st["retries"] == 0
+
+
+async def test_a_failed_batch_is_a_failed_attempt_of_each_member(fakes):
+    (f,) = await fakes(1)
+    f.actions = ["500"] * 3  # the batch of three fails once; the retries (again one batch) pass
+    async with RemoteSGLangEngine([f.addr], cfg()) as eng:
+        comps = await asyncio.gather(*(eng.agenerate(req(affinity_key="g")) for _ in range(3)))
+        st = eng.stats()
+    assert all(len(c.output_ids) == 8 for c in comps)
+    assert st["retries"] == 3 and st["http_5xx"] == 3 and st["failed"] == 0
+    assert len(f.generate_bodies) == 2 and st["batches"] == 2
+
+
+async def test_a_member_cancelled_by_its_caller_leaves_the_others_alone(fakes):
+    (f,) = await fakes(1, token_delay=0.01)
+    async with RemoteSGLangEngine([f.addr], cfg()) as eng:
+        tasks = [asyncio.create_task(eng.agenerate(req(affinity_key="g"))) for _ in range(3)]
+        while not f.generate_bodies:
+            await asyncio.sleep(0.005)
+        tasks[0].cancel()  # the opener, which sends the batch
+        tasks[2].cancel()
+        done = await asyncio.gather(*tasks, return_exceptions=True)
+    assert isinstance(done[0], asyncio.CancelledError) and isinstance(done[2], asyncio.CancelledError)
+    assert len(done[1].output_ids) == 8, "the member left waiting sends its request itself"
+
+
+async def test_an_aborted_batch_resumes_each_member_from_its_own_tokens(fakes):
+    (f,) = await fakes(1, token_delay=0.01)
+    async with RemoteSGLangEngine([f.addr], cfg()) as eng:
+        tasks = [asyncio.create_task(eng.agenerate(req(n_prompt=5 + i, max_new=20, affinity_key="g")))
+                 for i in range(3)]
+        while f.inflight < 3:
+            await asyncio.sleep(0.005)
+        await asyncio.sleep(0.05)
+        await eng.pause_generation()
+        await asyncio.sleep(0.05)
+        await eng.continue_generation()
+        comps = await asyncio.gather(*tasks)
+    for i, c in enumerate(comps):  # seamless across the abort: the same tokens as one run
+        assert c.output_ids == [tok(5 + i + j) for j in range(20)] and c.n_interruptions == 1
+    assert len(f.generate_bodies) == 2 and len(f.generate_bodies[1]["rid"]) == 3, "resumed as one batch again"
+
+
+async def test_a_server_that_refuses_the_batch_form_gets_requests_one_at_a_time(fakes):
+    (f,) = await fakes(1)
+    f.refuse_batches = True  # as sglang-router, which refuses a list of rids
+    async with RemoteSGLangEngine([f.addr], cfg()) as eng:
+        first = await asyncio.gather(*(eng.agenerate(req(affinity_key="g")) for _ in range(3)))
+        later = await asyncio.gather(*(eng.agenerate(req(affinity_key="h")) for _ in range(3)))
+        st = eng.stats()
+    assert all(len(c.output_ids) == 8 for c in first + later) and st["bad_requests"] == 0
+    assert len(f.generate_bodies) == 1 + 3 + 3 and st["batches"] == 1 and st["batches_split"] == 1
+    assert all(isinstance(b["rid"], str) for b in f.generate_bodies[1:])
+
+
+async def test_a_batch_answered_with_too_few_entries_is_malformed_for_each_member(fakes):
+    (f,) = await fakes(1)
+    f.actions = ["short"]
+    async with RemoteSGLangEngine([f.addr], cfg(), unhealthy_after=2) as eng:
+        comps = await asyncio.gather(*(eng.agenerate(req(affinity_key="g")) for _ in range(3)))
+        st = eng.stats()
+    assert all(len(c.output_ids) == 8 for c in comps)
+    assert st["malformed"] == 3 and st["retries"] == 3 and st["marked_unhealthy"] == 0, \
+        "one bad exchange counts once against the server, not once per member"

@@ -131,3 +131,24 @@ async def test_eos_stops_unless_ignored(micro_model_dir, tmp_path):
         assert "text" not in srv.format_output(cont)
     finally:
         srv.runner.shutdown()
+
+
+async def test_samples_of_one_prompt_share_its_prefill(srv):
+    """A group's samples admitted together run their prompt once (as SGLang's prefix cache
+    serves repeats); each row still samples on its own and its log-probs match HF."""
+    r = srv.runner
+    shared = r.stats["shared_prefill_rows"]
+    prompt, other = list(range(3, 21)), [7, 8, 9]
+    reqs = [req(f"g{i}", prompt, max_new_tokens=12, ignore_eos=True) for i in range(5)]
+    reqs.append(req("other", other, max_new_tokens=12, ignore_eos=True))
+    seqs = await asyncio.gather(*(r.generate(x) for x in reqs))
+    assert r.stats["shared_prefill_rows"] - shared == 4
+    assert [s.cached_tokens for s in seqs] == [0, 17, 17, 17, 17, 0]
+    assert len({tuple(s.output_ids) for s in seqs[:5]}) > 1, "shared rows must sample independently"
+    for s in seqs:
+        check_logprobs(srv.model, s, 1.0)
+    # Greedy: a shared row continues exactly as the prompt run alone does.
+    alone = await r.generate(req("alone", prompt, max_new_tokens=12, ignore_eos=True, temperature=0.0))
+    pair = await asyncio.gather(*(r.generate(req(f"p{i}", prompt, max_new_tokens=12, ignore_eos=True,
+                                                 temperature=0.0)) for i in range(2)))
+    assert pair[0].output_ids == pair[1].output_ids == alone.output_ids

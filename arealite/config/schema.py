@@ -288,6 +288,10 @@ class RolloutConfig(Section):
     """Most requests in flight on one server; fewer where the server reports
     ``max_running_requests`` in its ``/server_info`` (twice that: a batch running, one
     waiting), since a weight update aborts every request queued there."""
+    batch_requests: bool = True
+    """Send the requests of one affinity key that leave together (a group's samples) to their
+    server as one batched `/generate` (SGLang's batch form): one HTTP exchange instead of
+    one each. Each request keeps its own retries and resubmission after an abort."""
     max_response_bytes: int = Field(64 << 20, ge=4096)
     """Largest answer (body bytes) the client reads from a server; a bigger one is refused as
     malformed (from its Content-Length, or as it arrives) and the request retried elsewhere."""

@@ -57,9 +57,12 @@ class ServerStartupError(RuntimeError):
 class AttemptFailure(Exception):
     """One HTTP attempt failed in a way another server may not (retryable).
 
-    ``kind`` is one of timeout, connection, http_5xx, malformed, evicted.
+    ``kind`` is one of timeout, connection, http_5xx, malformed, evicted. ``shared``: the
+    failed exchange was another request's (a batch it joined), which counted it against the
+    server already.
     """
 
-    def __init__(self, kind: str, cause: str):
+    def __init__(self, kind: str, cause: str, shared: bool = False):
         self.kind = kind
+        self.shared = shared
         super().__init__(cause)

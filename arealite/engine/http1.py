@@ -57,7 +57,7 @@ class _Conn(asyncio.Protocol):
     """One keep-alive connection; parses one response at a time."""
 
     __slots__ = ("transport", "closed", "fut", "buf", "got_bytes", "head_end", "status", "length",
-                 "chunked", "keep_alive", "idle_since", "pool", "scan", "cpos", "cbody", "clast")
+                 "chunked", "keep_alive", "idle_since", "pool", "scan", "cpos", "cbody", "clast", "max_body")
 
     def __init__(self, pool: "Http1Pool"):
         self.pool = pool
@@ -66,6 +66,7 @@ class _Conn(asyncio.Protocol):
         self.fut: asyncio.Future | None = None
         self.buf = bytearray()
         self.idle_since = 0.0
+        self.max_body = pool.max_body  # of the answer being read (a request may allow more)
         self._reset()
 
     def _reset(self) -> None:
@@ -130,8 +131,8 @@ class _Conn(asyncio.Protocol):
                 if buf:
                     self._parse()
                 return
-        if len(buf) - self.head_end > self.pool.max_body:
-            raise HttpResponseTooLarge(f"response body exceeds max_body={self.pool.max_body} bytes")
+        if len(buf) - self.head_end > self.max_body:
+            raise HttpResponseTooLarge(f"response body exceeds max_body={self.max_body} bytes")
         if self.chunked:
             self._parse_chunked()
         elif self.length >= 0 and len(buf) - self.head_end >= self.length:
@@ -156,9 +157,9 @@ class _Conn(asyncio.Protocol):
                 if not value.isdigit():
                     raise HttpProtocolError(f"bad Content-Length: {value[:40]!r}")
                 self.length = int(value)
-                if self.length > self.pool.max_body:
+                if self.length > self.max_body:
                     raise HttpResponseTooLarge(f"Content-Length {self.length} exceeds max_body="
-                                               f"{self.pool.max_body} bytes")
+                                               f"{self.max_body} bytes")
             elif name == b"transfer-encoding":
                 self.chunked = b"chunked" in value.lower()
             elif name == b"connection":
@@ -269,8 +270,10 @@ class Http1Pool:
         return None
 
     async def post(self, path: str, body: bytes, timeout: float | None = None,
-                   content_type: str = "application/json") -> tuple[int, bytes]:
+                   content_type: str = "application/json", max_body: int | None = None) -> tuple[int, bytes]:
         """POST ``body`` to ``path``; return (status, response body).
+
+        ``max_body``: the largest answer accepted for this request (default: the pool's).
 
         Raises ``TimeoutError`` when no complete answer came within ``timeout``
         seconds (connecting included), ``HttpConnectionError`` or
@@ -290,6 +293,7 @@ class Http1Pool:
             reused = conn is not None
             if conn is None:
                 conn = await self._connect_by(loop, deadline)
+            conn.max_body = self.max_body if max_body is None else int(max_body)
             try:
                 status, data, keep = await self._exchange(loop, conn, request, deadline)
             except _Stale:

@@ -44,7 +44,8 @@ from arealite.engine.errors import AttemptFailure, BadRequestError, GenerationEr
 from arealite.engine.http1 import HttpConnectionError, HttpProtocolError, HttpResponseTooLarge
 from arealite.engine.response_check import check_segment
 from arealite.engine.server_pool import Attempt, Router, ServerPool, ServerState, read_body
-from arealite.engine.wire import JSON_HEADERS, Segment, WireFormat, describe, dumps, error_message, snippet
+from arealite.engine.coalesce import RequestBatcher, SharedFailure, refused_by_client
+from arealite.engine.wire import JSON_HEADERS, Segment, WireFormat, describe, encode_request, error_message, snippet
 
 logger = logging.getLogger(__name__)
 
@@ -53,7 +54,6 @@ __all__ = ["RemoteInferenceClient"]
 # A server that keeps aborting a request before it produced a single token is
 # broken, not paused (a paused server holds new requests): give up after this many.
 _MAX_EMPTY_ABORTS = 100
-_RETRYABLE_4XX = (408, 429)  # request timeout / too many requests: the server's state, not ours
 _COUNTERS = (
     "requests", "completed", "failed", "bad_requests", "retries", "timeouts",
     "connection_errors", "http_5xx", "malformed", "evicted", "aborts",
@@ -122,6 +122,8 @@ class RemoteInferenceClient:
         self._gate.set()
         self._version = 0
         self._counters = dict.fromkeys(_COUNTERS, 0)
+        can_batch = self.config.batch_requests and getattr(wire, "batches", False)
+        self._batcher = RequestBatcher(wire, self.config.max_response_bytes) if can_batch else None
 
     def __repr__(self) -> str:  # never shows the api key
         return f"{type(self).__name__}(servers={self.servers}, healthy={self.healthy_servers})"
@@ -171,6 +173,8 @@ class RemoteInferenceClient:
         """Counters (requests, retries, failures by cause, aborts ...) and per-server state."""
         out: dict[str, Any] = dict(self._counters)
         out.update(self.pool.counts)
+        if self._batcher is not None:
+            out.update(self._batcher.counts)
         out["version"] = self._version
         out["n_healthy"] = len(self.pool.states) - self.pool.n_unhealthy
         out["servers"] = {
@@ -246,7 +250,7 @@ class RemoteInferenceClient:
             if p.server is None or not p.server.healthy:
                 await self._route(p)
             try:
-                seg = await self._generate_once(p.server, self._next_body(p))
+                seg = await self._generate_once(p.server, self._next_body(p), p.req.affinity_key)
                 if seg is not None:
                     check_segment(seg, p.budget - len(p.ids), self.vocab_size)
                     if p.top is not None and seg.ids and seg.top is None:
@@ -382,21 +386,14 @@ class RemoteInferenceClient:
                           latency_s=time.perf_counter() - p.t0, server=p.server.addr,
                           n_interruptions=p.n_aborts, output_top_logprobs=p.top)
 
-    async def _generate_once(self, server: ServerState, payload: dict[str, Any]) -> Segment | None:
+    async def _generate_once(self, server: ServerState, payload: dict[str, Any], key: str | None) -> Segment | None:
         """One generation call; returns the segment with its version filled in.
 
         Returns None without sending when, by the time the request has a slot on
-        ``server``, the server left the rotation or generation is paused (by the servers or this client).
+        ``server``, the server left the rotation or generation is paused (by the servers or
+        this client). With a ``key`` (the request's affinity), the call joins the requests of
+        that key leaving in the same turn of the loop in one batched exchange (`coalesce`).
         """
-        session = self.pool.session or self.pool.ensure_session()
-        route = self.wire.generate_route
-        try:
-            body = dumps(payload)
-        except TypeError as e:  # e.g. a numpy integer inside input_ids
-            raise ValueError(
-                f"request {payload.get('rid')}: GenerationRequest.input_ids must hold Python ints "
-                f"(convert with .tolist()): {e}"
-            ) from None
         # Registered while queued for a slot too, so that taking the server out wakes it.
         att = Attempt(asyncio.current_task())
         server.attempts.add(att)
@@ -411,13 +408,11 @@ class RemoteInferenceClient:
                 sent = True
                 server.inflight += 1
                 try:
-                    if server.conns is not None:
-                        status, raw = await server.conns.post(route, body, self.config.request_timeout_s)
+                    if key is not None and self._batcher is not None:
+                        status, answer = await self._batcher.send(
+                            server.addr, key, payload, lambda body, cap: self._post(server, body, cap))
                     else:
-                        async with session.post(server.base_url + route, data=body, headers=JSON_HEADERS,
-                                                timeout=self._req_timeout) as resp:
-                            raw = await read_body(resp, self.pool.max_response_bytes)
-                            status = resp.status
+                        status, answer = await self._post(server, encode_request(payload), self.pool.max_response_bytes)
                 finally:
                     server.inflight -= 1
         except asyncio.CancelledError:
@@ -427,27 +422,53 @@ class RemoteInferenceClient:
                     return None
                 raise AttemptFailure("evicted", f"server left the rotation ({att.evicted})") from None
             raise
-        except TimeoutError:
-            raise AttemptFailure(
-                "timeout", f"no answer within request_timeout_s={self.config.request_timeout_s:g}s"
-            ) from None
-        except HttpResponseTooLarge as e:
-            raise AttemptFailure("malformed", describe(e)) from None
-        except (aiohttp.ClientError, HttpConnectionError, HttpProtocolError) as e:
-            raise AttemptFailure("connection", describe(e)) from None
+        except SharedFailure as e:
+            if e.error is None:
+                raise self._status_failure(server, e.status, e.raw, shared=True) from None
+            raise self._exchange_failure(e.error, shared=True) from None
+        except Exception as e:
+            raise self._exchange_failure(e) from None
         finally:
             server.attempts.discard(att)
         if status != 200:
-            if status >= 500 or status in _RETRYABLE_4XX:
-                raise AttemptFailure("http_5xx", f"HTTP {status}: {snippet(raw)}")
-            raise BadRequestError(server.addr, route, status, error_message(raw))
-        seg = self.wire.parse_generate(raw)
+            raise self._status_failure(server, status, answer)
+        seg = self.wire.parse_generate(answer) if type(answer) is bytes else self.wire.parse_answer(answer)
         if seg.version is None:
             # No version reported (SGLang says "default" before its first update): fall back to
             # the client's version, counted, so that a server that never reports one shows up.
             self._counters["version_fallbacks"] += 1
             seg = seg._replace(version=self._version)
         return seg
+
+    def _exchange_failure(self, e: Exception, shared: bool = False) -> Exception:
+        """What a failed exchange means for the attempt: a retryable `AttemptFailure`, or ``e``."""
+        if isinstance(e, AttemptFailure):  # a batch's answer that is not one
+            e.shared = shared
+            return e
+        if isinstance(e, TimeoutError):
+            why = f"no answer within request_timeout_s={self.config.request_timeout_s:g}s"
+            return AttemptFailure("timeout", why, shared)
+        if isinstance(e, HttpResponseTooLarge):
+            return AttemptFailure("malformed", describe(e), shared)
+        if isinstance(e, (aiohttp.ClientError, HttpConnectionError, HttpProtocolError)):
+            return AttemptFailure("connection", describe(e), shared)
+        return e
+
+    def _status_failure(self, server: ServerState, status: int, raw: bytes, shared: bool = False) -> Exception:
+        """A non-200 answer: retryable unless it blames the request (`BadRequestError`)."""
+        if not refused_by_client(status):
+            return AttemptFailure("http_5xx", f"HTTP {status}: {snippet(raw)}", shared)
+        return BadRequestError(server.addr, self.wire.generate_route, status, error_message(raw))
+
+    async def _post(self, server: ServerState, body: bytes, max_body: int) -> tuple[int, bytes]:
+        """One ``generate_route`` exchange with ``server``: (status, answer body)."""
+        route = self.wire.generate_route
+        if server.conns is not None:
+            return await server.conns.post(route, body, self.config.request_timeout_s, max_body=max_body)
+        session = self.pool.session or self.pool.ensure_session()
+        async with session.post(server.base_url + route, data=body, headers=JSON_HEADERS,
+                                timeout=self._req_timeout) as resp:
+            return resp.status, await read_body(resp, max_body)
 
     async def _wait_for_continue(self, rid: str, server: ServerState | None) -> None:
         """Hold a (re)submission until the servers continue, at most ``max_pause_s``
@@ -469,8 +490,8 @@ class RemoteInferenceClient:
     def _record_failure(self, s: ServerState, e: AttemptFailure) -> None:
         self._counters[_FAILURE_COUNTER[e.kind]] += 1
         s.n_failed += 1
-        if e.kind == "evicted":
-            return  # the server is already out; the attempt did nothing wrong
+        if e.kind == "evicted" or e.shared:
+            return  # the server is already out, or the batch's sender counted the exchange
         s.consecutive_failures += 1
         logger.warning("%s%s failed (%s): %s", s.addr, self.wire.generate_route, e.kind, e)
         if s.healthy and s.consecutive_failures >= self.pool.unhealthy_after:

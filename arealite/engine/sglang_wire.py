@@ -15,7 +15,7 @@ from typing import Any
 
 from arealite.api.types import SamplingParams
 from arealite.engine.errors import AttemptFailure
-from arealite.engine.wire import Segment, ServerFacts, count, loads, snippet
+from arealite.engine.wire import Segment, ServerFacts, count, dumps, loads, snippet
 
 logger = logging.getLogger(__name__)
 
@@ -107,6 +107,10 @@ def parse_prompt_logprobs(data: Any, input_ids: list[int]) -> tuple[list[float],
     return lps, version
 
 
+def _text(data: Any, raw: bytes | None) -> str:
+    return snippet(raw if raw is not None else dumps(data))
+
+
 def _malformed(why: str) -> AttemptFailure:
     return AttemptFailure("malformed", why)
 
@@ -148,6 +152,7 @@ class SGLangWire:
     # routes answer from the tokenizer manager without generating (newest name first).
     health_route = "/health"
     liveness_routes = ("/model_info", "/get_model_info")
+    batches = True  # GenerateReqInput: lists of input_ids, sampling_params, rid (`batch_body`)
     #: The LoRA adapter every request runs with (``lora_path``: ``actor.lora.served_name`` in a
     #: LoRA run, the name each push reloads, `arealite.weight_sync.lora`); None = the base model.
     lora_path: str | None = None
@@ -166,6 +171,32 @@ class SGLangWire:
             body["lora_path"] = self.lora_path
         return body
 
+    def batch_body(self, bodies: list[dict[str, Any]]) -> dict[str, Any]:
+        """`generate_body` requests as one: SGLang's batch form (``GenerateReqInput`` takes a
+        list per field, one entry per prompt, and answers a list in the same order)."""
+        body: dict[str, Any] = {
+            "input_ids": [b["input_ids"] for b in bodies],
+            "sampling_params": [b["sampling_params"] for b in bodies],
+            "return_logprob": True,
+            "rid": [b["rid"] for b in bodies],
+        }
+        if any("top_logprobs_num" in b for b in bodies):
+            body["top_logprobs_num"] = [b.get("top_logprobs_num", 0) for b in bodies]
+        if self.lora_path is not None:
+            body["lora_path"] = [self.lora_path] * len(bodies)
+        return body
+
+    def split_batch(self, raw: bytes, n: int) -> list[Any]:
+        """The answers to a `batch_body` of ``n`` requests, one parsed object each."""
+        try:
+            data = loads(raw)
+        except ValueError as e:
+            raise _malformed(f"response is not JSON ({e}): {snippet(raw)}") from None
+        if not isinstance(data, list) or len(data) != n:
+            raise _malformed(f"a batch of {n} requests was answered by {count(data)} "
+                             f"{'entries' if isinstance(data, list) else ''}: {snippet(raw)}")
+        return data
+
     def parse_generate(self, raw: bytes) -> Segment:
         try:
             data = loads(raw)
@@ -173,11 +204,15 @@ class SGLangWire:
             raise _malformed(f"response is not JSON ({e}): {snippet(raw)}") from None
         if isinstance(data, list) and len(data) == 1:
             data = data[0]
+        return self.parse_answer(data, raw)
+
+    def parse_answer(self, data: Any, raw: bytes | None = None) -> Segment:
+        """One parsed answer (``raw``: its text, for error messages; None: a batch's part)."""
         if not isinstance(data, dict):
-            raise _malformed(f"response is {type(data).__name__}, not an object: {snippet(raw)}")
+            raise _malformed(f"response is {type(data).__name__}, not an object: {_text(data, raw)}")
         meta = data.get("meta_info")
         if not isinstance(meta, dict):
-            raise _malformed(f"response has no 'meta_info' object: {snippet(raw)}")
+            raise _malformed(f"response has no 'meta_info' object: {_text(data, raw)}")
         fr = meta.get("finish_reason")
         finish = fr.get("type") if isinstance(fr, dict) else fr
         if finish not in _FINISH_REASONS:

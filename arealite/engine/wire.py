@@ -66,8 +66,8 @@ def loads(raw: bytes | str) -> Any:
         raise ValueError("JSON nested too deeply") from None
 
 
-__all__ = ["MAX_JSON_DEPTH", "Segment", "ServerFacts", "WireFormat", "describe", "dumps", "error_message",
-           "loads", "snippet"]
+__all__ = ["MAX_JSON_DEPTH", "Segment", "ServerFacts", "WireFormat", "describe", "dumps", "encode_request",
+           "error_message", "loads", "snippet"]
 
 JSON_HEADERS = {"Content-Type": "application/json"}
 
@@ -100,6 +100,7 @@ class WireFormat(Protocol):
     routes_route: str | None  # GET, the routes a server serves (OpenAPI document), None: not offered
     health_route: str  # GET, 200 = alive and generating (start-up, probes while not paused)
     liveness_routes: tuple[str, ...]  # GET, 200 = alive, never generates (probes while paused)
+    batches: bool  # whether `generate_route` takes several requests in one body (`batch_body`)
 
     def sampling_params(self, sp: SamplingParams) -> dict[str, Any]:
         """The backend's sampling parameters for `sp` (computed once per request)."""
@@ -115,6 +116,19 @@ class WireFormat(Protocol):
         """Read an answer; raise ``AttemptFailure("malformed", why)`` when it is not one."""
         ...
 
+    def batch_body(self, bodies: list[dict[str, Any]]) -> dict[str, Any]:
+        """Several `generate_body` requests as one request (only when `batches`)."""
+        ...
+
+    def split_batch(self, raw: bytes, n: int) -> list[Any]:
+        """The answer to a `batch_body` of ``n`` requests as ``n`` parsed answers (for
+        `parse_answer`); ``AttemptFailure("malformed", why)`` when it is not that."""
+        ...
+
+    def parse_answer(self, data: Any) -> Segment:
+        """Read one parsed answer (a part of `split_batch`'s), as `parse_generate` reads one."""
+        ...
+
     def server_facts(self, addr: str, info: dict[str, Any]) -> ServerFacts:
         """What `info` (the JSON object of an `info_routes` route) says about server `addr`."""
         ...
@@ -123,6 +137,18 @@ class WireFormat(Protocol):
 # ---------------------------------------------------------------------------
 # Small helpers shared by the client and the admin calls
 # ---------------------------------------------------------------------------
+
+
+def encode_request(payload: dict[str, Any]) -> bytes:
+    """A request body as JSON; a ``ValueError`` naming the request when it holds a non-JSON
+    value (a numpy integer among the token ids, say)."""
+    try:
+        return dumps(payload)
+    except TypeError as e:
+        raise ValueError(
+            f"request {payload.get('rid')}: GenerationRequest.input_ids must hold Python ints "
+            f"(convert with .tolist()): {e}"
+        ) from None
 
 
 def describe(e: BaseException) -> str:

@@ -118,7 +118,7 @@ class EmbeddedServer:
             "finish_reason": seq.finish_reason,
             "prompt_tokens": len(seq.inp.input_ids),
             "completion_tokens": len(seq.output_ids),
-            "cached_tokens": 0,
+            "cached_tokens": seq.cached_tokens,
             "weight_version": seq.weight_version,
             "e2e_latency": seq.end_time - seq.start_time,
         }

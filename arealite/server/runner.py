@@ -49,6 +49,8 @@ class Sequence:
     input_logprobs: list[float | None] | None = None
     """SGLang's ``input_token_logprobs`` values from ``logprob_start_len`` (None: not asked)."""
     finish_reason: dict[str, Any] | None = None
+    cached_tokens: int = 0
+    """Prompt tokens not computed for this sequence: shared with another of its prefill."""
     weight_version: str = ""
     start_time: float = field(default_factory=time.perf_counter)
     end_time: float = 0.0
@@ -62,6 +64,24 @@ def _deliver(fut: asyncio.Future, value: Any = None, error: BaseException | None
         fut.set_exception(error)
     else:
         fut.set_result(value)
+
+
+def _shared_prompts(seqs: list[Sequence]) -> tuple[list[Sequence], list[int] | None]:
+    """The sequences with distinct prompts (and adapters), and for each of ``seqs`` the index
+    of the one whose prompt it shares; None when every prompt is distinct."""
+    first: dict[tuple, int] = {}
+    uniq: list[Sequence] = []
+    src: list[int] = []
+    for s in seqs:
+        key = (id(s.inp.lora), *s.inp.input_ids)
+        j = first.get(key)
+        if j is None:
+            j = first[key] = len(uniq)
+            uniq.append(s)
+        else:
+            s.cached_tokens = len(s.inp.input_ids) - 1
+        src.append(j)
+    return (seqs, None) if len(uniq) == len(seqs) else (uniq, src)
 
 
 class ModelRunner:
@@ -96,7 +116,7 @@ class ModelRunner:
         self._positions: torch.Tensor | None = None  # [B] position of the pending token
         self._next: torch.Tensor | None = None  # [B] sampled, not yet in the cache
         self._sampling: BatchSamplingState | None = None
-        self.stats = {"steps": 0, "prefills": 0, "generated_tokens": 0, "max_running": 0}
+        self.stats = {"steps": 0, "prefills": 0, "shared_prefill_rows": 0, "generated_tokens": 0, "max_running": 0}
         self.lora = None  # the server's LoRA adapters (`arealite.server.lora.LoraSet`), set by its routes
 
         self._thread = threading.Thread(target=self._main, name="arealite-model", daemon=True)
@@ -289,22 +309,33 @@ class ModelRunner:
                 ready.append(s)
         if not ready:
             return
-        lens = [len(s.inp.input_ids) for s in ready]
+        want_input = any(s.inp.logprob_start_len >= 0 for s in ready)
+        # Samples of one prompt (a GRPO group) arrive together: their prompt runs once and its
+        # cache is copied to each (reported as cached_tokens, capped at the prompt less one
+        # token as SGLang caps a prefix-cache hit). Not when prompt log-probs are asked for.
+        uniq, src = (ready, None) if want_input else _shared_prompts(ready)
+        lens = [len(s.inp.input_ids) for s in uniq]
         T = max(lens)
-        ids = torch.full((len(ready), T), self.pad_id, dtype=torch.long)
-        mask = torch.zeros((len(ready), T), dtype=torch.long)
-        for i, s in enumerate(ready):
+        ids = torch.full((len(uniq), T), self.pad_id, dtype=torch.long)
+        mask = torch.zeros((len(uniq), T), dtype=torch.long)
+        for i, s in enumerate(uniq):
             ids[i, T - lens[i]:] = torch.tensor(s.inp.input_ids, dtype=torch.long)
             mask[i, T - lens[i]:] = 1
         ids, mask = ids.to(self.device), mask.to(self.device)
         positions = (mask.cumsum(dim=1) - 1).clamp(min=0)
         cache = DynamicCache()
-        want_input = any(s.inp.logprob_start_len >= 0 for s in ready)
-        logits = self._forward(ids, mask, positions, cache, all_positions=want_input, seqs=ready)
+        logits = self._forward(ids, mask, positions, cache, all_positions=want_input, seqs=uniq)
         if want_input:
             self._input_logprobs(ready, logits, ids, lens)
             logits = logits[:, -1, :]
         self.stats["prefills"] += 1
+        if src is not None:
+            idx = torch.tensor(src, dtype=torch.long, device=self.device)
+            for layer in cache.layers:
+                layer.keys, layer.values = layer.keys.index_select(0, idx), layer.values.index_select(0, idx)
+            logits, mask = logits.index_select(0, idx), mask.index_select(0, idx)
+            lens = [lens[j] for j in src]
+            self.stats["shared_prefill_rows"] += len(ready) - len(uniq)
 
         b_old = len(self._running)
         self._merge(ready, cache, mask, torch.tensor(lens, device=self.device))
