@@ -99,6 +99,33 @@ async def test_greedy_is_deterministic_on_real_servers(two_servers):
         assert len(sampled.output_logprobs) == len(sampled.output_versions) == len(sampled.output_ids)
 
 
+async def _shared_rows(addr: str) -> int:
+    async with aiohttp.ClientSession() as session:
+        async with session.get(f"http://{addr}/get_server_info") as resp:
+            info = await resp.json()
+    return sum(st.get("shared_prefill_rows", 0) for st in info.get("internal_states") or [])
+
+
+async def test_a_group_goes_as_one_batch_and_shares_its_prompt_on_a_real_server(two_servers):
+    """The strict embedded server takes the batch form; the group's prompt runs once there,
+    and each sample matches what the same request alone gives (greedy)."""
+    addr = two_servers[1][1]
+    async with _engine([addr]) as eng:
+        await _initialize(eng, two_servers[1:])
+        greedy = SamplingParams(max_new_tokens=10, greedy=True, ignore_eos=True)
+        prompt = [9, 30, 31, 2, 77, 15]
+        alone = await eng.agenerate(GenerationRequest(prompt, greedy))
+        shared = await _shared_rows(addr)
+        group = await asyncio.gather(*(eng.agenerate(GenerationRequest(prompt, greedy, affinity_key="g"))
+                                       for _ in range(4)))
+        st = eng.stats()
+        assert await _shared_rows(addr) - shared == 3
+    assert st["batches"] == 1 and st["batched_requests"] == 4 and st["completed"] == 5
+    for c in group:
+        assert c.output_ids == alone.output_ids and c.finish_reason == "length"
+        assert c.output_logprobs == pytest.approx(alone.output_logprobs, abs=1e-4)
+
+
 async def test_interrupted_generation_on_a_real_server(two_servers):
     addr = two_servers[0][1]
     async with _engine([addr]) as eng:

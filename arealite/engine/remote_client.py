@@ -424,14 +424,14 @@ class RemoteInferenceClient:
             raise
         except SharedFailure as e:
             if e.error is None:
-                raise self._status_failure(server, e.status, e.raw, shared=True) from None
-            raise self._exchange_failure(e.error, shared=True) from None
+                raise _status_failure(self.wire, server, e.status, e.raw, shared=True) from None
+            raise _exchange_failure(e.error, self.config.request_timeout_s, shared=True) from None
         except Exception as e:
-            raise self._exchange_failure(e) from None
+            raise _exchange_failure(e, self.config.request_timeout_s) from None
         finally:
             server.attempts.discard(att)
         if status != 200:
-            raise self._status_failure(server, status, answer)
+            raise _status_failure(self.wire, server, status, answer)
         seg = self.wire.parse_generate(answer) if type(answer) is bytes else self.wire.parse_answer(answer)
         if seg.version is None:
             # No version reported (SGLang says "default" before its first update): fall back to
@@ -439,26 +439,6 @@ class RemoteInferenceClient:
             self._counters["version_fallbacks"] += 1
             seg = seg._replace(version=self._version)
         return seg
-
-    def _exchange_failure(self, e: Exception, shared: bool = False) -> Exception:
-        """What a failed exchange means for the attempt: a retryable `AttemptFailure`, or ``e``."""
-        if isinstance(e, AttemptFailure):  # a batch's answer that is not one
-            e.shared = shared
-            return e
-        if isinstance(e, TimeoutError):
-            why = f"no answer within request_timeout_s={self.config.request_timeout_s:g}s"
-            return AttemptFailure("timeout", why, shared)
-        if isinstance(e, HttpResponseTooLarge):
-            return AttemptFailure("malformed", describe(e), shared)
-        if isinstance(e, (aiohttp.ClientError, HttpConnectionError, HttpProtocolError)):
-            return AttemptFailure("connection", describe(e), shared)
-        return e
-
-    def _status_failure(self, server: ServerState, status: int, raw: bytes, shared: bool = False) -> Exception:
-        """A non-200 answer: retryable unless it blames the request (`BadRequestError`)."""
-        if not refused_by_client(status):
-            return AttemptFailure("http_5xx", f"HTTP {status}: {snippet(raw)}", shared)
-        return BadRequestError(server.addr, self.wire.generate_route, status, error_message(raw))
 
     async def _post(self, server: ServerState, body: bytes, max_body: int) -> tuple[int, bytes]:
         """One ``generate_route`` exchange with ``server``: (status, answer body)."""
@@ -496,6 +476,28 @@ class RemoteInferenceClient:
         logger.warning("%s%s failed (%s): %s", s.addr, self.wire.generate_route, e.kind, e)
         if s.healthy and s.consecutive_failures >= self.pool.unhealthy_after:
             self.pool.take_out(s, f"{s.consecutive_failures} consecutive failures, last: {e}")
+
+
+def _exchange_failure(e: Exception, timeout_s: float, shared: bool = False) -> Exception:
+    """What a failed exchange means for the attempt: a retryable `AttemptFailure`, or ``e``.
+    ``shared``: the exchange was a batch this request joined (its sender counted it)."""
+    if isinstance(e, AttemptFailure):  # a batch's answer that is not one
+        e.shared = shared
+        return e
+    if isinstance(e, TimeoutError):
+        return AttemptFailure("timeout", f"no answer within request_timeout_s={timeout_s:g}s", shared)
+    if isinstance(e, HttpResponseTooLarge):
+        return AttemptFailure("malformed", describe(e), shared)
+    if isinstance(e, (aiohttp.ClientError, HttpConnectionError, HttpProtocolError)):
+        return AttemptFailure("connection", describe(e), shared)
+    return e
+
+
+def _status_failure(wire: WireFormat, server: ServerState, status: int, raw: bytes, shared: bool = False) -> Exception:
+    """A non-200 answer: retryable unless it blames the request (`BadRequestError`)."""
+    if not refused_by_client(status):
+        return AttemptFailure("http_5xx", f"HTTP {status}: {snippet(raw)}", shared)
+    return BadRequestError(server.addr, wire.generate_route, status, error_message(raw))
 
 
 def _check_request(req: GenerationRequest) -> tuple[list[int], int]:

@@ -260,8 +260,8 @@ class EmbeddedServer:
         return web.json_response(outs if batch else outs[0])
 
     async def flush_cache(self, request: web.Request) -> web.Response:
-        # There is no prefix cache to flush; say so rather than pretend.
-        return web.json_response({"success": True, "message": "no prefix cache: nothing to flush"})
+        # A prompt is shared only within one admission; no cache outlives it. Say so.
+        return web.json_response({"success": True, "message": "no prefix cache kept between admissions: nothing to flush"})
 
     async def pause_generation(self, request: web.Request) -> web.Response:
         body = await json_body(request, allow_empty=True)

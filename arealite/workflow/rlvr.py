@@ -113,7 +113,10 @@ class RLVRWorkflow(RolloutWorkflow):
         n = self.generation.n_samples
         # Cheap unique request ids (uuid4 per request shows up in profiles): process prefix + group + sample.
         rid = f"{_RID_PREFIX}-{gid:x}-"
-        reqs = [GenerationRequest(list(prompt_ids), self.sampling, f"{rid}{i}", group) for i in range(n)]
+        # The group's key keeps its samples on one server and sends them as one batch; a
+        # lone sample (evaluation) has nothing to share and goes without one.
+        key = group if n > 1 else None
+        reqs = [GenerationRequest(list(prompt_ids), self.sampling, f"{rid}{i}", key) for i in range(n)]
         fields = item_fields(item)
         tok = self.tokenizer
         if n == 1:  # the common evaluation and benchmark case: no task per sample
