@@ -481,9 +481,8 @@ class RemoteInferenceClient:
 def _exchange_failure(e: Exception, timeout_s: float, shared: bool = False) -> Exception:
     """What a failed exchange means for the attempt: a retryable `AttemptFailure`, or ``e``.
     ``shared``: the exchange was a batch this request joined (its sender counted it)."""
-    if isinstance(e, AttemptFailure):  # a batch's answer that is not one
-        e.shared = shared
-        return e
+    if isinstance(e, AttemptFailure):  # a batch's answer that is not one (its sender raises the same)
+        return AttemptFailure(e.kind, str(e), shared) if shared else e
     if isinstance(e, TimeoutError):
         return AttemptFailure("timeout", f"no answer within request_timeout_s={timeout_s:g}s", shared)
     if isinstance(e, HttpResponseTooLarge):
