@@ -807,13 +807,14 @@ async def test_a_batch_refused_with_400_is_resent_one_by_one_and_only_the_culpri
 
 async def test_a_failed_batch_is_a_failed_attempt_of_each_member(fakes):
     (f,) = await fakes(1)
-    f.actions = ["500"] * 3  # the batch of three fails once; the retries (again one batch) pass
-    async with RemoteSGLangEngine([f.addr], cfg()) as eng:
+    f.actions = ["500"] * 3  # the batch of three fails once; the retries pass
+    async with RemoteSGLangEngine([f.addr], cfg(), unhealthy_after=2) as eng:
         comps = await asyncio.gather(*(eng.agenerate(req(affinity_key="g")) for _ in range(3)))
         st = eng.stats()
     assert all(len(c.output_ids) == 8 for c in comps)
     assert st["retries"] == 3 and st["http_5xx"] == 3 and st["failed"] == 0
-    assert len(f.generate_bodies) == 2 and st["batches"] == 2
+    assert st["marked_unhealthy"] == 0, "one failed exchange counts once against the server"
+    assert len(f.generate_bodies[0]["rid"]) == 3 and len(f.generate_payloads) == 6
 
 
 async def test_a_member_cancelled_by_its_caller_leaves_the_others_alone(fakes):
