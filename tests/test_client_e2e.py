@@ -62,12 +62,17 @@ async def _initialize(eng: RemoteSGLangEngine, procs) -> None:
         raise AssertionError(f"{e}\n{tails}") from None
 
 
-async def _generated(addr: str) -> int:
-    """Tokens the server has decoded since it started (from /get_server_info)."""
+async def _server_count(addr: str, name: str) -> int:
+    """A counter of the server's ``internal_states`` (from /get_server_info)."""
     async with aiohttp.ClientSession() as session:
         async with session.get(f"http://{addr}/get_server_info") as resp:
             info = await resp.json()
-    return sum(st.get("generated_tokens", 0) for st in info.get("internal_states") or [])
+    return sum(st.get(name, 0) for st in info.get("internal_states") or [])
+
+
+async def _generated(addr: str) -> int:
+    """Tokens the server has decoded since it started."""
+    return await _server_count(addr, "generated_tokens")
 
 
 async def _wait_generating(addr: str, target: int, timeout: float = 30) -> None:
@@ -99,13 +104,6 @@ async def test_greedy_is_deterministic_on_real_servers(two_servers):
         assert len(sampled.output_logprobs) == len(sampled.output_versions) == len(sampled.output_ids)
 
 
-async def _shared_rows(addr: str) -> int:
-    async with aiohttp.ClientSession() as session:
-        async with session.get(f"http://{addr}/get_server_info") as resp:
-            info = await resp.json()
-    return sum(st.get("shared_prefill_rows", 0) for st in info.get("internal_states") or [])
-
-
 async def test_a_group_goes_as_one_batch_and_shares_its_prompt_on_a_real_server(two_servers):
     """The strict embedded server takes the batch form; the group's prompt runs once there,
     and each sample matches what the same request alone gives (greedy)."""
@@ -115,11 +113,11 @@ async def test_a_group_goes_as_one_batch_and_shares_its_prompt_on_a_real_server(
         greedy = SamplingParams(max_new_tokens=10, greedy=True, ignore_eos=True)
         prompt = [9, 30, 31, 2, 77, 15]
         alone = await eng.agenerate(GenerationRequest(prompt, greedy))
-        shared = await _shared_rows(addr)
+        shared = await _server_count(addr, "shared_prefill_rows")
         group = await asyncio.gather(*(eng.agenerate(GenerationRequest(prompt, greedy, affinity_key="g"))
                                        for _ in range(4)))
         st = eng.stats()
-        assert await _shared_rows(addr) - shared == 3
+        assert await _server_count(addr, "shared_prefill_rows") - shared == 3
     assert st["batches"] == 1 and st["batched_requests"] == 4 and st["completed"] == 5
     for c in group:
         assert c.output_ids == alone.output_ids and c.finish_reason == "length"

@@ -193,8 +193,8 @@ class SGLangWire:
         except ValueError as e:
             raise _malformed(f"response is not JSON ({e}): {snippet(raw)}") from None
         if not isinstance(data, list) or len(data) != n:
-            raise _malformed(f"a batch of {n} requests was answered by {count(data)} "
-                             f"{'entries' if isinstance(data, list) else ''}: {snippet(raw)}")
+            got = f"{len(data)} entries" if isinstance(data, list) else f"a {type(data).__name__}"
+            raise _malformed(f"a batch of {n} requests was answered by {got}: {snippet(raw)}")
         return data
 
     def parse_generate(self, raw: bytes) -> Segment:

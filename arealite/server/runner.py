@@ -68,7 +68,8 @@ def _deliver(fut: asyncio.Future, value: Any = None, error: BaseException | None
 
 def _shared_prompts(seqs: list[Sequence]) -> tuple[list[Sequence], list[int] | None]:
     """The sequences with distinct prompts (and adapters), and for each of ``seqs`` the index
-    of the one whose prompt it shares; None when every prompt is distinct."""
+    of the one whose prompt it shares; None when every prompt is distinct. A sequence that
+    shares another's prompt gets its ``cached_tokens``."""
     first: dict[tuple, int] = {}
     uniq: list[Sequence] = []
     src: list[int] = []
