@@ -130,6 +130,7 @@ def main() -> None:
     p.add_argument("--etas", default="0,1,2,4")
     p.add_argument("--variants", default="demo,gen-heavy")
     p.add_argument("--gen-heavy-batch", type=int, default=16, help="server.max_batch_size of gen-heavy")
+    p.add_argument("--gen-heavy-samples", type=int, default=16, help="generation.n_samples of gen-heavy")
     p.add_argument("--trainers", type=int, default=1, help="trainer processes (1 leaves a core to the server)")
     p.add_argument("--quick", action="store_true", help="12 steps, eta 0 and 4")
     p.add_argument("--demo-dir", default=None, help="reuse a prepared demo directory")
@@ -147,7 +148,7 @@ def main() -> None:
     subprocess.run([sys.executable, "examples/reverse_digits/prepare.py", "--out", str(demo)],
                    cwd=REPO, env=_env(), check=True, capture_output=True)
     common = list(args.overrides) + ([f"launch.server_cpus={args.server_cpus}"] if args.server_cpus else [])
-    variants = {"demo": [], "gen-heavy": [f"server.max_batch_size={args.gen_heavy_batch}", "generation.n_samples=16"]}
+    variants = {"demo": [], "gen-heavy": [f"server.max_batch_size={args.gen_heavy_batch}", f"generation.n_samples={args.gen_heavy_samples}"]}
     out = {"bench": "async", "steps": steps, "trainers": args.trainers, "repeats": args.repeats,
            "server_cpus": args.server_cpus, "variants": {}}
     for name in args.variants.split(","):

@@ -92,11 +92,12 @@ def test_sglang_command_defaults():
 
 def test_embedded_command_from_config():
     cfg = _cfg(server={"model_path": "/m", "max_batch_size": 8, "context_length": 512,
-                       "api_key": "k"}, experiment={"seed": 3})
+                       "api_key": "k", "prompt_cache_entries": 5}, experiment={"seed": 3})
     cmd = server_command(cfg, 30001, index=1)
     assert cmd[:3] == [sys.executable, "-m", "arealite.server"]
     assert _flag(cmd, "--port") == "30001" and _flag(cmd, "--random-seed") == "4"
     assert _flag(cmd, "--max-batch-size") == "8" and _flag(cmd, "--context-length") == "512"
+    assert _flag(cmd, "--prompt-cache-entries") == "5"
     assert "--dtype" not in cmd  # auto: the server decides
     assert "--api-key" not in cmd and "k" not in cmd  # the key travels in the environment
     assert _flag(embedded_server_command(_cfg(server={"model_path": "/m", "dtype": "bfloat16"}), 1),

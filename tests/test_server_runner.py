@@ -152,3 +152,73 @@ async def test_samples_of_one_prompt_share_its_prefill(srv):
     pair = await asyncio.gather(*(r.generate(req(f"p{i}", prompt, max_new_tokens=12, ignore_eos=True,
                                                  temperature=0.0)) for i in range(2)))
     assert pair[0].output_ids == pair[1].output_ids == alone.output_ids
+
+
+@pytest.fixture
+def small(micro_model_dir):
+    """A server with room for 4 sequences: a group of 8 samples joins in two admissions."""
+    s = create_server(ServerArgs(model_path=str(micro_model_dir), random_seed=5, max_batch_size=4))
+    yield s
+    s.runner.shutdown()
+
+
+async def test_a_group_split_over_admissions_runs_its_prompt_once(small):
+    """The samples that join after the first admission copy the prompt's cached KV and
+    logits (no forward, as SGLang's radix cache serves a repeated prompt); each still
+    samples on its own, with log-probs equal to an unpadded HF forward."""
+    r = small.runner
+    assert r.stats["prefills"] == 0 and r.prompt_cache.hits == 0  # a fresh server
+    prompt = list(range(4, 19))
+    seqs = await asyncio.gather(*(r.generate(req(f"s{i}", prompt, max_new_tokens=6, ignore_eos=True))
+                                  for i in range(8)))
+    assert r.stats["prefills"] == 1, "the second admission must not run the prompt again"
+    assert r.stats["prompt_cache_rows"] == 1 and r.stats["shared_prefill_rows"] == 6
+    assert [s.cached_tokens for s in seqs] == [0] + [len(prompt) - 1] * 7
+    assert r.prompt_cache.hits == 1 and len(r.prompt_cache) == 1
+    assert len({tuple(s.output_ids) for s in seqs[4:]}) > 1, "rows from the cache must sample independently"
+    for s in seqs:
+        check_logprobs(small.model, s, 1.0)
+
+
+async def test_a_command_on_the_model_thread_clears_the_prompt_cache(small):
+    """Weights change only through commands: after one, a cached prompt runs again on the
+    new weights (a stale cache would give the old model's log-probs)."""
+    r = small.runner
+    prompt = [9, 3, 7, 5, 2]
+    first = await r.generate(req("a", prompt, max_new_tokens=4, ignore_eos=True, temperature=0.0))
+    again = await r.generate(req("b", prompt, max_new_tokens=4, ignore_eos=True, temperature=0.0))
+    assert r.stats["prefills"] == 1 and again.cached_tokens == len(prompt) - 1
+    assert again.output_ids == first.output_ids
+    weight = small.model.get_input_embeddings().weight
+    saved = weight.detach().clone()
+    try:
+        await r.call(lambda: weight.data.mul_(3.0))
+        assert len(r.prompt_cache) == 0
+        changed = await r.generate(req("c", prompt, max_new_tokens=4, ignore_eos=True, temperature=0.0))
+        assert r.stats["prefills"] == 2 and changed.cached_tokens == 0
+        check_logprobs(small.model, changed, 1.0)
+    finally:
+        await r.call(lambda: weight.data.copy_(saved))
+
+
+async def test_prompt_cache_off_runs_every_admission(micro_model_dir):
+    s = create_server(ServerArgs(model_path=str(micro_model_dir), max_batch_size=4, prompt_cache_entries=0))
+    try:
+        r = s.runner
+        seqs = await asyncio.gather(*(r.generate(req(f"s{i}", [5, 6, 7, 8], max_new_tokens=3, ignore_eos=True))
+                                      for i in range(8)))
+        assert r.stats["prefills"] == 2 and r.stats["prompt_cache_rows"] == 0 and len(r.prompt_cache) == 0
+        assert [x.cached_tokens for x in seqs] == [0, 3, 3, 3, 0, 3, 3, 3]
+    finally:
+        s.runner.shutdown()
+
+
+async def test_prompt_log_probs_bypass_the_prompt_cache(small):
+    """A request for prompt log-probs needs the prompt's forward: it neither reads nor fills the cache."""
+    r = small.runner
+    prompt = [3, 4, 5, 6, 7, 8]
+    await r.generate(req("warm", prompt, max_new_tokens=2, ignore_eos=True))
+    inp = req("lp", prompt, max_new_tokens=2, ignore_eos=True)
+    inp.logprob_start_len = 0
+    s = await r.generate(inp)
+    assert s.cached_tokens == 0 and len(s.input_logprobs) == len(prompt) and r.stats["prefills"] == 2

@@ -120,3 +120,11 @@ def test_cli_args():
         parse_args(["--model-path", "m", "--port", "0"])
     with pytest.raises(SystemExit):
         parse_args(["--model-path", "m", "--dtype", "int8"])
+    assert parse_args(["--model-path", "m"]).prompt_cache_entries == 64
+    assert parse_args(["--model-path", "m", "--prompt-cache-entries", "0"]).prompt_cache_entries == 0
+
+
+def test_a_negative_prompt_cache_size_is_refused_by_name(capsys):
+    with pytest.raises(SystemExit):
+        parse_args(["--model-path", "m", "--prompt-cache-entries", "-1"])
+    assert "--prompt-cache-entries -1 must be at least 0" in capsys.readouterr().err

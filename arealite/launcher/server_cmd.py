@@ -48,6 +48,7 @@ def embedded_server_command(cfg: ArealiteConfig, port: int, index: int = 0, weig
         "--port", str(port),
         "--random-seed", str(server_seed(cfg, index)),
         "--max-batch-size", str(s.max_batch_size),
+        "--prompt-cache-entries", str(s.prompt_cache_entries),
         "--weight-version", str(weight_version),
         # A receive from a group whose member died ends at this timeout (see weight_sync.timeout_s).
         "--weight-sync-timeout-s", str(cfg.weight_sync.timeout_s),

@@ -96,6 +96,7 @@ class EmbeddedServer:
             model, device=device, eos_ids=eos, pad_id=int(pad if pad is not None else 0),
             vocab_size=self.vocab_size, max_batch_size=args.max_batch_size,
             random_seed=args.random_seed, weight_version=str(args.weight_version),
+            prompt_cache_entries=args.prompt_cache_entries,
         )
         self.behaviour = SGLangBehaviour.from_flags(
             strict=args.strict_sglang, release=args.sglang_version, readback=args.readback_architectures)
@@ -216,6 +217,8 @@ class EmbeddedServer:
             "internal_states": [{
                 "num_running_reqs": r.n_running, "num_waiting_reqs": r.n_waiting,
                 "paused": r.paused, "in_weight_update": r.in_update_bracket, **r.stats,
+                "prompt_cache_entries": len(r.prompt_cache), "prompt_cache_hits": r.prompt_cache.hits,
+                "prompt_cache_misses": r.prompt_cache.misses,
                 # CPU seconds of the whole server process: lets benchmarks on a
                 # busy machine compare work done rather than contended wall time.
                 "cpu_time_s": time.process_time(),
@@ -260,8 +263,9 @@ class EmbeddedServer:
         return web.json_response(outs if batch else outs[0])
 
     async def flush_cache(self, request: web.Request) -> web.Response:
-        # A prompt is shared only within one admission; no cache outlives it. Say so.
-        return web.json_response({"success": True, "message": "no prefix cache kept between admissions: nothing to flush"})
+        # The prompt cache is cleared after any command on the model thread, this one included.
+        n = await self.runner.call(lambda: len(self.runner.prompt_cache))
+        return web.json_response({"success": True, "message": f"prompt cache flushed ({n} prompts)"})
 
     async def pause_generation(self, request: web.Request) -> web.Response:
         body = await json_body(request, allow_empty=True)

@@ -31,6 +31,8 @@ class ServerArgs:
     """When set, every route except the ``/health*`` probes needs ``Authorization: Bearer <key>``."""
     max_batch_size: int = 64
     """Most sequences decoded together; further requests queue."""
+    prompt_cache_entries: int = 64
+    """Prompts whose KV cache is kept between admissions (`arealite.server.prompt_cache`); 0: none."""
     context_length: int | None = None
     """Longest prompt + completion; defaults to the model's ``max_position_embeddings``."""
     device: str = "auto"
@@ -99,6 +101,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--api-key-file", default=None,
                    help="read the API key from this file (first line; keep it readable by you alone)")
     p.add_argument("--max-batch-size", "--max-running-requests", dest="max_batch_size", type=int, default=64)
+    p.add_argument("--prompt-cache-entries", type=int, default=64,
+                   help="prompts whose KV cache is kept for later admissions of the same prompt (0: none; "
+                        "cleared on every weight update)")
     p.add_argument("--context-length", type=int, default=None)
     p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
     p.add_argument("--skip-tokenizer-init", action="store_true")
@@ -139,6 +144,8 @@ def parse_args(argv: list[str] | None = None) -> ServerArgs:
         p.error(f"--port {ns.port} is not a TCP port (1..65535)")
     if ns.max_batch_size < 1:
         p.error(f"--max-batch-size {ns.max_batch_size} must be at least 1")
+    if ns.prompt_cache_entries < 0:
+        p.error(f"--prompt-cache-entries {ns.prompt_cache_entries} must be at least 0 (0 turns the cache off)")
     if ns.context_length is not None and ns.context_length < 2:
         p.error(f"--context-length {ns.context_length} must be at least 2")
     if not ns.sglang_version[:1].isdigit():

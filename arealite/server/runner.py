@@ -28,6 +28,7 @@ from typing import Any, Callable
 import torch
 import torch.nn.functional as F
 
+from .prompt_cache import CachedPrompt, PromptCache, cached_row
 from .sampling import BatchSamplingState, GenerateInput, sample_next
 
 logger = logging.getLogger("arealite.server")
@@ -66,6 +67,11 @@ def _deliver(fut: asyncio.Future, value: Any = None, error: BaseException | None
         fut.set_result(value)
 
 
+def _prompt_key(s: Sequence) -> tuple:
+    """What a prompt's KV cache depends on besides the weights: its adapter and its ids."""
+    return (id(s.inp.lora), *s.inp.input_ids)
+
+
 def _shared_prompts(seqs: list[Sequence]) -> tuple[list[Sequence], list[int] | None]:
     """The sequences with distinct prompts (and adapters), and for each of ``seqs`` the index
     of the one whose prompt it shares; None when every prompt is distinct. A sequence that
@@ -74,7 +80,7 @@ def _shared_prompts(seqs: list[Sequence]) -> tuple[list[Sequence], list[int] | N
     uniq: list[Sequence] = []
     src: list[int] = []
     for s in seqs:
-        key = (id(s.inp.lora), *s.inp.input_ids)
+        key = _prompt_key(s)
         j = first.get(key)
         if j is None:
             j = first[key] = len(uniq)
@@ -89,7 +95,8 @@ class ModelRunner:
     """Owns the model and serves generation requests with continuous batching."""
 
     def __init__(self, model: torch.nn.Module, *, device: torch.device, eos_ids: set[int], pad_id: int,
-                 vocab_size: int, max_batch_size: int, random_seed: int, weight_version: str):
+                 vocab_size: int, max_batch_size: int, random_seed: int, weight_version: str,
+                 prompt_cache_entries: int = 0):
         self.model = model
         self.device = device
         self.eos_ids = frozenset(eos_ids)
@@ -117,7 +124,10 @@ class ModelRunner:
         self._positions: torch.Tensor | None = None  # [B] position of the pending token
         self._next: torch.Tensor | None = None  # [B] sampled, not yet in the cache
         self._sampling: BatchSamplingState | None = None
-        self.stats = {"steps": 0, "prefills": 0, "shared_prefill_rows": 0, "generated_tokens": 0, "max_running": 0}
+        self.stats = {"steps": 0, "prefills": 0, "shared_prefill_rows": 0, "prompt_cache_rows": 0,
+                      "generated_tokens": 0, "max_running": 0}
+        # Prompts' KV caches kept between admissions; cleared after any command (see `_main`).
+        self.prompt_cache = PromptCache(prompt_cache_entries)
         self.lora = None  # the server's LoRA adapters (`arealite.server.lora.LoraSet`), set by its routes
 
         self._thread = threading.Thread(target=self._main, name="arealite-model", daemon=True)
@@ -225,6 +235,8 @@ class ModelRunner:
                 except Exception as e:  # reported to the caller, never kills the loop
                     result, error = None, e
                 loop.call_soon_threadsafe(_deliver, fut, result, error)
+            if commands:  # weights and adapters change only through commands: no stale prompt KV
+                self.prompt_cache.clear()
             admit: list[Sequence] = []
             try:
                 with self._cv:
@@ -300,8 +312,6 @@ class ModelRunner:
 
     def _prefill(self, seqs: list[Sequence]) -> None:
         """Run the prompts of newly admitted sequences and merge them into the batch."""
-        from transformers import DynamicCache
-
         ready = []
         for s in seqs:
             if s.inp.sampling.max_new_tokens == 0:
@@ -315,21 +325,7 @@ class ModelRunner:
         # cache is copied to each (reported as cached_tokens, capped at the prompt less one
         # token as SGLang caps a prefix-cache hit). Not when prompt log-probs are asked for.
         uniq, src = (ready, None) if want_input else _shared_prompts(ready)
-        lens = [len(s.inp.input_ids) for s in uniq]
-        T = max(lens)
-        ids = torch.full((len(uniq), T), self.pad_id, dtype=torch.long)
-        mask = torch.zeros((len(uniq), T), dtype=torch.long)
-        for i, s in enumerate(uniq):
-            ids[i, T - lens[i]:] = torch.tensor(s.inp.input_ids, dtype=torch.long)
-            mask[i, T - lens[i]:] = 1
-        ids, mask = ids.to(self.device), mask.to(self.device)
-        positions = (mask.cumsum(dim=1) - 1).clamp(min=0)
-        cache = DynamicCache()
-        logits = self._forward(ids, mask, positions, cache, all_positions=want_input, seqs=uniq)
-        if want_input:
-            self._input_logprobs(ready, logits, ids, lens)
-            logits = logits[:, -1, :]
-        self.stats["prefills"] += 1
+        cache, logits, mask, lens = self._prompt_states(uniq, want_input)
         if src is not None:
             idx = torch.tensor(src, dtype=torch.long, device=self.device)
             for layer in cache.layers:
@@ -345,6 +341,65 @@ class ModelRunner:
         tokens, logprobs, top = self._sample(logits, state, ready)
         self._next[b_old:] = tokens
         self._record(range(b_old, b_old + len(ready)), tokens.tolist(), logprobs.tolist(), top)
+
+    def _prompt_states(self, seqs: list[Sequence], want_input: bool):
+        """Cache, last logits ``[B, vocab]``, mask and lengths of the distinct prompts ``seqs``:
+        those in the prompt cache are copied from it (their ``cached_tokens`` set), the others
+        run in one forward and are cached for the next admission."""
+        use_cache = self.prompt_cache.enabled and not want_input
+        found = [self.prompt_cache.get(_prompt_key(s)) if use_cache else None for s in seqs]
+        todo = [i for i, e in enumerate(found) if e is None]
+        if todo:
+            run = [seqs[i] for i in todo]
+            cache, logits, mask, lens = self._run_prompts(run, want_input)
+            if use_cache:
+                for j, s in enumerate(run):
+                    found[todo[j]] = cached_row(cache.layers, logits, j, lens[j])
+                    self.prompt_cache.put(_prompt_key(s), found[todo[j]])
+            if len(todo) == len(seqs):
+                return cache, logits, mask, lens
+        hit = set(range(len(seqs))) - set(todo)
+        for i in hit:
+            seqs[i].cached_tokens = found[i].n_tokens - 1
+        self.stats["prompt_cache_rows"] += len(hit)
+        return self._stack_cached(found)
+
+    def _run_prompts(self, seqs: list[Sequence], want_input: bool):
+        """One forward over the prompts of ``seqs``, left-padded: (cache, last logits, mask, lengths)."""
+        from transformers import DynamicCache
+
+        lens = [len(s.inp.input_ids) for s in seqs]
+        T = max(lens)
+        ids = torch.full((len(seqs), T), self.pad_id, dtype=torch.long)
+        mask = torch.zeros((len(seqs), T), dtype=torch.long)
+        for i, s in enumerate(seqs):
+            ids[i, T - lens[i]:] = torch.tensor(s.inp.input_ids, dtype=torch.long)
+            mask[i, T - lens[i]:] = 1
+        ids, mask = ids.to(self.device), mask.to(self.device)
+        positions = (mask.cumsum(dim=1) - 1).clamp(min=0)
+        cache = DynamicCache()
+        logits = self._forward(ids, mask, positions, cache, all_positions=want_input, seqs=seqs)
+        if want_input:
+            self._input_logprobs(seqs, logits, ids, lens)
+            logits = logits[:, -1, :]
+        self.stats["prefills"] += 1
+        return cache, logits, mask, lens
+
+    def _stack_cached(self, entries: list[CachedPrompt]):
+        """Prompt-cache entries as one left-padded batch: (cache, last logits, mask, lengths)."""
+        from transformers import DynamicCache
+
+        lens = [e.n_tokens for e in entries]
+        T = max(lens)
+        cache = DynamicCache()
+        for li in range(len(entries[0].layers)):
+            keys = torch.cat([F.pad(e.layers[li][0], (0, 0, T - n, 0)) for e, n in zip(entries, lens)])
+            values = torch.cat([F.pad(e.layers[li][1], (0, 0, T - n, 0)) for e, n in zip(entries, lens)])
+            cache.update(keys, values, li)
+        mask = torch.zeros((len(entries), T), dtype=torch.long, device=self.device)
+        for i, n in enumerate(lens):
+            mask[i, T - n:] = 1
+        return cache, torch.stack([e.logits for e in entries]), mask, lens
 
     def _merge(self, seqs: list[Sequence], cache, mask: torch.Tensor, positions: torch.Tensor) -> None:
         if not self._running:

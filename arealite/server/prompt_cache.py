@@ -1,0 +1,87 @@
+"""The embedded server's prompt cache: the KV cache and last logits of recent prompts.
+
+A GRPO group's samples share one prompt. When they cannot all join the running batch in
+one admission (the batch has fewer free rows than the group has samples), each later
+admission would run the same prompt through the model again. The cache keeps, per exact
+prompt (and LoRA adapter), the prompt's per-layer keys and values and the logits of its
+last position, so a later admission copies them instead of running a forward: the same
+work SGLang's radix cache saves across batches (there by any shared prefix, here by whole
+prompts only).
+
+Entries are only valid for the weights that computed them: the runner clears the cache
+whenever a command has run on its thread (weight loads, adapter changes and pauses all
+arrive that way), and on ``/flush_cache``. Least recently used entries go first.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class CachedPrompt:
+    """One prompt's work: ``layers[i] = (keys, values)``, each ``[1, heads, len, head_dim]``
+    without padding, and the logits of its last token ``[vocab]``."""
+
+    layers: tuple[tuple[torch.Tensor, torch.Tensor], ...]
+    logits: torch.Tensor
+
+    @property
+    def n_tokens(self) -> int:
+        return int(self.layers[0][0].shape[2])
+
+
+class PromptCache:
+    """Least-recently-used map from (adapter, prompt ids) to a `CachedPrompt`; capacity 0 keeps nothing."""
+
+    def __init__(self, capacity: int):
+        if capacity < 0:
+            raise ValueError(f"prompt cache capacity {capacity} must be >= 0")
+        self.capacity = capacity
+        self._entries: OrderedDict[tuple, CachedPrompt] = OrderedDict()
+        self.hits = 0
+        self.misses = 0
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    @property
+    def enabled(self) -> bool:
+        return self.capacity > 0
+
+    def get(self, key: tuple) -> CachedPrompt | None:
+        entry = self._entries.get(key)
+        if entry is None:
+            self.misses += 1
+            return None
+        self._entries.move_to_end(key)
+        self.hits += 1
+        return entry
+
+    def put(self, key: tuple, entry: CachedPrompt) -> None:
+        if not self.enabled:
+            return
+        self._entries[key] = entry
+        self._entries.move_to_end(key)
+        while len(self._entries) > self.capacity:
+            self._entries.popitem(last=False)
+
+    def clear(self) -> int:
+        """Drop every entry; returns how many there were."""
+        n = len(self._entries)
+        self._entries.clear()
+        return n
+
+
+def cached_row(layers, logits: torch.Tensor, row: int, n_tokens: int) -> CachedPrompt:
+    """Row ``row`` of a left-padded prefill (``layers``: the cache's layers, each with ``keys``
+    and ``values [B, heads, T, head_dim]``; ``logits [B, vocab]``) as a `CachedPrompt` of its
+    last ``n_tokens`` positions (copies, so that the batch's tensors can be freed)."""
+    return CachedPrompt(
+        layers=tuple((layer.keys[row:row + 1, :, -n_tokens:].clone(), layer.values[row:row + 1, :, -n_tokens:].clone())
+                     for layer in layers),
+        logits=logits[row].clone(),
+    )
