@@ -9,9 +9,9 @@ Two variants, each its own table:
 
 - ``demo``: the demo exactly as configured (examples/reverse_digits/config.yaml).
 - ``gen-heavy``: generation about half of the synchronous step: 16 samples per prompt and a
-  server that batches at most ``--gen-heavy-batch`` sequences at once (a server with room
-  for fewer concurrent sequences, as a memory-bound GPU server is), so a step's 256
-  samples decode in waves.
+  server that batches at most ``--gen-heavy-batch`` (13) sequences at once (a server with
+  room for fewer concurrent sequences, as a memory-bound GPU server is), so a step's 256
+  samples decode in waves and a group joins the batch over several admissions.
 
 Each run is the full stack (launcher, embedded server, torchrun trainer, distributed
 weight sync) from the same warmed-up model. Reported per eta: wall-clock seconds of the RL
@@ -129,7 +129,7 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=None, help="RL steps per run (default: the demo's own)")
     p.add_argument("--etas", default="0,1,2,4")
     p.add_argument("--variants", default="demo,gen-heavy")
-    p.add_argument("--gen-heavy-batch", type=int, default=16, help="server.max_batch_size of gen-heavy")
+    p.add_argument("--gen-heavy-batch", type=int, default=13, help="server.max_batch_size of gen-heavy")
     p.add_argument("--gen-heavy-samples", type=int, default=16, help="generation.n_samples of gen-heavy")
     p.add_argument("--trainers", type=int, default=1, help="trainer processes (1 leaves a core to the server)")
     p.add_argument("--quick", action="store_true", help="12 steps, eta 0 and 4")

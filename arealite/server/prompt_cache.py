@@ -19,6 +19,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 
 @dataclass(frozen=True)
@@ -85,3 +86,21 @@ def cached_row(layers, logits: torch.Tensor, row: int, n_tokens: int) -> CachedP
                      for layer in layers),
         logits=logits[row].clone(),
     )
+
+
+def stack_cached(entries: list[CachedPrompt], device: torch.device):
+    """Entries as one left-padded batch: (``DynamicCache``, last logits ``[B, vocab]``,
+    mask ``[B, T]``, lengths), the shapes of a prefill forward's results."""
+    from transformers import DynamicCache
+
+    lens = [e.n_tokens for e in entries]
+    T = max(lens)
+    cache = DynamicCache()
+    for li in range(len(entries[0].layers)):
+        keys = torch.cat([F.pad(e.layers[li][0], (0, 0, T - n, 0)) for e, n in zip(entries, lens)])
+        values = torch.cat([F.pad(e.layers[li][1], (0, 0, T - n, 0)) for e, n in zip(entries, lens)])
+        cache.update(keys, values, li)
+    mask = torch.zeros((len(entries), T), dtype=torch.long, device=device)
+    for i, n in enumerate(lens):
+        mask[i, T - n:] = 1
+    return cache, torch.stack([e.logits for e in entries]), mask, lens

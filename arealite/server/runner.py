@@ -28,7 +28,7 @@ from typing import Any, Callable
 import torch
 import torch.nn.functional as F
 
-from .prompt_cache import CachedPrompt, PromptCache, cached_row
+from .prompt_cache import PromptCache, cached_row, stack_cached
 from .sampling import BatchSamplingState, GenerateInput, sample_next
 
 logger = logging.getLogger("arealite.server")
@@ -65,6 +65,23 @@ def _deliver(fut: asyncio.Future, value: Any = None, error: BaseException | None
         fut.set_exception(error)
     else:
         fut.set_result(value)
+
+
+def _input_logprobs(seqs: list[Sequence], logits: torch.Tensor, ids: torch.Tensor, lens: list[int]) -> None:
+    """SGLang's ``input_token_logprobs`` for the sequences that asked (``logprob_start_len``).
+
+    Entry j is the log-prob (temperature 1) of prompt token ``start + j`` given the tokens
+    before it; entry 0 is None, as SGLang reports it (``[None] + logprobs[:-1]``).
+    """
+    T = ids.shape[1]
+    for i, s in enumerate(seqs):
+        start = s.inp.logprob_start_len
+        if start < 0:
+            continue
+        off = T - lens[i]  # left padding
+        rows = logits[i, off + start:T - 1].float().log_softmax(-1)
+        nxt = ids[i, off + start + 1:T]
+        s.input_logprobs = [None] + rows.gather(-1, nxt[:, None]).squeeze(-1).tolist()
 
 
 def _prompt_key(s: Sequence) -> tuple:
@@ -293,23 +310,6 @@ class ModelRunner:
                          past_key_values=cache, use_cache=True, logits_to_keep=0 if all_positions else 1)
         return out.logits if all_positions else out.logits[:, -1, :]
 
-    @staticmethod
-    def _input_logprobs(seqs: list[Sequence], logits: torch.Tensor, ids: torch.Tensor, lens: list[int]) -> None:
-        """SGLang's ``input_token_logprobs`` for the sequences that asked (``logprob_start_len``).
-
-        Entry j is the log-prob (temperature 1) of prompt token ``start + j`` given the tokens
-        before it; entry 0 is None, as SGLang reports it (``[None] + logprobs[:-1]``).
-        """
-        T = ids.shape[1]
-        for i, s in enumerate(seqs):
-            start = s.inp.logprob_start_len
-            if start < 0:
-                continue
-            off = T - lens[i]  # left padding
-            rows = logits[i, off + start:T - 1].float().log_softmax(-1)
-            nxt = ids[i, off + start + 1:T]
-            s.input_logprobs = [None] + rows.gather(-1, nxt[:, None]).squeeze(-1).tolist()
-
     def _prefill(self, seqs: list[Sequence]) -> None:
         """Run the prompts of newly admitted sequences and merge them into the batch."""
         ready = []
@@ -362,7 +362,7 @@ class ModelRunner:
         for i in hit:
             seqs[i].cached_tokens = found[i].n_tokens - 1
         self.stats["prompt_cache_rows"] += len(hit)
-        return self._stack_cached(found)
+        return stack_cached(found, self.device)
 
     def _run_prompts(self, seqs: list[Sequence], want_input: bool):
         """One forward over the prompts of ``seqs``, left-padded: (cache, last logits, mask, lengths)."""
@@ -380,26 +380,10 @@ class ModelRunner:
         cache = DynamicCache()
         logits = self._forward(ids, mask, positions, cache, all_positions=want_input, seqs=seqs)
         if want_input:
-            self._input_logprobs(seqs, logits, ids, lens)
+            _input_logprobs(seqs, logits, ids, lens)
             logits = logits[:, -1, :]
         self.stats["prefills"] += 1
         return cache, logits, mask, lens
-
-    def _stack_cached(self, entries: list[CachedPrompt]):
-        """Prompt-cache entries as one left-padded batch: (cache, last logits, mask, lengths)."""
-        from transformers import DynamicCache
-
-        lens = [e.n_tokens for e in entries]
-        T = max(lens)
-        cache = DynamicCache()
-        for li in range(len(entries[0].layers)):
-            keys = torch.cat([F.pad(e.layers[li][0], (0, 0, T - n, 0)) for e, n in zip(entries, lens)])
-            values = torch.cat([F.pad(e.layers[li][1], (0, 0, T - n, 0)) for e, n in zip(entries, lens)])
-            cache.update(keys, values, li)
-        mask = torch.zeros((len(entries), T), dtype=torch.long, device=self.device)
-        for i, n in enumerate(lens):
-            mask[i, T - n:] = 1
-        return cache, torch.stack([e.logits for e in entries]), mask, lens
 
     def _merge(self, seqs: list[Sequence], cache, mask: torch.Tensor, positions: torch.Tensor) -> None:
         if not self._running:
