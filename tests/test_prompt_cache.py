@@ -41,3 +41,17 @@ def test_capacity_zero_keeps_nothing_and_negative_is_refused():
     assert not c.enabled and len(c) == 0 and c.get(("a",)) is None
     with pytest.raises(ValueError, match="capacity -1"):
         PromptCache(-1)
+
+
+def test_the_byte_limit_evicts_and_an_entry_over_it_is_not_kept():
+    e = _entry(2)  # 1 layer of keys and values [1, 1, 2, 2] and 2 logits: 40 bytes
+    assert e.nbytes == 40
+    c = PromptCache(10, max_bytes=100)
+    for k in "abc":
+        c.put((k,), _entry(2))
+    assert len(c) == 2 and c.nbytes == 80 and c.get(("a",)) is None, "the oldest goes over the byte limit"
+    c.put(("b",), _entry(2))  # replacing an entry does not count it twice
+    assert c.nbytes == 80
+    small = PromptCache(10, max_bytes=30)
+    small.put(("a",), _entry(2))
+    assert len(small) == 0 and small.nbytes == 0

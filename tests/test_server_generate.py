@@ -228,7 +228,15 @@ async def test_info_routes_and_weight_version(server, http):
     minfo = await (await http.get(server.url + "/get_model_info")).json()
     assert minfo["is_generation"] is True and minfo["model_path"] == info["model_path"]
     assert (await http.get(server.url + "/health_generate")).status == 200
-    assert (await post(http, server, "/flush_cache", {}))["success"] is True
+    # Two requests of one prompt in turn: the second copies the first's prompt work.
+    for _ in range(2):
+        await post(http, server, "/generate", {"input_ids": [9, 8, 7, 6], "sampling_params": {"max_new_tokens": 1}})
+    state = (await (await http.get(server.url + "/get_server_info")).json())["internal_states"][0]
+    assert state["prompt_cache_hits"] >= 1 and state["prompt_cache_entries"] >= 1
+    flushed = await post(http, server, "/flush_cache", {})
+    assert flushed["success"] is True and "prompt cache flushed" in flushed["message"]
+    state = (await (await http.get(server.url + "/get_server_info")).json())["internal_states"][0]
+    assert state["prompt_cache_entries"] == 0
     res = await post(http, server, "/update_weight_version", {"new_version": "v7"})
     assert res["success"] is True
     info = await (await http.get(server.url + "/get_server_info")).json()

@@ -222,7 +222,7 @@ class ServerConfig(Section):
     prompt_cache_entries: int = Field(64, ge=0)
     """Embedded server: prompts whose KV cache is kept, so that a group's samples admitted after
     the first ones (the batch had too few free rows) skip the prompt's forward; cleared on every
-    weight update. 0 turns it off."""
+    weight update; at most 256 MiB of keys and values. 0 turns it off."""
     context_length: int | None = Field(None, ge=1)
     """Embedded server: longest prompt + completion accepted (None = the model's max positions)."""
     sglang: SGLangOptions = Field(default_factory=SGLangOptions)

@@ -16,6 +16,7 @@ parent-death signal), and a dead child is an error naming its exit code, never a
 
 from __future__ import annotations
 
+import faulthandler
 import logging
 import os
 import pickle
@@ -133,6 +134,7 @@ def _child_main(conn: Any, spec: WorkerSpec) -> None:
 def child_entry(fd: int) -> None:
     """``python -c "...child_entry(FD)"``: the child process's start (see `RolloutWorker`)."""
     die_with_parent(signal.SIGKILL)
+    faulthandler.enable()  # a crash in native code leaves every thread's stack in the trainer log
     cpus = os.environ.get(ENV_ROLLOUT_CPUS)
     if cpus:
         os.sched_setaffinity(0, {int(c) for c in cpus.split(",")})

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import faulthandler
 import logging
 import os
 import signal
@@ -14,6 +15,7 @@ from .args import parse_args
 def main(argv: list[str] | None = None) -> None:
     """Run the embedded server until SIGINT/SIGTERM."""
     args = parse_args(argv)
+    faulthandler.enable()  # a crash in native code leaves every thread's stack in the server log
     logging.basicConfig(
         level=args.log_level.upper(), stream=sys.stderr,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",

@@ -10,7 +10,9 @@ prompts only).
 
 Entries are only valid for the weights that computed them: the runner clears the cache
 whenever a command has run on its thread (weight loads, adapter changes and pauses all
-arrive that way), and on ``/flush_cache``. Least recently used entries go first.
+arrive that way), and on ``/flush_cache``. Least recently used entries go first, when the
+cache holds more than its number of prompts or more than ``max_bytes`` of tensors (a long
+prompt of a large model holds hundreds of megabytes of KV).
 """
 
 from __future__ import annotations
@@ -34,15 +36,25 @@ class CachedPrompt:
     def n_tokens(self) -> int:
         return int(self.layers[0][0].shape[2])
 
+    @property
+    def nbytes(self) -> int:
+        return self.logits.nbytes + sum(k.nbytes + v.nbytes for k, v in self.layers)
+
+
+#: Most bytes of keys, values and logits the cache holds by default.
+DEFAULT_MAX_BYTES = 256 << 20
+
 
 class PromptCache:
-    """Least-recently-used map from (adapter, prompt ids) to a `CachedPrompt`; capacity 0 keeps nothing."""
+    """Least-recently-used map from (adapter, prompt ids) to a `CachedPrompt`, of at most
+    ``capacity`` prompts and ``max_bytes`` bytes; capacity 0 keeps nothing."""
 
-    def __init__(self, capacity: int):
+    def __init__(self, capacity: int, max_bytes: int = DEFAULT_MAX_BYTES):
         if capacity < 0:
             raise ValueError(f"prompt cache capacity {capacity} must be >= 0")
-        self.capacity = capacity
+        self.capacity, self.max_bytes = capacity, max_bytes
         self._entries: OrderedDict[tuple, CachedPrompt] = OrderedDict()
+        self.nbytes = 0
         self.hits = 0
         self.misses = 0
 
@@ -63,17 +75,22 @@ class PromptCache:
         return entry
 
     def put(self, key: tuple, entry: CachedPrompt) -> None:
-        if not self.enabled:
+        """Keep ``entry`` (not when it alone is over ``max_bytes``), dropping the least recently used."""
+        if not self.enabled or entry.nbytes > self.max_bytes:
             return
+        old = self._entries.pop(key, None)
+        if old is not None:
+            self.nbytes -= old.nbytes
         self._entries[key] = entry
-        self._entries.move_to_end(key)
-        while len(self._entries) > self.capacity:
-            self._entries.popitem(last=False)
+        self.nbytes += entry.nbytes
+        while len(self._entries) > self.capacity or self.nbytes > self.max_bytes:
+            self.nbytes -= self._entries.popitem(last=False)[1].nbytes
 
     def clear(self) -> int:
         """Drop every entry; returns how many there were."""
         n = len(self._entries)
         self._entries.clear()
+        self.nbytes = 0
         return n
 
 

@@ -17,6 +17,7 @@ rank 0 alone talks to the servers about weights and writes stats. One step:
 
 from __future__ import annotations
 
+import faulthandler
 import logging
 from collections.abc import Sequence
 from pathlib import Path
@@ -69,6 +70,8 @@ class RLTrainer:
     # ------------------------------------------------------------------ the loop
     def train(self) -> dict[str, Any]:
         """Run (or resume) the whole training; returns the final record (evaluations included)."""
+        if not faulthandler.is_enabled():  # a crash in native code leaves every thread's stack in the log
+            faulthandler.enable()
         try:
             self._setup()
             start = self._resume()
