@@ -263,8 +263,7 @@ class EmbeddedServer:
         return web.json_response(outs if batch else outs[0])
 
     async def flush_cache(self, request: web.Request) -> web.Response:
-        # The prompt cache is cleared after any command on the model thread, this one included.
-        n = await self.runner.call(lambda: len(self.runner.prompt_cache))
+        n = await self.runner.call(self.runner.prompt_cache.clear)
         return web.json_response({"success": True, "message": f"prompt cache flushed ({n} prompts)"})
 
     async def pause_generation(self, request: web.Request) -> web.Response:

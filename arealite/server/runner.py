@@ -347,21 +347,22 @@ class ModelRunner:
         those in the prompt cache are copied from it (their ``cached_tokens`` set), the others
         run in one forward and are cached for the next admission."""
         use_cache = self.prompt_cache.enabled and not want_input
-        found = [self.prompt_cache.get(_prompt_key(s)) if use_cache else None for s in seqs]
+        keys = [_prompt_key(s) for s in seqs] if use_cache else []
+        found = [self.prompt_cache.get(k) for k in keys] if use_cache else [None] * len(seqs)
         todo = [i for i, e in enumerate(found) if e is None]
+        n_hits = len(seqs) - len(todo)
+        for s, e in zip(seqs, found):
+            if e is not None:
+                s.cached_tokens = e.n_tokens - 1
+        self.stats["prompt_cache_rows"] += n_hits
         if todo:
-            run = [seqs[i] for i in todo]
-            cache, logits, mask, lens = self._run_prompts(run, want_input)
+            cache, logits, mask, lens = self._run_prompts([seqs[i] for i in todo], want_input)
             if use_cache:
-                for j, s in enumerate(run):
-                    found[todo[j]] = cached_row(cache.layers, logits, j, lens[j])
-                    self.prompt_cache.put(_prompt_key(s), found[todo[j]])
-            if len(todo) == len(seqs):
+                for j, i in enumerate(todo):
+                    found[i] = cached_row(cache.layers, logits, j, lens[j])
+                    self.prompt_cache.put(keys[i], found[i])
+            if not n_hits:
                 return cache, logits, mask, lens
-        hit = set(range(len(seqs))) - set(todo)
-        for i in hit:
-            seqs[i].cached_tokens = found[i].n_tokens - 1
-        self.stats["prompt_cache_rows"] += len(hit)
         return stack_cached(found, self.device)
 
     def _run_prompts(self, seqs: list[Sequence], want_input: bool):
