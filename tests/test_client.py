@@ -165,6 +165,10 @@ class FakeSGLang:
             return web.Response(status=500, text="internal error: CUDA out of memory")
         if "400" in actions:
             return web.json_response({"error": {"message": "Unknown sampling parameter 'foo'"}}, status=400)
+        if "429" in actions:
+            return web.Response(status=429, text="too many requests")
+        if "302" in actions:
+            return web.Response(status=302, headers={"Location": "/elsewhere"}, text="moved")
         if "garbage" in actions:
             return web.Response(text="{not json at all", content_type="application/json")
         if "hang" in actions:
@@ -378,6 +382,20 @@ async def test_4xx_is_raised_at_once_with_the_server_message(fakes):
         assert eng.stats()["retries"] == 0
     assert ei.value.status == 400 and "Unknown sampling parameter 'foo'" in str(ei.value)
     assert len(a.generate_payloads) + len(b.generate_payloads) == 1
+
+
+async def test_429_is_retried_and_an_unexpected_status_is_not(fakes):
+    """408 and 429 say the server is busy: another attempt may pass. Any other non-200 that
+    is not a 5xx (a redirect, say) is reported at once, not retried."""
+    (a,) = await fakes(1)
+    a.actions = ["429"]
+    async with RemoteSGLangEngine([a.addr], cfg(), unhealthy_after=10) as eng:
+        out = await eng.agenerate(req())
+        assert len(out.output_ids) == 8 and eng.stats()["retries"] == 1 and eng.stats()["http_5xx"] == 1
+        a.actions = ["302"]
+        with pytest.raises(BadRequestError) as ei:
+            await eng.agenerate(req())
+        assert ei.value.status == 302 and eng.stats()["retries"] == 1
 
 
 async def test_dead_server_leaves_rotation_and_probe_brings_it_back(fakes):

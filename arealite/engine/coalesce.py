@@ -32,12 +32,17 @@ from arealite.engine.wire import WireFormat, dumps, encode_request
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["Post", "RequestBatcher", "SharedFailure", "refused_by_client"]
+__all__ = ["Post", "RequestBatcher", "SharedFailure", "refused_by_client", "retryable_status"]
 
 #: ``post(body, max_body)`` -> (HTTP status, response body): one exchange with one server.
 Post = Callable[[bytes, int], Awaitable[tuple[int, bytes]]]
 
 _RETRYABLE_4XX = (408, 429)  # request timeout / too many requests: the server's state, not ours
+
+
+def retryable_status(status: int) -> bool:
+    """A non-200 answer another attempt may not get: 5xx, 408 or 429 (the server's state)."""
+    return status >= 500 or status in _RETRYABLE_4XX
 
 
 def refused_by_client(status: int) -> bool:

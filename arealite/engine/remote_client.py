@@ -44,7 +44,7 @@ from arealite.engine.errors import AttemptFailure, BadRequestError, GenerationEr
 from arealite.engine.http1 import HttpConnectionError, HttpProtocolError, HttpResponseTooLarge
 from arealite.engine.response_check import check_segment
 from arealite.engine.server_pool import Attempt, Router, ServerPool, ServerState, read_body
-from arealite.engine.coalesce import RequestBatcher, SharedFailure, refused_by_client
+from arealite.engine.coalesce import RequestBatcher, SharedFailure, retryable_status
 from arealite.engine.wire import JSON_HEADERS, Segment, WireFormat, describe, encode_request, error_message, snippet
 
 logger = logging.getLogger(__name__)
@@ -123,7 +123,7 @@ class RemoteInferenceClient:
         self._version = 0
         self._counters = dict.fromkeys(_COUNTERS, 0)
         can_batch = self.config.batch_requests and getattr(wire, "batches", False)
-        self._batcher = RequestBatcher(wire, self.config.max_response_bytes) if can_batch else None
+        self._batcher = RequestBatcher(wire, self.pool.max_response_bytes) if can_batch else None
 
     def __repr__(self) -> str:  # never shows the api key
         return f"{type(self).__name__}(servers={self.servers}, healthy={self.healthy_servers})"
@@ -493,8 +493,8 @@ def _exchange_failure(e: Exception, timeout_s: float, shared: bool = False) -> E
 
 
 def _status_failure(wire: WireFormat, server: ServerState, status: int, raw: bytes, shared: bool = False) -> Exception:
-    """A non-200 answer: retryable unless it blames the request (`BadRequestError`)."""
-    if not refused_by_client(status):
+    """A non-200 answer: retryable when the server's state explains it, else `BadRequestError`."""
+    if retryable_status(status):
         return AttemptFailure("http_5xx", f"HTTP {status}: {snippet(raw)}", shared)
     return BadRequestError(server.addr, wire.generate_route, status, error_message(raw))
 
