@@ -1,4 +1,4 @@
-"""Throughput of RemoteSGLangEngine.agenerate against a raw aiohttp loop.
+"""Throughput of SGLangClient.agenerate against a raw aiohttp loop.
 
 Both sides talk to the same instant server (a minimal aiohttp app in a
 subprocess that answers every /generate with a fixed valid SGLang response), with
@@ -34,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from arealite.api.types import GenerationRequest, SamplingParams  # noqa: E402
 from arealite.config.schema import RolloutConfig  # noqa: E402
-from arealite.engine.sglang_remote import RemoteSGLangEngine, _dumps, _loads  # noqa: E402
+from arealite.inference_client.sglang_client import SGLangClient, _dumps, _loads  # noqa: E402
 
 N_OUT = 16  # tokens in the fixed response
 PROMPT = list(range(100, 164))  # 64 prompt tokens
@@ -118,7 +118,7 @@ async def run_raw(url: str, n: int, concurrency: int) -> tuple[float, float]:
 async def run_client(addr: str, n: int, concurrency: int) -> tuple[float, float]:
     """The engine: a fresh GenerationRequest per call, full Completion back."""
     cfg = RolloutConfig(max_inflight_per_server=concurrency, request_timeout_s=60)
-    async with RemoteSGLangEngine([addr], cfg) as eng:
+    async with SGLangClient([addr], cfg) as eng:
         await eng.initialize(timeout=30)
         sp = SamplingParams(max_new_tokens=N_OUT)
 
@@ -203,7 +203,7 @@ def main() -> None:
           f"{res['concurrency']} concurrent, instant server")
     print(f"{'':<22}{'req/s (best)':>14}{'CPU us/req':>12}")
     print(f"{'raw aiohttp loop':<22}{res['raw_rps']:>14.0f}{res['raw_cpu_us_per_req']:>12.0f}")
-    print(f"{'RemoteSGLangEngine':<22}{res['client_rps']:>14.0f}{res['client_cpu_us_per_req']:>12.0f}")
+    print(f"{'SGLangClient':<22}{res['client_rps']:>14.0f}{res['client_cpu_us_per_req']:>12.0f}")
     print(f"{'ratio client/raw':<22}{res['ratio']:>14.3f}{res['cpu_ratio']:>12.3f}   (goal >= 0.8)")
     print(json.dumps(res))
 

@@ -1,7 +1,7 @@
 """Controller overhead and memory under back-pressure.
 
 1. Throughput: trajectories/s through ``RolloutController`` + ``RLVRWorkflow``
-   (n=1, 1 new token, trivial reward) + ``RemoteSGLangEngine``, against a server
+   (n=1, 1 new token, trivial reward) + ``SGLangClient``, against a server
    that answers instantly, vs a raw aiohttp loop posting the same requests to
    the same server with the same concurrency. Goal: ratio >= 0.8.
 2. Memory: 10,240 trajectories (1,280 with --quick) through a run whose trainer is
@@ -116,7 +116,7 @@ async def raw_loop(url: str, items: list[dict], concurrency: int) -> tuple[float
     import aiohttp
 
     from arealite.api.types import SamplingParams
-    from arealite.engine.sglang_remote import _dumps, _loads
+    from arealite.inference_client.sglang_client import _dumps, _loads
 
     sp = SamplingParams(max_new_tokens=1).to_sglang()
     headers = {"Content-Type": "application/json"}
@@ -141,7 +141,7 @@ def start_controller(url: str, items: list[dict], concurrency: int, tokenizer, b
     """A started controller, an RLVRWorkflow (n=1, 1 new token, trivial reward) and a loader over ``items``."""
     from arealite.config.schema import GenerationConfig, RolloutConfig
     from arealite.data.dataset import StatefulDataLoader
-    from arealite.engine.sglang_remote import RemoteSGLangEngine
+    from arealite.inference_client.sglang_client import SGLangClient
     from arealite.rollout.controller import RolloutController
     from arealite.workflow.rlvr import RLVRWorkflow
 
@@ -149,7 +149,7 @@ def start_controller(url: str, items: list[dict], concurrency: int, tokenizer, b
                        max_head_offpolicyness=eta, reward_workers=8)
     wf = RLVRWorkflow(trivial_reward, GenerationConfig(n_samples=1, max_new_tokens=1), tokenizer, rc)
     loader = StatefulDataLoader(items, batch_size=batch, shuffle=False)
-    ctl = RolloutController(RemoteSGLangEngine([url], rc), rc).start(init_timeout=30)
+    ctl = RolloutController(SGLangClient([url], rc), rc).start(init_timeout=30)
     return ctl, wf, loader
 
 

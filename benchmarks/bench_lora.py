@@ -41,8 +41,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from arealite.algo.sft import build_sft_batch, sft_loss_fn, sft_loss_weight  # noqa: E402
 from arealite.config.schema import ActorConfig, LoraConfig, OptimizerConfig, WeightSyncConfig  # noqa: E402
-from arealite.engine.fsdp import FSDPEngine  # noqa: E402
-from arealite.engine.sglang_remote import RemoteSGLangEngine  # noqa: E402
+from arealite.train_engine.fsdp import FSDPEngine  # noqa: E402
+from arealite.inference_client.sglang_client import SGLangClient  # noqa: E402
 from arealite.lora.engine import LoraFSDPEngine  # noqa: E402
 from arealite.weight_sync import DiskTransfer, DistributedTransfer, ShmTransfer, WeightPublisher  # noqa: E402
 from arealite.weight_sync.lora import AdapterSource, LoraTransfer  # noqa: E402
@@ -94,7 +94,7 @@ def push_times(model_dir: Path, lora_engine: LoraFSDPEngine, full_engine: FSDPEn
     def run(coro):
         return asyncio.run_coroutine_threadsafe(coro, loop).result()
 
-    client = RemoteSGLangEngine([addr], lora_adapter="policy")  # as a LoRA run's clients are built
+    client = SGLangClient([addr], lora_adapter="policy")  # as a LoRA run's clients are built
     cfg = WeightSyncConfig(bucket_size_mb=64.0, timeout_s=300)
     out: dict[str, tuple[float, float]] = {}
     try:

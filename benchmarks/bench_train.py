@@ -48,7 +48,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from arealite.algo.actor import PPOActor  # noqa: E402
 from arealite.config.schema import ActorConfig, AlgorithmConfig  # noqa: E402
-from arealite.engine.fsdp import FSDPEngine  # noqa: E402
+from arealite.train_engine.fsdp import FSDPEngine  # noqa: E402
 from arealite.models.tiny import build_tiny_model  # noqa: E402
 
 LR = 1e-5

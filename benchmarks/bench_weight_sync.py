@@ -42,7 +42,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from arealite.config.schema import WeightSyncConfig  # noqa: E402
-from arealite.engine.sglang_remote import RemoteSGLangEngine  # noqa: E402
+from arealite.inference_client.sglang_client import SGLangClient  # noqa: E402
 from arealite.utils.net import free_port  # noqa: E402
 from arealite.weight_sync import (  # noqa: E402
     DiskTransfer,
@@ -147,7 +147,7 @@ def main() -> None:
     def run(coro):
         return asyncio.run_coroutine_threadsafe(coro, loop).result()
 
-    client = RemoteSGLangEngine([addr])
+    client = SGLangClient([addr])
     results: dict[str, float] = {}
     phases: dict[str, dict] = {}
     try:

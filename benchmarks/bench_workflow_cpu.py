@@ -69,8 +69,8 @@ class BareWorkflow:
             "rewards": torch.ones(1), "group_id": torch.zeros(1, dtype=torch.int64),
             "prompt_id": torch.full((1,), -1, dtype=torch.int64)})
 
-    async def arun_episode(self, engine, item):
-        await engine.agenerate(self._req)
+    async def arun_episode(self, client, item):
+        await client.agenerate(self._req)
         return self._td
 
     def stats(self) -> dict:

@@ -56,12 +56,12 @@ class AnswerThenCheck(RolloutWorkflow):
     async def _score(self, prompt: str, ids: list[int], out: list[int], fields: dict) -> float | None:
         return await self.scorer(prompt, self.tok.decode(out, skip_special_tokens=True), ids, out, fields)
 
-    async def _sample(self, engine, prompt: str, prompt_ids: list[int], fields: dict, key: str):
-        first = await engine.agenerate(GenerationRequest(prompt_ids, self.sampling, affinity_key=key))
+    async def _sample(self, client, prompt: str, prompt_ids: list[int], fields: dict, key: str):
+        first = await client.agenerate(GenerationRequest(prompt_ids, self.sampling, affinity_key=key))
         # Close the assistant turn, ask the check question, open the next assistant turn.
         check = user_turn_piece(self.tok, self.check_prompt, after=first.output_ids)
         context = prompt_ids + first.output_ids + check
-        second = await engine.agenerate(GenerationRequest(context, self.sampling, affinity_key=key))
+        second = await client.agenerate(GenerationRequest(context, self.sampling, affinity_key=key))
         r1 = await self._score(prompt, prompt_ids, first.output_ids, fields)
         r2 = await self._score(prompt, context, second.output_ids, fields)
         row = trajectory_row(prompt_ids, [
@@ -71,12 +71,12 @@ class AnswerThenCheck(RolloutWorkflow):
         ])
         return row, None if r1 is None or r2 is None else r1 * (0.5 + 0.5 * r2)
 
-    async def arun_episode(self, engine, item):
+    async def arun_episode(self, client, item):
         prompt = self.tok.apply_chat_template([{"role": "user", "content": item["prompt"]}],
                                               add_generation_prompt=True, tokenize=False)
         prompt_ids = self.tok.encode(prompt, add_special_tokens=False)
         gid = new_group_id()
-        samples = await asyncio.gather(*(self._sample(engine, prompt, prompt_ids, item_fields(item), f"g{gid}")
+        samples = await asyncio.gather(*(self._sample(client, prompt, prompt_ids, item_fields(item), f"g{gid}")
                                          for _ in range(self.n)))
         rows, rewards = zip(*samples)
         if None in rewards:  # a reward call failed and rollout.on_reward_error is `reject`
@@ -95,7 +95,7 @@ def main() -> None:
 
     from transformers import AutoTokenizer
 
-    from arealite.engine.sglang_remote import RemoteSGLangEngine
+    from arealite.inference_client.sglang_client import SGLangClient
     from arealite.reward.math import math_reward
     from arealite.rollout.controller import RolloutController
 
@@ -117,7 +117,7 @@ def main() -> None:
         wf = AnswerThenCheck(tokenizer=AutoTokenizer.from_pretrained(model),
                              generation=GenerationConfig(n_samples=2, max_new_tokens=16), rollout=rc,
                              reward_fn=math_reward)
-        with RolloutController(RemoteSGLangEngine([addr], rc), rc) as ctl:
+        with RolloutController(SGLangClient([addr], rc), rc) as ctl:
             batch = ctl.rollout_batch([{"prompt": "What is 2 + 3?", "answer": 5},
                                        {"prompt": "What is 7 - 4?", "answer": 3}], wf)
             print(batch)

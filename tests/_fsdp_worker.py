@@ -27,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from arealite.algo.actor import PPOActor  # noqa: E402
 from arealite.config.schema import ActorConfig, AlgorithmConfig, LoraConfig  # noqa: E402
-from arealite.engine.fsdp import FSDPEngine  # noqa: E402
+from arealite.train_engine.fsdp import FSDPEngine  # noqa: E402
 
 GLOBAL_B = 8
 # Rows [0, SPLIT) go to rank 0 of a 2-rank world (long sequences), the rest to rank 1 (short).

@@ -43,9 +43,9 @@ Recorder = RecordingClient  # (conftest)
 
 @pytest.fixture
 async def engine(server):
-    from arealite.engine.sglang_remote import RemoteSGLangEngine
+    from arealite.inference_client.sglang_client import SGLangClient
 
-    client = RemoteSGLangEngine([server.url], RolloutConfig())
+    client = SGLangClient([server.url], RolloutConfig())
     await client.initialize(timeout=60)
     try:
         yield Recorder(client)
@@ -340,7 +340,7 @@ async def test_groups_started_together_share_one_endpoint_and_its_counters(tok):
 
 @pytest.mark.slow
 def test_served_on_the_controllers_loop(server, tiny_model_dir):
-    from arealite.engine.sglang_remote import RemoteSGLangEngine
+    from arealite.inference_client.sglang_client import SGLangClient
     from arealite.rollout.controller import RolloutController
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
@@ -352,7 +352,7 @@ def test_served_on_the_controllers_loop(server, tiny_model_dir):
         return float(bool(r.choices[0].message.content))
 
     rc = RolloutConfig(consumer_batch_size=2, max_head_offpolicyness=1)
-    ctl = RolloutController(RemoteSGLangEngine([server.url], rc), rc).start(init_timeout=60)
+    ctl = RolloutController(SGLangClient([server.url], rc), rc).start(init_timeout=60)
     try:
         wf = workflow(tokenizer, run, n=2, max_new_tokens=6)
         batch = ctl.rollout_batch([{"prompt": "hello", "prompt_id": i} for i in range(2)], wf)

@@ -100,7 +100,7 @@ async def test_generation_error_after_the_stream_started_ends_it_with_an_error_e
         async def agenerate(self, req):
             req.metadata["on_segment"](self.tok.encode("partial", add_special_tokens=False))
             await asyncio.sleep(0.05)
-            from arealite.engine.errors import GenerationError
+            from arealite.inference_client.errors import GenerationError
             raise GenerationError("server went away")
 
     model = FailsMidway(tok, "", "")
@@ -125,9 +125,9 @@ async def test_generation_error_after_the_stream_started_ends_it_with_an_error_e
 async def test_real_server_stream_with_tools_matches_the_recorded_call(tok, tiny_server):
     """The real remote client and embedded server: the streamed reply, with tools offered, is the
     reply the session recorded (and the hook was fed by the inference client)."""
-    from arealite.engine.sglang_remote import RemoteSGLangEngine
+    from arealite.inference_client.sglang_client import SGLangClient
 
-    client = RemoteSGLangEngine([tiny_server.url], RolloutConfig())
+    client = SGLangClient([tiny_server.url], RolloutConfig())
     await client.initialize(timeout=60)
     segments = []
 

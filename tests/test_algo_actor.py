@@ -2,7 +2,7 @@
 
 ``PlainEngine`` implements the train-engine contract of docs/internals.md
 (packed micro-batches, shifted per-token keys, weighted micro-batch means) on a
-plain HF model, written independently of arealite/engine so that it checks the
+plain HF model, written independently of arealite/train_engine so that it checks the
 contract rather than an implementation. tests/test_algo_fsdp.py runs PPOActor
 on the real FSDPEngine.
 """

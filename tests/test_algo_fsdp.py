@@ -13,7 +13,7 @@ from arealite.config.schema import ActorConfig, AlgorithmConfig, OptimizerConfig
 
 from tests.test_algo_actor import make_batch, seq_logp
 
-fsdp = pytest.importorskip("arealite.engine.fsdp")
+fsdp = pytest.importorskip("arealite.train_engine.fsdp")
 
 
 @pytest.fixture()

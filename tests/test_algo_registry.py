@@ -29,7 +29,7 @@ from arealite.config.schema import AlgorithmConfig
 
 from tests.test_algo_actor import make_batch
 
-fsdp = pytest.importorskip("arealite.engine.fsdp")
+fsdp = pytest.importorskip("arealite.train_engine.fsdp")
 
 
 def test_the_builtins_are_registered_by_their_config_names():

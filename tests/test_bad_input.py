@@ -31,7 +31,7 @@ from arealite.config import ConfigError, load_config
 from arealite.config.schema import ArealiteConfig, GenerationConfig, RolloutConfig
 from arealite.data.dataset import DatasetError, DatasetRows, load_jsonl
 from arealite.data.validate import SHOW_ROWS, validate_datasets, validate_prompts
-from arealite.engine.sglang_remote import RemoteSGLangEngine
+from arealite.inference_client.sglang_client import SGLangClient
 from arealite.rollout.controller import RolloutController, WorkflowError
 from arealite.workflow.base import RolloutWorkflow
 from arealite.workflow.common import encode_prompt
@@ -420,7 +420,7 @@ def test_key_as_query_parameter_is_not_accepted(server):
 
 async def test_client_with_a_wrong_key_fails_without_showing_either_key(server):
     wrong = "sk-wrong-0b1d"
-    client = RemoteSGLangEngine([server["addr"]], RolloutConfig(request_retries=0, request_timeout_s=10), api_key=wrong)
+    client = SGLangClient([server["addr"]], RolloutConfig(request_retries=0, request_timeout_s=10), api_key=wrong)
     try:
         with pytest.raises(Exception) as info:
             await client.initialize(timeout=10)
@@ -447,7 +447,7 @@ def test_server_log_never_shows_the_key(server):
 def _controller(server, **rc) -> RolloutController:
     cfg = RolloutConfig(**{"consumer_batch_size": 1, "max_head_offpolicyness": 1000, "request_timeout_s": 30,
                            "request_retries": 0, **rc})
-    client = RemoteSGLangEngine([server["addr"]], cfg, api_key=KEY)
+    client = SGLangClient([server["addr"]], cfg, api_key=KEY)
     return RolloutController(client, cfg).start(init_timeout=30)
 
 
@@ -533,8 +533,8 @@ class Corrupting(RolloutWorkflow):
     def __init__(self, inner: RLVRWorkflow, breaker):
         self.inner, self.breaker = inner, breaker
 
-    async def arun_episode(self, engine, item):
-        td = await self.inner.arun_episode(engine, item)
+    async def arun_episode(self, client, item):
+        td = await self.inner.arun_episode(client, item)
         return self.breaker(td)
 
 
@@ -585,14 +585,14 @@ import asyncio, logging, sys
 logging.basicConfig(level=logging.DEBUG)
 from arealite.api.types import GenerationRequest, SamplingParams
 from arealite.config.loader import dump_config, parse_args
-from arealite.engine.sglang_remote import RemoteSGLangEngine
+from arealite.inference_client.sglang_client import SGLangClient
 from arealite.utils.run import server_addrs, server_api_key
 
 cfg = parse_args(sys.argv[1:], check_paths=False)
 print(dump_config(cfg), flush=True)
 
 async def main():
-    client = RemoteSGLangEngine(server_addrs(cfg), cfg.rollout, api_key=server_api_key(cfg))
+    client = SGLangClient(server_addrs(cfg), cfg.rollout, api_key=server_api_key(cfg))
     await client.initialize(timeout=30)
     out = await client.agenerate(GenerationRequest(input_ids=[1, 2, 3], sampling=SamplingParams(max_new_tokens=3)))
     print("generated", out.output_ids, repr(client), client.stats(), flush=True)

@@ -1,4 +1,4 @@
-"""RemoteSGLangEngine against fake SGLang servers (real HTTP on 127.0.0.1).
+"""SGLangClient against fake SGLang servers (real HTTP on 127.0.0.1).
 
 The fakes speak the SGLang protocol subset the client uses and let a test inject
 faults (500, garbage, hangs, 400, aborts) and watch what the client sends.
@@ -19,11 +19,11 @@ from aiohttp import web
 
 from arealite.api.types import GenerationRequest, SamplingParams
 from arealite.config.schema import RolloutConfig
-from arealite.engine.sglang_remote import (
+from arealite.inference_client.sglang_client import (
     BadRequestError,
     GenerationError,
     NoHealthyServerError,
-    RemoteSGLangEngine,
+    SGLangClient,
     ServerAdminError,
     ServerStartupError,
     parse_sglang_version,
@@ -263,7 +263,7 @@ async def fakes(request):
 async def test_generate_returns_tokens_logprobs_versions(fakes):
     (f,) = await fakes(1)
     f.weight_version = "7"
-    async with RemoteSGLangEngine([f"http://{f.addr}/"], cfg()) as eng:
+    async with SGLangClient([f"http://{f.addr}/"], cfg()) as eng:
         await eng.initialize(timeout=5)
         r = req(n_prompt=5, max_new=6)
         c = await eng.agenerate(r)
@@ -279,7 +279,7 @@ async def test_generate_returns_tokens_logprobs_versions(fakes):
 
 async def test_greedy_sampling_is_sent_as_temperature_zero(fakes):
     (f,) = await fakes(1)
-    async with RemoteSGLangEngine([f.addr], cfg()) as eng:
+    async with SGLangClient([f.addr], cfg()) as eng:
         r = req()
         r.sampling = r.sampling.replace(temperature=0.7, greedy=True)
         await eng.agenerate(r)
@@ -288,7 +288,7 @@ async def test_greedy_sampling_is_sent_as_temperature_zero(fakes):
 
 async def test_bad_request_input_fails_before_http(fakes):
     (f,) = await fakes(1)
-    async with RemoteSGLangEngine([f.addr], cfg()) as eng:
+    async with SGLangClient([f.addr], cfg()) as eng:
         with pytest.raises(ValueError, match="input_ids"):
             await eng.agenerate(GenerationRequest(input_ids=[]))
         with pytest.raises(ValueError, match="max_new_tokens"):
@@ -297,7 +297,7 @@ async def test_bad_request_input_fails_before_http(fakes):
             await eng.agenerate(GenerationRequest(input_ids=[1, np.int64(2), 3]))
         with pytest.raises(ValueError, match="input_ids must be a list of token ids"):
             await eng.agenerate(GenerationRequest(input_ids=["a", "b"]))
-    async with RemoteSGLangEngine([f.addr], cfg()) as eng:  # numpy ids at the ends are converted
+    async with SGLangClient([f.addr], cfg()) as eng:  # numpy ids at the ends are converted
         c = await eng.agenerate(GenerationRequest(input_ids=np.arange(3, 6).tolist()[:1] + [np.int64(4)]))
     assert c.input_ids == [3, 4] and type(c.input_ids[1]) is int
     assert len(f.generate_payloads) == 1
@@ -305,11 +305,11 @@ async def test_bad_request_input_fails_before_http(fakes):
 
 def test_address_validation():
     with pytest.raises(ValueError, match="host:port"):
-        RemoteSGLangEngine(["localhost"])
+        SGLangClient(["localhost"])
     with pytest.raises(ValueError, match="at least one"):
-        RemoteSGLangEngine([])
+        SGLangClient([])
     with pytest.raises(ValueError, match="twice"):
-        RemoteSGLangEngine(["127.0.0.1:5", "http://127.0.0.1:5"])
+        SGLangClient(["127.0.0.1:5", "http://127.0.0.1:5"])
 
 
 # ----------------------------------------------------------------- faults
@@ -318,7 +318,7 @@ def test_address_validation():
 async def test_500_is_retried_on_another_server(fakes):
     a, b = await fakes(2)
     a.actions = ["500"]
-    async with RemoteSGLangEngine([a.addr, b.addr], cfg()) as eng:
+    async with SGLangClient([a.addr, b.addr], cfg()) as eng:
         c = await eng.agenerate(req())
         st = eng.stats()
     assert c.server == b.addr and c.output_ids == [tok(5 + i) for i in range(8)]
@@ -329,7 +329,7 @@ async def test_500_is_retried_on_another_server(fakes):
 async def test_garbage_json_is_retried_then_named_in_the_error(fakes):
     a, b = await fakes(2)
     a.always = b.always = "garbage"
-    async with RemoteSGLangEngine([a.addr, b.addr], cfg(request_retries=2)) as eng:
+    async with SGLangClient([a.addr, b.addr], cfg(request_retries=2)) as eng:
         with pytest.raises(GenerationError) as ei:
             await eng.agenerate(req())
         st = eng.stats()
@@ -342,7 +342,7 @@ async def test_garbage_json_is_retried_then_named_in_the_error(fakes):
 async def test_hanging_server_times_out_and_request_moves(fakes):
     a, b = await fakes(2)
     a.actions = ["hang"]
-    async with RemoteSGLangEngine([a.addr, b.addr], cfg(request_timeout_s=0.3)) as eng:
+    async with SGLangClient([a.addr, b.addr], cfg(request_timeout_s=0.3)) as eng:
         t0 = time.monotonic()
         c = await eng.agenerate(req())
         elapsed = time.monotonic() - t0
@@ -355,7 +355,7 @@ async def test_all_servers_failing_give_one_clear_error_after_budget(fakes):
     a, b = await fakes(2)
     a.always = b.always = "500"
     # unhealthy_after high so that the retry budget, not the health check, ends it
-    async with RemoteSGLangEngine([a.addr, b.addr], cfg(request_retries=3), unhealthy_after=10) as eng:
+    async with SGLangClient([a.addr, b.addr], cfg(request_retries=3), unhealthy_after=10) as eng:
         with pytest.raises(GenerationError) as ei:
             await eng.agenerate(req())
     msg = str(ei.value)
@@ -367,7 +367,7 @@ async def test_all_servers_failing_give_one_clear_error_after_budget(fakes):
 async def test_backoff_doubles(fakes):
     (a,) = await fakes(1)
     a.actions = ["500", "500", "500"]
-    async with RemoteSGLangEngine([a.addr], cfg(retry_backoff_s=0.1), unhealthy_after=10) as eng:
+    async with SGLangClient([a.addr], cfg(retry_backoff_s=0.1), unhealthy_after=10) as eng:
         t0 = time.monotonic()
         await eng.agenerate(req())
     assert time.monotonic() - t0 >= 0.1 + 0.2 + 0.4 - 0.02
@@ -376,7 +376,7 @@ async def test_backoff_doubles(fakes):
 async def test_4xx_is_raised_at_once_with_the_server_message(fakes):
     a, b = await fakes(2)
     a.always = b.always = "400"
-    async with RemoteSGLangEngine([a.addr, b.addr], cfg()) as eng:
+    async with SGLangClient([a.addr, b.addr], cfg()) as eng:
         with pytest.raises(BadRequestError) as ei:
             await eng.agenerate(req())
         assert eng.stats()["retries"] == 0
@@ -389,7 +389,7 @@ async def test_429_is_retried_and_an_unexpected_status_is_not(fakes):
     is not a 5xx (a redirect, say) is reported at once, not retried."""
     (a,) = await fakes(1)
     a.actions = ["429"]
-    async with RemoteSGLangEngine([a.addr], cfg(), unhealthy_after=10) as eng:
+    async with SGLangClient([a.addr], cfg(), unhealthy_after=10) as eng:
         out = await eng.agenerate(req())
         assert len(out.output_ids) == 8 and eng.stats()["retries"] == 1 and eng.stats()["http_5xx"] == 1
         a.actions = ["302"]
@@ -402,7 +402,7 @@ async def test_dead_server_leaves_rotation_and_probe_brings_it_back(fakes):
     a, b = await fakes(2)
     port_a = a.port
     await a.stop()  # connection refused from now on
-    async with RemoteSGLangEngine([a.addr, b.addr], cfg(), unhealthy_after=2,
+    async with SGLangClient([a.addr, b.addr], cfg(), unhealthy_after=2,
                                   health_probe_interval_s=0.2) as eng:
         comps = await asyncio.gather(*(eng.agenerate(req()) for _ in range(8)))
         assert all(c.server == b.addr for c in comps)
@@ -422,7 +422,7 @@ async def test_dead_server_leaves_rotation_and_probe_brings_it_back(fakes):
 async def test_mark_unhealthy_moves_inflight_requests(fakes):
     a, b = await fakes(2)
     a.always = "hang"
-    async with RemoteSGLangEngine([a.addr, b.addr], cfg(request_timeout_s=30)) as eng:
+    async with SGLangClient([a.addr, b.addr], cfg(request_timeout_s=30)) as eng:
         task = asyncio.create_task(eng.agenerate(req()))
         while not a.generate_payloads:
             await asyncio.sleep(0.01)
@@ -436,7 +436,7 @@ async def test_mark_unhealthy_moves_inflight_requests(fakes):
 async def test_caller_cancellation_is_not_swallowed(fakes):
     (a,) = await fakes(1)
     a.always = "hang"
-    async with RemoteSGLangEngine([a.addr], cfg(request_timeout_s=30)) as eng:
+    async with SGLangClient([a.addr], cfg(request_timeout_s=30)) as eng:
         task = asyncio.create_task(eng.agenerate(req()))
         while not a.generate_payloads:
             await asyncio.sleep(0.01)
@@ -449,7 +449,7 @@ async def test_caller_cancellation_is_not_swallowed(fakes):
 async def test_no_healthy_server_is_a_clear_error(fakes):
     (a,) = await fakes(1)
     await a.stop()
-    async with RemoteSGLangEngine([a.addr], cfg(request_retries=5), unhealthy_after=1) as eng:
+    async with SGLangClient([a.addr], cfg(request_retries=5), unhealthy_after=1) as eng:
         with pytest.raises(NoHealthyServerError) as ei:
             await eng.agenerate(req())
     assert "no healthy inference server" in str(ei.value) and a.addr in str(ei.value)
@@ -460,7 +460,7 @@ async def test_no_healthy_server_is_a_clear_error(fakes):
 
 async def test_abort_resume_is_seamless_with_two_versions(fakes):
     (f,) = await fakes(1, token_delay=0.005)
-    async with RemoteSGLangEngine([f.addr], cfg()) as eng:
+    async with SGLangClient([f.addr], cfg()) as eng:
         task = asyncio.create_task(eng.agenerate(req(n_prompt=4, max_new=40)))
         await asyncio.sleep(0.06)  # some tokens are out
         await eng.pause_generation()  # the weight update begins: in-flight request aborts
@@ -484,7 +484,7 @@ async def test_abort_resume_is_seamless_with_two_versions(fakes):
 async def test_abort_ending_on_eos_is_finished(fakes):
     (f,) = await fakes(1)
     f.actions = ["abort_eos"]
-    async with RemoteSGLangEngine([f.addr], cfg(), eos_token_ids=[EOS]) as eng:
+    async with SGLangClient([f.addr], cfg(), eos_token_ids=[EOS]) as eng:
         c = await eng.agenerate(req(max_new=10))
     assert c.finish_reason == "stop" and c.output_ids == [tok(5), EOS] and len(f.generate_payloads) == 1
 
@@ -495,7 +495,7 @@ async def test_abort_ending_on_a_stop_token_follows_sglang(fakes, ignore_eos, re
     # uninterrupted generation with ignore_eos runs on past a stop token: so does a resumed one.
     (f,) = await fakes(1)
     f.actions = ["abort_eos"]
-    async with RemoteSGLangEngine([f.addr], cfg()) as eng:
+    async with SGLangClient([f.addr], cfg()) as eng:
         r = req(max_new=10)
         r.sampling = r.sampling.replace(stop_token_ids=[EOS], ignore_eos=ignore_eos)
         c = await eng.agenerate(r)
@@ -507,7 +507,7 @@ async def test_abort_ending_on_a_stop_token_follows_sglang(fakes, ignore_eos, re
 async def test_empty_abort_retries_without_spending_retry_budget(fakes):
     (f,) = await fakes(1)
     f.actions = ["abort0", "abort0"]
-    async with RemoteSGLangEngine([f.addr], cfg(request_retries=0)) as eng:
+    async with SGLangClient([f.addr], cfg(request_retries=0)) as eng:
         c = await eng.agenerate(req(max_new=4))
         st = eng.stats()
     assert c.output_ids == [tok(5 + i) for i in range(4)] and c.n_interruptions == 2
@@ -517,12 +517,12 @@ async def test_empty_abort_retries_without_spending_retry_budget(fakes):
 async def test_a_request_our_pause_drops_from_the_queue_waits_at_the_gate(fakes, monkeypatch):
     # SGLang's abort mode drops waiting requests too: with no token out, that is not a stuck
     # server (the empty-abort limit, here 0) and needs no backoff: it goes again on resume.
-    from arealite.engine import remote_client
+    from arealite.inference_client import remote_client
 
     monkeypatch.setattr(remote_client, "_MAX_EMPTY_ABORTS", 0)
     (f,) = await fakes(1)
     f.actions = ["queued"]
-    async with RemoteSGLangEngine([f.addr], cfg()) as eng:
+    async with SGLangClient([f.addr], cfg()) as eng:
         task = asyncio.create_task(eng.agenerate(req(max_new=4)))
         while not f.generate_payloads:
             await asyncio.sleep(0.005)
@@ -542,7 +542,7 @@ async def test_a_request_our_pause_drops_from_the_queue_waits_at_the_gate(fakes,
 
 async def test_client_pause_gate_holds_submissions(fakes):
     (f,) = await fakes(1)
-    async with RemoteSGLangEngine([f.addr], cfg()) as eng:
+    async with SGLangClient([f.addr], cfg()) as eng:
         eng.pause()
         assert eng.paused
         task = asyncio.create_task(eng.agenerate(req()))
@@ -556,7 +556,7 @@ async def test_client_pause_gate_holds_submissions(fakes):
 async def test_client_holds_requests_during_its_pause_beyond_the_request_timeout(fakes):
     (f,) = await fakes(1, token_delay=0.005)
     # A weight update (0.8 s) longer than the request timeout (0.3 s) is no fault.
-    async with RemoteSGLangEngine([f.addr], cfg(request_timeout_s=0.3), unhealthy_after=1) as eng:
+    async with SGLangClient([f.addr], cfg(request_timeout_s=0.3), unhealthy_after=1) as eng:
         running = asyncio.create_task(eng.agenerate(req(max_new=30)))
         await asyncio.sleep(0.05)
         await eng.pause_generation()
@@ -574,7 +574,7 @@ async def test_client_holds_requests_during_its_pause_beyond_the_request_timeout
 
 async def test_pause_without_continue_fails_requests_after_max_pause_s(fakes):
     (f,) = await fakes(1)
-    async with RemoteSGLangEngine([f.addr], cfg(), max_pause_s=0.3) as eng:
+    async with SGLangClient([f.addr], cfg(), max_pause_s=0.3) as eng:
         await eng.pause_generation()  # ... and the weight update dies before continue
         t0 = time.monotonic()
         with pytest.raises(GenerationError) as ei:
@@ -585,7 +585,7 @@ async def test_pause_without_continue_fails_requests_after_max_pause_s(fakes):
         await eng.continue_generation()
         assert len((await eng.agenerate(req())).output_ids) == 8
     with pytest.raises(ValueError, match="max_pause_s"):
-        RemoteSGLangEngine([f.addr], max_pause_s=0)
+        SGLangClient([f.addr], max_pause_s=0)
 
 
 # ---------------------------------------------------- routing and limits
@@ -594,7 +594,7 @@ async def test_pause_without_continue_fails_requests_after_max_pause_s(fakes):
 async def test_affinity_keeps_a_group_on_one_server_and_moves_when_it_dies(fakes):
     servers = await fakes(3)
     addrs = [s.addr for s in servers]
-    async with RemoteSGLangEngine(addrs, cfg()) as eng:
+    async with SGLangClient(addrs, cfg()) as eng:
         groups = {g: [] for g in range(6)}
         comps = await asyncio.gather(*(eng.agenerate(req(affinity_key=f"g{g}"))
                                        for g in groups for _ in range(4)))
@@ -613,7 +613,7 @@ async def test_requests_queued_for_a_server_that_leaves_move_at_once(fakes, how)
     a, b = await fakes(2)
     a.always = "hang"
     timeout = 30.0 if how == "marked_unhealthy" else 1.0
-    async with RemoteSGLangEngine([a.addr, b.addr], cfg(request_timeout_s=timeout, max_inflight_per_server=1),
+    async with SGLangClient([a.addr, b.addr], cfg(request_timeout_s=timeout, max_inflight_per_server=1),
                                   unhealthy_after=1) as eng:
         t0 = time.monotonic()
         # One group: all three go to a (round-robin starts there), two wait for its only slot.
@@ -634,7 +634,7 @@ async def test_requests_queued_for_a_server_that_leaves_move_at_once(fakes, how)
 
 async def test_inflight_bound_per_server(fakes):
     (f,) = await fakes(1, token_delay=0.002)
-    async with RemoteSGLangEngine([f.addr], cfg(max_inflight_per_server=3)) as eng:
+    async with SGLangClient([f.addr], cfg(max_inflight_per_server=3)) as eng:
         comps = await asyncio.gather(*(eng.agenerate(req(max_new=10)) for _ in range(20)))
     assert len(comps) == 20 and f.max_inflight == 3
 
@@ -645,7 +645,7 @@ async def test_inflight_bound_follows_the_servers_own_batch(fakes, reported, bou
     # aborts whatever waits in its queue. Nothing or nonsense reported: the configured bound.
     (f,) = await fakes(1, token_delay=0.002)
     f.max_running_requests = reported
-    async with RemoteSGLangEngine([f.addr], cfg(max_inflight_per_server=10)) as eng:
+    async with SGLangClient([f.addr], cfg(max_inflight_per_server=10)) as eng:
         await eng.initialize(timeout=5)
         comps = await asyncio.gather(*(eng.agenerate(req(max_new=10)) for _ in range(30)))
     assert len(comps) == 30 and f.max_inflight == bound
@@ -657,7 +657,7 @@ async def test_inflight_bound_follows_the_servers_own_batch(fakes, reported, bou
 async def test_initialize_timeout_names_the_silent_server(fakes):
     (a,) = await fakes(1)
     dead = f"127.0.0.1:{free_port()}"
-    async with RemoteSGLangEngine([a.addr, dead], cfg()) as eng:
+    async with SGLangClient([a.addr, dead], cfg()) as eng:
         t0 = time.monotonic()
         with pytest.raises(ServerStartupError) as ei:
             await eng.initialize(timeout=0.5)
@@ -670,7 +670,7 @@ async def test_api_key_sent_everywhere_and_never_shown(fakes):
     key = "sk-secret-123"
     a, b = await fakes(2, api_key=key)
     a.actions = ["500"]
-    async with RemoteSGLangEngine([a.addr, b.addr], cfg(request_retries=0), api_key=key) as eng:
+    async with SGLangClient([a.addr, b.addr], cfg(request_retries=0), api_key=key) as eng:
         await eng.initialize(timeout=5)
         with pytest.raises(GenerationError) as ei:
             await eng.agenerate(req())
@@ -680,7 +680,7 @@ async def test_api_key_sent_everywhere_and_never_shown(fakes):
     assert key not in str(ei.value)
     assert a.auth_headers and all(h == f"Bearer {key}" for h in a.auth_headers + b.auth_headers)
     # a wrong key is a 401: raised at once, naming the route
-    async with RemoteSGLangEngine([b.addr], cfg(), api_key="wrong") as eng:
+    async with SGLangClient([b.addr], cfg(), api_key="wrong") as eng:
         with pytest.raises(BadRequestError, match="401"):
             await eng.agenerate(req())
 
@@ -696,7 +696,7 @@ def test_parse_sglang_version(text, expected):
 async def test_begin_end_weight_update_only_on_new_releases(fakes):
     new, old, rc = await fakes(1, version="0.5.23") + await fakes(1, version="0.5.3.post1") \
         + await fakes(1, version="0.5.21rc1")
-    async with RemoteSGLangEngine([new.addr, old.addr, rc.addr], cfg()) as eng:
+    async with SGLangClient([new.addr, old.addr, rc.addr], cfg()) as eng:
         await eng.initialize(timeout=5)
         assert eng.server_version(old.addr) == "0.5.3.post1"
         out = await eng.begin_weight_update()
@@ -712,7 +712,7 @@ async def test_begin_end_weight_update_only_on_new_releases(fakes):
 async def test_admin_failure_names_the_server(fakes):
     a, b = await fakes(2)
     b.admin_fail["/update_weights_from_disk"] = "file not found: /nope"
-    async with RemoteSGLangEngine([a.addr, b.addr], cfg()) as eng:
+    async with SGLangClient([a.addr, b.addr], cfg()) as eng:
         with pytest.raises(ServerAdminError) as ei:
             await eng.update_weights_from_disk("/nope", version=3)
     err = ei.value
@@ -723,7 +723,7 @@ async def test_admin_failure_names_the_server(fakes):
 async def test_weight_group_rank_offsets_follow_tp_size(fakes):
     a = (await fakes(1, tp_size=2))[0]
     b = (await fakes(1, tp_size=None))[0]  # no tp_size reported -> 1 rank
-    async with RemoteSGLangEngine([a.addr, b.addr], cfg()) as eng:
+    async with SGLangClient([a.addr, b.addr], cfg()) as eng:
         await eng.initialize(timeout=5)
         assert eng.weights_update_world_size() == 4
         with pytest.raises(ValueError, match="world_size=4"):
@@ -746,7 +746,7 @@ async def test_weight_group_rank_offsets_follow_tp_size(fakes):
 
 async def test_group_with_a_dead_member_fails_instead_of_hanging(fakes):
     a, b = await fakes(2)
-    async with RemoteSGLangEngine([a.addr, b.addr], cfg()) as eng:
+    async with SGLangClient([a.addr, b.addr], cfg()) as eng:
         await eng.init_weights_update_group("127.0.0.1", 1234)
         eng.mark_unhealthy(b.addr, "crashed")
         with pytest.raises(ServerAdminError, match=b.addr):
@@ -755,7 +755,7 @@ async def test_group_with_a_dead_member_fails_instead_of_hanging(fakes):
 
 async def test_server_missing_a_weight_update_stays_out(fakes):
     a, b = await fakes(2)
-    async with RemoteSGLangEngine([a.addr, b.addr], cfg(), health_probe_interval_s=0.0) as eng:
+    async with SGLangClient([a.addr, b.addr], cfg(), health_probe_interval_s=0.0) as eng:
         eng.mark_unhealthy(b.addr, "flaky")
         await eng.update_weights_from_disk("/ckpt", version=1)
         for _ in range(3):
@@ -769,7 +769,7 @@ async def test_aclose_leaves_no_unclosed_session_warning(fakes):
     (a,) = await fakes(1)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        eng = RemoteSGLangEngine([a.addr], cfg())
+        eng = SGLangClient([a.addr], cfg())
         await eng.agenerate(req())
         await eng.aclose()
         del eng
@@ -783,7 +783,7 @@ async def test_aclose_leaves_no_unclosed_session_warning(fakes):
 
 async def test_a_groups_requests_leave_as_one_batched_generate(fakes):
     (f,) = await fakes(1)
-    async with RemoteSGLangEngine([f.addr], cfg()) as eng:
+    async with SGLangClient([f.addr], cfg()) as eng:
         reqs = [req(n_prompt=5 + i, max_new=4 + i, affinity_key="g") for i in range(4)]
         comps = await asyncio.gather(*(eng.agenerate(r) for r in reqs))
         lone = await eng.agenerate(req(affinity_key="h"))
@@ -803,7 +803,7 @@ async def test_a_groups_requests_leave_as_one_batched_generate(fakes):
 
 async def test_batching_can_be_turned_off(fakes):
     (f,) = await fakes(1)
-    async with RemoteSGLangEngine([f.addr], cfg(batch_requests=False)) as eng:
+    async with SGLangClient([f.addr], cfg(batch_requests=False)) as eng:
         await asyncio.gather(*(eng.agenerate(req(affinity_key="g")) for _ in range(3)))
     assert len(f.generate_bodies) == 3 and all(isinstance(b["rid"], str) for b in f.generate_bodies)
 
@@ -813,7 +813,7 @@ async def test_a_batch_refused_with_400_is_resent_one_by_one_and_only_the_culpri
     # The batch's four items: the last is refused, so SGLang refuses the whole request. Sent
     # again alone, the opener's is refused once more and the three others go through.
     f.actions = [None, None, None, "400", "400"]
-    async with RemoteSGLangEngine([f.addr], cfg()) as eng:
+    async with SGLangClient([f.addr], cfg()) as eng:
         out = await asyncio.gather(*(eng.agenerate(req(affinity_key="g")) for _ in range(4)),
                                    return_exceptions=True)
         st = eng.stats()
@@ -826,7 +826,7 @@ async def test_a_batch_refused_with_400_is_resent_one_by_one_and_only_the_culpri
 async def test_a_failed_batch_is_a_failed_attempt_of_each_member(fakes):
     (f,) = await fakes(1)
     f.actions = ["500"] * 3  # the batch of three fails once; the retries pass
-    async with RemoteSGLangEngine([f.addr], cfg(), unhealthy_after=2) as eng:
+    async with SGLangClient([f.addr], cfg(), unhealthy_after=2) as eng:
         comps = await asyncio.gather(*(eng.agenerate(req(affinity_key="g")) for _ in range(3)))
         st = eng.stats()
     assert all(len(c.output_ids) == 8 for c in comps)
@@ -837,7 +837,7 @@ async def test_a_failed_batch_is_a_failed_attempt_of_each_member(fakes):
 
 async def test_a_member_cancelled_by_its_caller_leaves_the_others_alone(fakes):
     (f,) = await fakes(1, token_delay=0.01)
-    async with RemoteSGLangEngine([f.addr], cfg()) as eng:
+    async with SGLangClient([f.addr], cfg()) as eng:
         tasks = [asyncio.create_task(eng.agenerate(req(affinity_key="g"))) for _ in range(3)]
         while not f.generate_bodies:
             await asyncio.sleep(0.005)
@@ -850,7 +850,7 @@ async def test_a_member_cancelled_by_its_caller_leaves_the_others_alone(fakes):
 
 async def test_an_aborted_batch_resumes_each_member_from_its_own_tokens(fakes):
     (f,) = await fakes(1, token_delay=0.01)
-    async with RemoteSGLangEngine([f.addr], cfg()) as eng:
+    async with SGLangClient([f.addr], cfg()) as eng:
         tasks = [asyncio.create_task(eng.agenerate(req(n_prompt=5 + i, max_new=20, affinity_key="g")))
                  for i in range(3)]
         while f.inflight < 3:
@@ -868,7 +868,7 @@ async def test_an_aborted_batch_resumes_each_member_from_its_own_tokens(fakes):
 async def test_a_server_that_refuses_the_batch_form_gets_requests_one_at_a_time(fakes):
     (f,) = await fakes(1)
     f.refuse_batches = True  # as sglang-router, which refuses a list of rids
-    async with RemoteSGLangEngine([f.addr], cfg()) as eng:
+    async with SGLangClient([f.addr], cfg()) as eng:
         first = await asyncio.gather(*(eng.agenerate(req(affinity_key="g")) for _ in range(3)))
         later = await asyncio.gather(*(eng.agenerate(req(affinity_key="h")) for _ in range(3)))
         st = eng.stats()
@@ -880,7 +880,7 @@ async def test_a_server_that_refuses_the_batch_form_gets_requests_one_at_a_time(
 async def test_a_batch_answered_with_too_few_entries_is_malformed_for_each_member(fakes):
     (f,) = await fakes(1)
     f.actions = ["short"]
-    async with RemoteSGLangEngine([f.addr], cfg(), unhealthy_after=2) as eng:
+    async with SGLangClient([f.addr], cfg(), unhealthy_after=2) as eng:
         comps = await asyncio.gather(*(eng.agenerate(req(affinity_key="g")) for _ in range(3)))
         st = eng.stats()
     assert all(len(c.output_ids) == 8 for c in comps)

@@ -1,4 +1,4 @@
-"""RemoteSGLangEngine against the real embedded server (subprocesses, micro model).
+"""SGLangClient against the real embedded server (subprocesses, micro model).
 
 Two servers are started once for the module; the SIGKILL test runs last
 because it kills one of them.
@@ -19,7 +19,7 @@ import pytest
 
 from arealite.api.types import GenerationRequest, SamplingParams
 from arealite.config.schema import RolloutConfig
-from arealite.engine.sglang_remote import RemoteSGLangEngine
+from arealite.inference_client.sglang_client import SGLangClient
 from tests.conftest import REPO, free_port
 
 pytestmark = pytest.mark.slow
@@ -49,12 +49,12 @@ def two_servers(micro_model_dir, tmp_path_factory):
             proc.wait(timeout=10)
 
 
-def _engine(addrs, **kw) -> RemoteSGLangEngine:
+def _engine(addrs, **kw) -> SGLangClient:
     cfg = RolloutConfig(request_timeout_s=30, request_retries=3, retry_backoff_s=0.05, **kw)
-    return RemoteSGLangEngine(addrs, cfg, health_probe_interval_s=60)
+    return SGLangClient(addrs, cfg, health_probe_interval_s=60)
 
 
-async def _initialize(eng: RemoteSGLangEngine, procs) -> None:
+async def _initialize(eng: SGLangClient, procs) -> None:
     try:
         await eng.initialize(timeout=90)
     except Exception as e:  # show why a server did not come up

@@ -1,6 +1,6 @@
 """The whole interruptible path: client, a real weight update from disk, continue.
 
-A long generation runs on the embedded server through ``RemoteSGLangEngine``;
+A long generation runs on the embedded server through ``SGLangClient``;
 mid-way the client pauses the server, loads a perturbed copy of the model from
 disk as version 1 and continues. The completion must be seamless: the requested
 length, the old version's tokens first, and every log-prob that of the model
@@ -19,7 +19,7 @@ import torch
 
 from arealite.api.types import GenerationRequest, SamplingParams
 from arealite.config.schema import RolloutConfig
-from arealite.engine.sglang_remote import RemoteSGLangEngine
+from arealite.inference_client.sglang_client import SGLangClient
 from arealite.server.process import ServerProcess
 from tests.conftest import free_port, perturbed_weights
 
@@ -70,7 +70,7 @@ async def test_generation_across_a_weight_update_from_disk(server, micro_model_d
     budget = 300
     sp = SamplingParams(max_new_tokens=budget, temperature=1.0, ignore_eos=True)
     cfg = RolloutConfig(request_timeout_s=30, request_retries=0)
-    async with RemoteSGLangEngine([server.url], cfg) as eng:
+    async with SGLangClient([server.url], cfg) as eng:
         await eng.initialize(timeout=60)
         before = await generated_tokens(server.url)
         task = asyncio.create_task(eng.agenerate(GenerationRequest(prompt, sp)))

@@ -52,7 +52,7 @@ class ItemWorkflow(RolloutWorkflow):
     def __init__(self):
         self.started: list[int] = []
 
-    async def arun_episode(self, engine, item):
+    async def arun_episode(self, client, item):
         self.started.append(item["prompt_id"])
         gate = item.get("gate")
         while gate is not None and not gate.is_set():
@@ -63,7 +63,7 @@ class ItemWorkflow(RolloutWorkflow):
             return None
         from arealite.api.types import GenerationRequest
 
-        c = await engine.agenerate(GenerationRequest(input_ids=list(range(1, item.get("len", 3) + 1))))
+        c = await client.agenerate(GenerationRequest(input_ids=list(range(1, item.get("len", 3) + 1))))
         row = trajectory_row(c.input_ids, [(c.output_ids, c.output_logprobs, c.output_versions)])
         return pad_and_stack([row], {
             "rewards": torch.tensor([float(item.get("reward", 1.0))]),
@@ -97,10 +97,10 @@ def test_batch_is_right_padded_with_the_schema_pad_values():
             assert (batch["input_ids"][r, n:] == 0).all()
             # generated tokens: loss_mask exactly where versions >= 0
             assert torch.equal(batch["loss_mask"][r], batch["versions"][r] >= 0)
-        assert ctl.engine.initialized
+        assert ctl.client.initialized
     finally:
         ctl.stop()
-    assert ctl.engine.closed
+    assert ctl.client.closed
 
 
 def test_staleness_bound_limits_admission_and_rejection_frees_capacity():
@@ -373,8 +373,8 @@ def test_failing_workflow_drop_policy_goes_on_and_never_hangs():
 
 def test_malformed_trajectory_is_a_workflow_error_naming_the_key():
     class Bad(RolloutWorkflow):
-        async def arun_episode(self, engine, item):
-            td = await ItemWorkflow().arun_episode(engine, item)
+        async def arun_episode(self, client, item):
+            td = await ItemWorkflow().arun_episode(client, item)
             del td["versions"]
             return td
 
@@ -431,7 +431,7 @@ def test_stop_cancels_running_episodes_and_joins_the_thread():
     t0 = time.monotonic()
     ctl.stop()
     assert time.monotonic() - t0 < 2
-    assert not thread.is_alive() and ctl.engine.closed
+    assert not thread.is_alive() and ctl.client.closed
     assert [it["prompt_id"] for it in ctl.state_dict()["pending_items"]] == [0, 1, 2]
     assert not any(t.name == "arealite-rollout" for t in threading.enumerate())
 

@@ -10,7 +10,7 @@ from arealite.config.loader import ConfigError, load_config
 from arealite.config.schema import ActorConfig, OptimizerConfig
 from arealite.critic import Critic, ValueEngine, WithCritic
 
-pytest.importorskip("arealite.engine.fsdp")
+pytest.importorskip("arealite.train_engine.fsdp")
 
 
 @pytest.fixture()

@@ -63,7 +63,7 @@ def test_example_is_built_from_config_by_name(on_repo_path, micro_model_dir):
 
 @pytest.mark.slow
 def test_example_trajectories_are_template_plus_generated_tokens(on_repo_path, server, tiny_model_dir):
-    from arealite.engine.sglang_remote import RemoteSGLangEngine
+    from arealite.inference_client.sglang_client import SGLangClient
     from arealite.rollout.controller import RolloutController
     from arealite.utils.imports import import_callable
 
@@ -74,10 +74,10 @@ def test_example_trajectories_are_template_plus_generated_tokens(on_repo_path, s
                                rollout=rc, reward_fn=math_reward, check_prompt=check_prompt)
     items = [{"prompt": "What is 2 + 3?", "answer": 5, "prompt_id": 0},
              {"prompt": "What is 7 - 4?", "answer": 3, "prompt_id": 1}]
-    ctl = RolloutController(RemoteSGLangEngine([server.url], rc), rc).start(init_timeout=60)
+    ctl = RolloutController(SGLangClient([server.url], rc), rc).start(init_timeout=60)
     try:
-        rec = Recorder(ctl.engine)
-        ctl.engine = rec  # workflows reach the engine through the controller
+        rec = Recorder(ctl.client)
+        ctl.client = rec  # workflows reach the client through the controller
         batch = ctl.rollout_batch(items, wf)
     finally:
         ctl.stop()

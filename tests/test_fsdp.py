@@ -17,8 +17,8 @@ import torch
 from safetensors.torch import load_file
 
 from arealite.config.schema import ActorConfig
-from arealite.engine.fsdp import FSDPEngine, compute_dtype
-from arealite.engine.lr_schedule import lr_factor
+from arealite.train_engine.fsdp import FSDPEngine, compute_dtype
+from arealite.train_engine.lr_schedule import lr_factor
 
 
 def make_batch(vocab: int, lengths: list[int], prompt_len: int = 2, seed: int = 0) -> dict[str, torch.Tensor]:

@@ -18,10 +18,10 @@ import pytest
 
 from arealite.api.types import GenerationRequest, SamplingParams
 from arealite.config.schema import RolloutConfig
-from arealite.engine.errors import AttemptFailure, GenerationError, ServerStartupError
-from arealite.engine.response_check import check_segment
-from arealite.engine.sglang_remote import RemoteSGLangEngine
-from arealite.engine.wire import Segment
+from arealite.inference_client.errors import AttemptFailure, GenerationError, ServerStartupError
+from arealite.inference_client.response_check import check_segment
+from arealite.inference_client.sglang_client import SGLangClient
+from arealite.inference_client.wire import Segment
 
 VOCAB = 100
 HONEST_IDS = [11, 12, 13]
@@ -101,7 +101,7 @@ async def generate_with_failover(answer, **config):
     """One request to [evil, honest] (the round-robin tries the evil server first)."""
     evil, honest = await RawServer(answer).start(), await RawServer().start()
     try:
-        async with RemoteSGLangEngine([evil.addr, honest.addr], cfg(**config), vocab_size=VOCAB) as eng:
+        async with SGLangClient([evil.addr, honest.addr], cfg(**config), vocab_size=VOCAB) as eng:
             await eng.initialize(timeout=5)
             c = await eng.agenerate(req())
             stats = eng.stats()
@@ -212,7 +212,7 @@ async def test_a_body_of_many_tiny_chunks_is_read_in_linear_time():
 
     server = await RawServer(trickle).start()
     try:
-        async with RemoteSGLangEngine([server.addr], cfg(max_response_bytes=8 << 20), vocab_size=VOCAB) as eng:
+        async with SGLangClient([server.addr], cfg(max_response_bytes=8 << 20), vocab_size=VOCAB) as eng:
             await eng.initialize(timeout=5)
             t0 = time.perf_counter()
             c = await eng.agenerate(req())
@@ -226,7 +226,7 @@ async def test_a_body_of_many_tiny_chunks_is_read_in_linear_time():
 async def test_a_malicious_server_alone_gives_one_clear_error_and_no_completion():
     evil = await RawServer(BAD_CONTENT["id_at_vocab_size"]).start()
     try:
-        async with RemoteSGLangEngine([evil.addr], cfg(request_retries=1), vocab_size=VOCAB) as eng:
+        async with SGLangClient([evil.addr], cfg(request_retries=1), vocab_size=VOCAB) as eng:
             await eng.initialize(timeout=5)
             with pytest.raises(GenerationError, match=r"malformed.*outside the vocabulary \[0, 100\)"):
                 await eng.agenerate(req())
@@ -239,7 +239,7 @@ async def test_an_oversized_server_info_is_a_clear_startup_error():
     evil = await RawServer().start()
     evil.info = b'{"version": "0.5.23", "pad": "' + b"z" * (2 << 20) + b'"}'
     try:
-        async with RemoteSGLangEngine([evil.addr], cfg(), vocab_size=VOCAB) as eng:
+        async with SGLangClient([evil.addr], cfg(), vocab_size=VOCAB) as eng:
             with pytest.raises(ServerStartupError, match="max_response_bytes"):
                 await eng.initialize(timeout=5)
     finally:

@@ -643,9 +643,9 @@ def test_key_still_required(server):
 
 async def test_arealite_client_still_works(server):
     from arealite.api.types import GenerationRequest, SamplingParams
-    from arealite.engine.sglang_remote import RemoteSGLangEngine
+    from arealite.inference_client.sglang_client import SGLangClient
 
-    eng = RemoteSGLangEngine([f"127.0.0.1:{server.port}"], RolloutConfig(request_retries=0), api_key=KEY)
+    eng = SGLangClient([f"127.0.0.1:{server.port}"], RolloutConfig(request_retries=0), api_key=KEY)
     try:
         await eng.initialize(timeout=30)
         c = await eng.agenerate(GenerationRequest(input_ids=GREEDY["input_ids"],

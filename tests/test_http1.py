@@ -12,7 +12,7 @@ import asyncio
 
 import pytest
 
-from arealite.engine.http1 import Http1Pool, HttpConnectionError, HttpProtocolError
+from arealite.inference_client.http1 import Http1Pool, HttpConnectionError, HttpProtocolError
 
 
 async def _read_request(reader: asyncio.StreamReader) -> tuple[bytes, dict[bytes, bytes], bytes]:

@@ -14,7 +14,7 @@ import torch
 
 from arealite.api.types import GenerationRequest, SamplingParams
 from arealite.config.schema import ArealiteConfig, RolloutConfig
-from arealite.engine.sglang_remote import RemoteSGLangEngine
+from arealite.inference_client.sglang_client import SGLangClient
 from arealite.lora import LoraFSDPEngine
 from arealite.server.process import ServerProcess
 from arealite.weight_sync import LoraTransfer, make_publisher
@@ -41,9 +41,9 @@ def rollout(server):
     from arealite.rollout.controller import RolloutController
 
     rc = RolloutConfig(request_timeout_s=60, request_retries=0)
-    client = RemoteSGLangEngine([server.url], rc, lora_adapter="policy")
+    client = SGLangClient([server.url], rc, lora_adapter="policy")
     controller = RolloutController(client, RolloutConfig()).start(init_timeout=90)
-    admin_client = RemoteSGLangEngine([server.url], rc, lora_adapter="policy")
+    admin_client = SGLangClient([server.url], rc, lora_adapter="policy")
     controller.run(admin_client.initialize(60))
     yield client, controller, admin_client
     controller.run(admin_client.aclose())

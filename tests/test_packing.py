@@ -7,7 +7,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from arealite.engine.packing import (
+from arealite.train_engine.packing import (
     pack,
     sequence_lengths,
     split_into_microbatches,

@@ -29,7 +29,7 @@ from conftest import REPO, free_port, perturbed_weights, stop_process
 
 from arealite.api.types import GenerationRequest, SamplingParams
 from arealite.config.schema import ArealiteConfig, RolloutConfig
-from arealite.engine.sglang_remote import RemoteSGLangEngine, ServerAdminError
+from arealite.inference_client.sglang_client import SGLangClient, ServerAdminError
 from arealite.weight_sync import (
     ReadbackVerifier,
     StateDictSource,
@@ -411,7 +411,7 @@ def rollout(server):
     """A real client under a started controller (which waits for the server's health)."""
     from arealite.rollout.controller import RolloutController
 
-    client = RemoteSGLangEngine([server], RolloutConfig(request_timeout_s=60))
+    client = SGLangClient([server], RolloutConfig(request_timeout_s=60))
     controller = RolloutController(client, RolloutConfig()).start(init_timeout=90)
     yield client, controller
     controller.stop()

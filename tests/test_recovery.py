@@ -115,7 +115,7 @@ class _Parts:
 
     def __init__(self, model_dir: Path):
         from arealite.config.schema import ActorConfig
-        from arealite.engine.fsdp import FSDPEngine
+        from arealite.train_engine.fsdp import FSDPEngine
         from arealite.rollout.controller import RolloutController
 
         self.engine = FSDPEngine(ActorConfig(model_path=str(model_dir))).initialize(total_steps=10)

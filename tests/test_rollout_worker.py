@@ -18,7 +18,7 @@ from transformers import AutoTokenizer
 
 from arealite.config.loader import load_config
 from arealite.rollout.side import LocalRollout
-from arealite.rollout.worker import Placement, RolloutWorker, RolloutWorkerError, WorkerSpec, runs_in_a_worker
+from arealite.rollout.worker import CoreMigration, RolloutWorker, RolloutWorkerError, WorkerSpec, runs_in_a_worker
 from arealite.server.process import ServerProcess
 from arealite.trainer import build
 from arealite.utils import procs
@@ -140,7 +140,7 @@ def test_the_worker_dies_with_its_trainer(cfg, micro_model_dir, tmp_path):
 
 
 class _InMain:
-    async def arun_episode(self, engine, item):
+    async def arun_episode(self, client, item):
         return None
 
 
@@ -164,7 +164,7 @@ def test_placement_moves_the_worker_to_the_trainers_cores_when_the_trainer_waits
     child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     try:
         os.sched_setaffinity(child.pid, {cpus[0]})
-        busy = Placement(child.pid, set(cpus), window=3, warmup=1, threshold=0.1)
+        busy = CoreMigration(child.pid, set(cpus), window=3, warmup=1, threshold=0.1)
         for _ in range(4):  # warm-up + a window in which the trainer never waits
             busy.observe(0.0, 1.0)
         assert not busy.moved and os.sched_getaffinity(child.pid) == {cpus[0]}

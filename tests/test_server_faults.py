@@ -30,7 +30,7 @@ import torch
 
 from arealite.api.types import GenerationRequest, SamplingParams
 from arealite.config.schema import RolloutConfig, WeightSyncConfig
-from arealite.engine.sglang_remote import RemoteSGLangEngine
+from arealite.inference_client.sglang_client import SGLangClient
 from arealite.launcher.local import ExitCode
 from arealite.utils import accounting
 from arealite.utils.accounting import prompt_accounting
@@ -145,8 +145,8 @@ def _cfg(**kw) -> WeightSyncConfig:
     return WeightSyncConfig(**{"bucket_size_mb": 0.05, "verify_n_tensors": 3, "timeout_s": 30, **kw})
 
 
-def _client(run, addrs: list[str], **rollout) -> RemoteSGLangEngine:
-    c = RemoteSGLangEngine(addrs, RolloutConfig(**rollout))
+def _client(run, addrs: list[str], **rollout) -> SGLangClient:
+    c = SGLangClient(addrs, RolloutConfig(**rollout))
     run(c.initialize(30))
     return c
 
@@ -284,11 +284,11 @@ def test_disk_push_skips_a_dead_server(micro_model_dir, loop_runner, base_state,
 def test_a_failing_server_already_taken_out_by_generation_counts_as_gone(loop_runner):
     """The race seen end to end: pause fails on a dead server, and before the probe the
     generation path has taken it out; the call must go on without it, not fail."""
-    from arealite.engine.sglang_remote import ServerAdminError
+    from arealite.inference_client.sglang_client import ServerAdminError
     from arealite.weight_sync.base import call_dropping_dead
 
     run = loop_runner
-    client = RemoteSGLangEngine(["127.0.0.1:1", "127.0.0.1:2"])
+    client = SGLangClient(["127.0.0.1:1", "127.0.0.1:2"])
     calls = []
 
     async def pause():

@@ -24,7 +24,7 @@ from conftest import perturbed_weights
 
 from arealite.api.types import GenerationRequest, SamplingParams
 from arealite.config.schema import WeightSyncConfig
-from arealite.engine.sglang_remote import RemoteSGLangEngine
+from arealite.inference_client.sglang_client import SGLangClient
 from arealite.utils.net import free_port
 from arealite.weight_sync import (
     DiskTransfer,
@@ -98,7 +98,7 @@ def server(micro_model_dir, tmp_path_factory):
 @pytest.fixture(scope="module")
 def client(server, loop_runner):
     run, _ = loop_runner
-    c = RemoteSGLangEngine([server])
+    c = SGLangClient([server])
     run(c.initialize(30))
     yield c
     run(c.aclose())
@@ -277,7 +277,7 @@ def test_inflight_rollout_is_interrupted_and_resumes_onperturbed_weights(client,
 def test_a_dead_server_stops_the_update_with_its_name(micro_model_dir, loop_runner, base_state, tmp_path):
     run, _ = loop_runner
     proc, addr = _start_server(micro_model_dir, tmp_path / "doomed.log")
-    c = RemoteSGLangEngine([addr])
+    c = SGLangClient([addr])
     try:
         run(c.initialize(30))
         pub = _publisher(DistributedTransfer(_cfg(timeout_s=20), c.admin, run), c, run, Weights(base_state))
@@ -296,7 +296,7 @@ def test_make_transfer_follows_the_config(tmp_path):
     from arealite.config.schema import ArealiteConfig
     from arealite.weight_sync import make_transfer, server_weight_dtype
 
-    admin = RemoteSGLangEngine(["127.0.0.1:1"]).admin
+    admin = SGLangClient(["127.0.0.1:1"]).admin
     cfg = ArealiteConfig.model_validate({
         "experiment": {"output_root": str(tmp_path), "name": "e", "trial": "t"},
         "weight_sync": {"method": "disk"}})

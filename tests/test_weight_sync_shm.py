@@ -28,7 +28,7 @@ from conftest import perturbed_weights
 from arealite.api.types import GenerationRequest, SamplingParams
 from arealite.config.loader import ConfigError, check_config, check_launch
 from arealite.config.schema import ArealiteConfig, WeightSyncConfig
-from arealite.engine.sglang_remote import RemoteSGLangEngine
+from arealite.inference_client.sglang_client import SGLangClient
 from arealite.utils.net import free_port
 from arealite.weight_sync import (
     ReadbackVerifier,
@@ -92,7 +92,7 @@ def server(micro_model_dir, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def client(server, loop_runner):
-    c = RemoteSGLangEngine([server], api_key=KEY)
+    c = SGLangClient([server], api_key=KEY)
     loop_runner(c.initialize(30))
     yield c
     loop_runner(c.aclose())
@@ -381,7 +381,7 @@ def test_bad_requests_get_400_naming_the_problem(server, base_state, shm_dir):
 
 
 def test_init_refuses_servers_on_another_host(shm_dir):
-    c = RemoteSGLangEngine(["10.255.255.1:30000"])
+    c = SGLangClient(["10.255.255.1:30000"])
     sync = ShmTransfer(_cfg(shm_dir=str(shm_dir)), c.admin, run=None)
     with pytest.raises(WeightSyncError, match=r"weight_sync.method=shm needs every server on this host"):
         sync.init()
@@ -395,7 +395,7 @@ def test_alias_gives_way_to_copies_when_a_server_runs_on_a_gpu(shm_dir, devices,
     # Found on an H200: a CUDA embedded server refuses alias (400), which stopped the run at
     # its first push; such a server copies into device memory anyway.
     addrs = ["127.0.0.1:1", "127.0.0.1:2"]
-    c = RemoteSGLangEngine(addrs)
+    c = SGLangClient(addrs)
     for addr, dev in zip(addrs, devices):
         c.pool.get(addr).info = {"engine": "arealite-embedded", "device": dev, "dtype": "float32"}
     sync = ShmTransfer(_cfg(shm_dir=str(shm_dir), shm_alias=True), c.admin, run=None)
@@ -407,7 +407,7 @@ def test_alias_gives_way_to_copies_when_a_server_runs_on_a_gpu(shm_dir, devices,
 def test_config_accepts_shm_only_for_embedded_servers_on_this_host(tmp_path):
     cfg = ArealiteConfig.model_validate({"weight_sync": {"method": "shm", "shm_dir": "/dev/shm"}})
     check_config(cfg, check_paths=False)
-    sync = make_transfer(cfg, RemoteSGLangEngine(["127.0.0.1:1"]).admin, run=None)
+    sync = make_transfer(cfg, SGLangClient(["127.0.0.1:1"]).admin, run=None)
     assert isinstance(sync, ShmTransfer) and sync.shm_dir == Path("/dev/shm")
 
     cfg.launch.server_backend = "sglang"

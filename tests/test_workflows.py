@@ -330,11 +330,11 @@ def server(tiny_server):
 
 
 def make_controller(server, **cfg):
-    from arealite.engine.sglang_remote import RemoteSGLangEngine
+    from arealite.inference_client.sglang_client import SGLangClient
     from arealite.rollout.controller import RolloutController
 
     rc = RolloutConfig(**{"consumer_batch_size": 4, "max_head_offpolicyness": 1, **cfg})
-    return RolloutController(RemoteSGLangEngine([server.url], rc), rc).start(init_timeout=60), rc
+    return RolloutController(SGLangClient([server.url], rc), rc).start(init_timeout=60), rc
 
 
 class Recorder:
@@ -385,8 +385,8 @@ def test_multi_turn_end_to_end_token_in_token_out(server, tiny_model_dir):
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
     ctl, rc = make_controller(server, consumer_batch_size=2)
     try:
-        rec = Recorder(ctl.engine)
-        ctl.engine = rec  # workflows reach the engine through the controller
+        rec = Recorder(ctl.client)
+        ctl.client = rec  # workflows reach the client through the controller
         never_right = lambda *a, **k: 0.0  # noqa: E731  every answer gets feedback
         wf = MultiTurnWorkflow(never_right, gcfg(1, max_new_tokens=5), tokenizer, rc, max_turns=3, feedback="again")
         batch = ctl.rollout_batch([{"prompt": "Say hi", "prompt_id": 0}, {"prompt": "Count", "prompt_id": 1}], wf)

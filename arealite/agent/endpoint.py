@@ -8,7 +8,7 @@ Routes (each also under ``/s/<session>/v1/...``, the session carried by the URL)
 - ``GET /v1/models``: the one served model.
 
 Every generation goes through the inference client the episode was given
-(``engine.agenerate``): routing, retries, interruption by weight updates and per-token
+(``client.agenerate``): routing, retries, interruption by weight updates and per-token
 versions all apply. Each request belongs to a session (`arealite.agent.session`), found by
 its API key or URL; its calls are recorded there for the workflow. Errors come back in
 OpenAI's shape (`arealite.agent.errors`), so the ``openai`` client raises its usual
@@ -33,14 +33,14 @@ from arealite.agent.protocol import (
 from arealite.agent.session import LLMCall, Session, SessionStore
 from arealite.agent.streaming import LiveStream, sse
 from arealite.agent.tool_parsers import make_tool_parser
-from arealite.api.engine import Generator
+from arealite.api.contracts import InferenceClient
 from arealite.api.types import GenerationRequest
 from arealite.config.agent import AgentConfig
 from arealite.config.schema import GenerationConfig
-from arealite.engine.errors import BadRequestError, GenerationError, NoHealthyServerError
+from arealite.inference_client.errors import BadRequestError, GenerationError, NoHealthyServerError
 from arealite.utils.tokenizer import prepare_decode
 from arealite.workflow.common import sampling_from_config
-from arealite.engine.wire import loads as strict_json  # no NaN, bounded nesting
+from arealite.inference_client.wire import loads as strict_json  # no NaN, bounded nesting
 
 logger = logging.getLogger("arealite.agent")
 
@@ -133,8 +133,8 @@ class AgentEndpoint:
         await self._cleanup()
 
     # ------------------------------------------------------------ sessions
-    def open_session(self, engine: Generator, affinity_key: str) -> Session:
-        return self.sessions.open(engine, affinity_key, self.agent.max_calls_per_episode)
+    def open_session(self, client: InferenceClient, affinity_key: str) -> Session:
+        return self.sessions.open(client, affinity_key, self.agent.max_calls_per_episode)
 
     def close_session(self, s: Session) -> None:
         self.sessions.close(s)
@@ -257,7 +257,7 @@ class AgentEndpoint:
         s.tasks.add(task)
         try:
             comps = await asyncio.gather(*(
-                s.engine.agenerate(GenerationRequest(list(prompt_ids), req.sampling, affinity_key=s.affinity_key,
+                s.client.agenerate(GenerationRequest(list(prompt_ids), req.sampling, affinity_key=s.affinity_key,
                                                      metadata={"on_segment": hooks[i]} if hooks else {},
                                                      top_logprobs=req.top_logprobs))
                 for i in range(req.n)))

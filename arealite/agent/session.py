@@ -15,7 +15,7 @@ import secrets
 from dataclasses import dataclass, field
 from typing import Any
 
-from arealite.api.engine import Generator
+from arealite.api.contracts import InferenceClient
 
 __all__ = ["LLMCall", "Session", "SessionStore"]
 
@@ -41,11 +41,11 @@ class LLMCall:
 
 @dataclass
 class Session:
-    """The calls of one episode, and what its requests need (the engine, the affinity key)."""
+    """The calls of one episode, and what its requests need (the client, the affinity key)."""
 
     id: str
     key: str
-    engine: Generator
+    client: InferenceClient
     affinity_key: str
     max_calls: int
     calls: list[LLMCall] = field(default_factory=list)
@@ -86,8 +86,8 @@ class SessionStore:
     def __len__(self) -> int:
         return len(self._by_id)
 
-    def open(self, engine: Generator, affinity_key: str, max_calls: int) -> Session:
-        s = Session("sess-" + secrets.token_hex(8), "sk-arealite-" + secrets.token_hex(16), engine,
+    def open(self, client: InferenceClient, affinity_key: str, max_calls: int) -> Session:
+        s = Session("sess-" + secrets.token_hex(8), "sk-arealite-" + secrets.token_hex(16), client,
                     affinity_key, max_calls)
         self._by_id[s.id] = s
         self._by_key[s.key] = s

@@ -10,7 +10,7 @@ The training script calls, per step::
 With one mini-batch the proximal policy is the training forward itself (the
 weights before the update), so decoupled PPO needs no separate forward pass.
 
-The engine (a ``TrainEngine``, arealite/api/engine.py: ``FSDPEngine`` or any
+The engine (a ``TrainEngine``, arealite/api/contracts.py: ``FSDPEngine`` or any
 object with ``forward(batch, post_hook)`` and ``train_batch(batch, loss_fn,
 loss_weight_fn)``, see docs/internals.md) knows nothing of PPO; this class builds
 the hook, the loss and its weight. The advantage estimator and the policy loss
@@ -43,7 +43,7 @@ from arealite.algo.loss import (
 )
 from arealite.algo.overlong import exclude_rows, soft_overlong_penalty, truncated_rows
 from arealite.algo.returns import discounted_returns, gae, global_whiten, terminal_rewards
-from arealite.api.engine import TrainEngine
+from arealite.api.contracts import TrainEngine
 from arealite.config.algo_checks import raise_algorithm_problems
 from arealite.config.schema import AlgorithmConfig
 

@@ -12,7 +12,7 @@ from tensordict import TensorDictBase
 from arealite.algo.actor import split_minibatches
 from arealite.algo.loss import masked_mean
 from arealite.algo.value import explained_variance, value_hook, value_loss
-from arealite.api.engine import TrainEngine
+from arealite.api.contracts import TrainEngine
 
 __all__ = ["Critic", "WithCritic", "critic_loss"]
 

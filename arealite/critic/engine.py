@@ -16,9 +16,9 @@ from typing import Any
 import torch
 
 from arealite.config.schema import ActorConfig
-from arealite.engine.fsdp import FSDPEngine
-from arealite.engine.fsdp_model import without_dropout
-from arealite.engine.packing import register_varlen_attention
+from arealite.train_engine.fsdp import FSDPEngine
+from arealite.train_engine.fsdp_model import without_dropout
+from arealite.train_engine.packing import register_varlen_attention
 
 __all__ = ["ValueEngine", "value_model"]
 

@@ -25,10 +25,10 @@ from typing import Any, Iterator
 import torch
 import torch.distributed as dist
 
-from arealite.api.engine import PostHook
+from arealite.api.contracts import PostHook
 from arealite.config.schema import ActorConfig
-from arealite.engine.fsdp import FSDPEngine
-from arealite.engine.fsdp_checkpoint import tied_duplicate_names, write_hf_dir
+from arealite.train_engine.fsdp import FSDPEngine
+from arealite.train_engine.fsdp_checkpoint import tied_duplicate_names, write_hf_dir
 from arealite.lora import peft_model
 from arealite.lora.files import write_adapter_dir
 from arealite.utils.buckets import buckets_of

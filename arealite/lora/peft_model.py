@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from arealite.config.schema import LoraConfig
-from arealite.engine.fsdp_model import causal_lm
+from arealite.train_engine.fsdp_model import causal_lm
 from arealite.lora.modules import check_target_modules
 
 #: PEFT's adapter name for the one adapter the engine trains.

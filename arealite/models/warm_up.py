@@ -21,7 +21,7 @@ from tensordict import TensorDict
 
 from arealite.algo.sft import sft_loss_fn, sft_loss_weight
 from arealite.config.schema import ActorConfig, OptimizerConfig
-from arealite.engine.fsdp import FSDPEngine
+from arealite.train_engine.fsdp import FSDPEngine
 
 __all__ = ["demo_arguments", "start_demo_dir", "supervised_warm_up"]
 

@@ -25,7 +25,7 @@ import uuid
 from typing import Any
 
 from arealite.config.agent import JudgeConfig
-from arealite.engine.wire import loads as strict_json  # no NaN, bounded nesting
+from arealite.inference_client.wire import loads as strict_json  # no NaN, bounded nesting
 
 __all__ = ["Judge", "configure", "judge_reward"]
 

@@ -26,7 +26,7 @@ from typing import Any, Callable, Coroutine, Iterable
 
 from tensordict import TensorDict
 
-from arealite.api.engine import InferenceClient
+from arealite.api.contracts import InferenceClient
 from arealite.api.types import validate_trajectory
 from arealite.config.schema import RolloutConfig
 from arealite.rollout.dropped import DroppedItems
@@ -76,13 +76,13 @@ class _Job:
 class RolloutController:
     """Runs ``RolloutWorkflow``s on a background event loop under the staleness bound.
 
-    ``engine``: the inference client workflows generate with (``arealite.api.engine.InferenceClient``;
+    ``client``: the inference client workflows generate with (``arealite.api.contracts.InferenceClient``;
     its ``initialize``/``aclose`` run on the controller's loop at start/stop).
     ``world_size``: trainer ranks; this rank's consumer batch is
     ``consumer_batch_size // world_size`` groups.
     """
 
-    def __init__(self, engine: InferenceClient, config: RolloutConfig, world_size: int = 1):
+    def __init__(self, client: InferenceClient, config: RolloutConfig, world_size: int = 1):
         if world_size < 1:
             raise ValueError(f"world_size must be >= 1, got {world_size}")
         if config.consumer_batch_size < world_size:
@@ -90,7 +90,7 @@ class RolloutController:
                 f"rollout.consumer_batch_size={config.consumer_batch_size} is smaller than the "
                 f"{world_size} trainer ranks; each rank needs at least one group per step"
             )
-        self.engine = engine
+        self.client = client
         self.config = config
         self.world_size = world_size
         self.batch_size = config.consumer_batch_size // world_size
@@ -119,16 +119,16 @@ class RolloutController:
 
     # ------------------------------------------------------------ lifecycle
     def start(self, init_timeout: float = 300.0) -> "RolloutController":
-        """Start the event loop thread; initialise the engine on it (if it has ``initialize``)."""
+        """Start the event loop thread; initialise the client on it (if it has ``initialize``)."""
         if self._thread is not None:
             raise RuntimeError("controller already started")
         self._old_switch_interval = tune_process(self.config.gil_switch_interval_ms, self.config.freeze_gc)
         self._lt.start()
-        init = getattr(self.engine, "initialize", None)
+        init = getattr(self.client, "initialize", None)
         if init is not None:
             try:
                 self.run(init(timeout=init_timeout), timeout=init_timeout + 30)
-            except TypeError:  # an engine whose initialize takes no timeout
+            except TypeError:  # a client whose initialize takes no timeout
                 self.run(init(), timeout=init_timeout + 30)
             except BaseException:
                 self.stop()
@@ -136,7 +136,7 @@ class RolloutController:
         return self
 
     def stop(self, timeout: float = 10.0) -> None:
-        """Cancel running episodes, close the engine, stop and join the loop thread."""
+        """Cancel running episodes, close the client, stop and join the loop thread."""
         if not self._lt.running:
             return
         try:
@@ -160,7 +160,7 @@ class RolloutController:
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
-        close = getattr(self.engine, "aclose", None)
+        close = getattr(self.client, "aclose", None)
         if close is not None:
             await close()
         await cancel_other_tasks()
@@ -196,7 +196,7 @@ class RolloutController:
     def submit(self, item: Any, workflow: RolloutWorkflow, should_accept: ShouldAccept | None = None) -> None:
         """Queue one item (one group) for ``workflow``; raise ``queue.Full``-like error if the input queue is full."""
         if not hasattr(workflow, "arun_episode"):
-            raise TypeError(f"workflow must have an async arun_episode(engine, item), got {type(workflow).__name__}")
+            raise TypeError(f"workflow must have an async arun_episode(client, item), got {type(workflow).__name__}")
         self._call(self._enqueue_on_loop, [item], workflow, should_accept, True)
 
     def _enqueue_on_loop(self, items: list[Any], workflow: RolloutWorkflow, should_accept: ShouldAccept | None,
@@ -244,7 +244,7 @@ class RolloutController:
 
     async def _run_job(self, jid: int, job: _Job) -> None:
         try:
-            td = await job.workflow.arun_episode(self.engine, job.item)
+            td = await job.workflow.arun_episode(self.client, job.item)
             if td is not None:
                 validate_trajectory(td, where=f"workflow {type(job.workflow).__name__}")
             accept = td is not None and (job.should_accept is None or bool(job.should_accept(td)))

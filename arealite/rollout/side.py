@@ -2,7 +2,7 @@
 
 It joins what produces training batches: the inference client, the `RolloutController`,
 this rank's dataloader and the workflows (training and evaluation). The trainer talks to
-it through the `RolloutSide` contract (`arealite.api.engine`), so that the same loop runs
+it through the `RolloutSide` contract (`arealite.api.contracts`), so that the same loop runs
 it in the trainer's own process (`LocalRollout`) or in a child process
 (`arealite.rollout.worker.RolloutWorker`, which runs a `LocalRollout` there).
 """
@@ -15,14 +15,14 @@ from typing import Any
 
 from tensordict import TensorDictBase
 
-from arealite.api.engine import InferenceClient, Runner, WeightUpdateAdmin
+from arealite.api.contracts import InferenceClient, Runner, WeightUpdateAdmin
 from arealite.config.schema import RolloutConfig
 from arealite.reward.metrics import episode_scores
 from arealite.rollout.controller import RolloutController
 from arealite.workflow.base import RolloutWorkflow
 
 
-def episode_sums(run: Runner, engine: InferenceClient, items: Sequence[dict[str, Any]],
+def episode_sums(run: Runner, client: InferenceClient, items: Sequence[dict[str, Any]],
                  workflow: RolloutWorkflow, max_concurrency: int = 64, ks: Sequence[int] = ()) -> dict[str, float]:
     """Run `workflow` once on every item (outside the training queue and the staleness
     accounting); returns the sums of `arealite.reward.metrics.episode_scores` (rows with
@@ -33,7 +33,7 @@ def episode_sums(run: Runner, engine: InferenceClient, items: Sequence[dict[str,
 
         async def one(item):
             async with sem:
-                return await workflow.arun_episode(engine, item)
+                return await workflow.arun_episode(client, item)
 
         return await asyncio.gather(*(one(it) for it in items))
 

@@ -29,7 +29,7 @@ from multiprocessing.connection import Connection, Pipe
 from dataclasses import dataclass
 from typing import Any, Sequence
 
-from arealite.api.engine import InferenceClient, Runner, WeightUpdateAdmin
+from arealite.api.contracts import InferenceClient, Runner, WeightUpdateAdmin
 from arealite.config.schema import ArealiteConfig
 from arealite.rollout.loop_thread import LoopThread
 from arealite.utils.procs import die_with_parent
@@ -162,7 +162,7 @@ def runs_in_a_worker(*workflows: RolloutWorkflow | None) -> str | None:
     return None
 
 
-class Placement:
+class CoreMigration:
     """Moves the rollout worker to the trainer's cores when the trainer waits for batches.
 
     The worker starts beside the servers (``AREALITE_ROLLOUT_CPUS``), which is right when
@@ -232,7 +232,7 @@ class RolloutWorker:
                                      stdin=subprocess.DEVNULL)
         child_conn.close()
         self._stopped = False
-        self._placement = (Placement(self.proc.pid, os.sched_getaffinity(0))
+        self._cores = (CoreMigration(self.proc.pid, os.sched_getaffinity(0))
                            if os.environ.get(ENV_ROLLOUT_CPUS) and hasattr(os, "sched_getaffinity") else None)
         self._last_batch_at: float | None = None
         _send(self._conn, spec)
@@ -308,8 +308,8 @@ class RolloutWorker:
         self._pending_dropped.extend(dropped)
         self._fresh = True
         now = time.monotonic()
-        if self._placement is not None and self._last_batch_at is not None:
-            self._placement.observe(now - t0, now - self._last_batch_at)
+        if self._cores is not None and self._last_batch_at is not None:
+            self._cores.observe(now - t0, now - self._last_batch_at)
         self._last_batch_at = now
         return batch
 

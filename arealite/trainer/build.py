@@ -1,6 +1,6 @@
 """Builders of the run's parts from config: data, train engines, actor, inference client.
 
-Each returns an object typed by its contract (`arealite.api.engine`); `RLTrainer`
+Each returns an object typed by its contract (`arealite.api.contracts`); `RLTrainer`
 wires them together. A second backend is one more branch here and one module.
 """
 
@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 
 from arealite.algo.actor import PPOActor
-from arealite.api.engine import InferenceClient, RolloutSide, TrainEngine
+from arealite.api.contracts import InferenceClient, RolloutSide, TrainEngine
 from arealite.config.schema import ArealiteConfig
 from arealite.data.dataset import StatefulDataLoader, load_items
 from arealite.data.validate import validate_datasets
@@ -63,7 +63,7 @@ def make_loader(cfg: ArealiteConfig, items: list[dict], rank: int, world: int) -
 def build_train_engines(cfg: ArealiteConfig, total_steps: int) -> tuple[TrainEngine, TrainEngine | None]:
     """The actor's engine (joins the torchrun process group) and, with a KL term, a frozen
     reference engine (with LoRA: the actor's own weights with the adapters off)."""
-    from arealite.engine.fsdp import FSDPEngine
+    from arealite.train_engine.fsdp import FSDPEngine
 
     if cfg.actor.lora is not None:
         from arealite.lora import LoraFSDPEngine
@@ -106,13 +106,13 @@ def build_actor(cfg: ArealiteConfig, engine: TrainEngine, ref_engine: TrainEngin
 
 
 def build_inference_client(cfg: ArealiteConfig, tokenizer: Any) -> InferenceClient:
-    """The client of `launch.server_backend`'s servers (`arealite.engine.backends`)."""
-    from arealite.engine.backends import make_remote_engine
+    """The inference client of `launch.server_backend`'s servers (`arealite.inference_client.backends`)."""
+    from arealite.inference_client.backends import client_class
 
-    return make_remote_engine(cfg.launch.server_backend, server_addrs(cfg), cfg.rollout,
-                              api_key=server_api_key(cfg), eos_token_ids=[tokenizer.eos_token_id],
-                              vocab_size=vocab_bound(cfg.actor.model_path, tokenizer),
-                              lora_adapter=cfg.actor.lora.served_name if cfg.actor.lora is not None else None)
+    return client_class(cfg.launch.server_backend)(
+        server_addrs(cfg), cfg.rollout, api_key=server_api_key(cfg), eos_token_ids=[tokenizer.eos_token_id],
+        vocab_size=vocab_bound(cfg.actor.model_path, tokenizer),
+        lora_adapter=cfg.actor.lora.served_name if cfg.actor.lora is not None else None)
 
 
 def build_rollout(cfg: ArealiteConfig, tokenizer: Any, loader: Any, world: int,

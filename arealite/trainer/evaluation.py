@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from arealite.algo.returns import collective_device
-from arealite.api.engine import RolloutSide
+from arealite.api.contracts import RolloutSide
 from arealite.reward.metrics import eval_ks
 
 __all__ = ["evaluate"]

@@ -57,7 +57,7 @@ class RLTrainer:
         for name, wf in (("workflow", workflow), ("eval_workflow", eval_workflow)):
             if wf is not None and not callable(getattr(wf, "arun_episode", None)):
                 raise TypeError(f"RLTrainer {name} is a {type(wf).__name__}, which has no "
-                                "`async arun_episode(engine, item)`: pass a RolloutWorkflow")
+                                "`async arun_episode(client, item)`: pass a RolloutWorkflow")
         self.config = config
         self.hooks = list(hooks)
         self.workflow = workflow

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from arealite.api.engine import (
+from arealite.api.contracts import (
     InferenceClient,
     Pausable,
     Runner,
@@ -167,7 +167,7 @@ def make_publisher(config, client: InferenceClient, train_engine: TrainEngine, c
     """The publisher of a run: `train_engine`'s weights to `client`'s servers.
 
     `config` is the whole `ArealiteConfig`; `client` an initialized inference client
-    whose ``admin`` administers its servers (``RemoteSGLangEngine``); `controller` the
+    whose ``admin`` administers its servers (``SGLangClient``); `controller` the
     rollout controller (paused around each update; its ``run`` runs admin coroutines on
     the client's loop unless `run` is given). The train engine, the controller and the
     client get the new version. `source` overrides what is read (default: the engine);

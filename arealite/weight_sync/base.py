@@ -24,7 +24,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from arealite.api.engine import Runner, WeightSource, WeightUpdateAdmin
+from arealite.api.contracts import Runner, WeightSource, WeightUpdateAdmin
 from arealite.utils.buckets import buckets_of  # noqa: F401  (re-exported)
 
 logger = logging.getLogger("arealite.weight_sync")

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from arealite.api.engine import Runner, WeightSource, WeightUpdateAdmin, require
+from arealite.api.contracts import Runner, WeightSource, WeightUpdateAdmin, require
 from arealite.weight_sync.base import (
     Timer,
     WeightSyncError,

@@ -39,7 +39,7 @@ from typing import Any, Callable, Literal
 
 import torch
 
-from arealite.api.engine import DistributedUpdateAdmin, Runner, WeightSource, require
+from arealite.api.contracts import DistributedUpdateAdmin, Runner, WeightSource, require
 from arealite.utils.net import free_port, host_ip, split_addr
 from arealite.weight_sync.base import (
     Timer,

@@ -33,7 +33,7 @@ from typing import Any, Iterator
 
 import torch
 
-from arealite.api.engine import Runner, WeightUpdateAdmin, require
+from arealite.api.contracts import Runner, WeightUpdateAdmin, require
 from arealite.lora.engine import LoraFSDPEngine
 from arealite.lora.files import write_adapter_dir
 from arealite.weight_sync.base import Timer, bucket_bytes_of, call_dropping_dead, logger

@@ -29,7 +29,7 @@ from typing import Protocol
 
 import torch
 
-from arealite.api.engine import WeightSource
+from arealite.api.contracts import WeightSource
 from arealite.weight_sync.base import AdminCall, WeightSyncError
 
 __all__ = ["LogprobProbe", "PromptScorer", "default_probe_tolerance", "probe_tokens"]

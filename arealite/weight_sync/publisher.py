@@ -35,7 +35,7 @@ from typing import Any
 
 import torch
 
-from arealite.api.engine import (
+from arealite.api.contracts import (
     Pausable,
     Runner,
     Versioned,

@@ -38,7 +38,7 @@ from pathlib import Path
 
 import torch
 
-from arealite.api.engine import Runner, ShmUpdateAdmin, WeightSource, require
+from arealite.api.contracts import Runner, ShmUpdateAdmin, WeightSource, require
 from arealite.utils.net import is_local_host, split_addr
 from arealite.weight_sync.base import (
     Timer,

@@ -22,9 +22,9 @@ from typing import Protocol
 
 import torch
 
-from arealite.api.engine import WeightSource, WeightUpdateAdmin
-from arealite.engine.errors import ServerAdminError
-from arealite.engine.sglang_wire import READBACK_UNSUPPORTED
+from arealite.api.contracts import WeightSource, WeightUpdateAdmin
+from arealite.inference_client.errors import ServerAdminError
+from arealite.inference_client.sglang_wire import READBACK_UNSUPPORTED
 from arealite.weight_sync.base import VERIFY_TRUNCATE, AdminCall, ReadbackSample, compare_readback, logger
 
 __all__ = ["ReadbackVerifier", "Verifiers", "WeightVerifier"]

@@ -34,7 +34,8 @@ from arealite.agent.trajectory import call_returns, episode_rows
 from arealite.config.agent import AgentConfig
 from arealite.config.schema import GenerationConfig
 from arealite.utils.imports import import_callable
-from arealite.workflow.base import InferenceEngine, RolloutWorkflow, new_group_id, pad_and_stack
+from arealite.api.contracts import InferenceClient
+from arealite.workflow.base import RolloutWorkflow, new_group_id, pad_and_stack
 from arealite.workflow.registry import builtin_workflow
 
 __all__ = ["AgentError", "AgentWorkflow"]
@@ -155,8 +156,8 @@ class AgentWorkflow(RolloutWorkflow):
                                   timeout=self.timeout_s, http_client=self._http)
 
     # ------------------------------------------------------------ episodes
-    async def _episode(self, ep: Any, engine: InferenceEngine, item: dict[str, Any], gid: int) -> tuple:
-        session = ep.open_session(engine, f"agent-g{gid}")
+    async def _episode(self, ep: Any, client: InferenceClient, item: dict[str, Any], gid: int) -> tuple:
+        session = ep.open_session(client, f"agent-g{gid}")
         self.counters["episodes"] += 1
         name = getattr(self.run, "__qualname__", repr(self.run))
         try:
@@ -185,10 +186,10 @@ class AgentWorkflow(RolloutWorkflow):
             call.reward = call_rewards.get(call.id)
         return session.calls, reward, call_rewards
 
-    async def arun_episode(self, engine: InferenceEngine, item: dict[str, Any]) -> TensorDict | None:
+    async def arun_episode(self, client: InferenceClient, item: dict[str, Any]) -> TensorDict | None:
         ep = await self.endpoint()
         gid = new_group_id()
-        tasks = [asyncio.ensure_future(self._episode(ep, engine, item, gid)) for _ in range(self.generation.n_samples)]
+        tasks = [asyncio.ensure_future(self._episode(ep, client, item, gid)) for _ in range(self.generation.n_samples)]
         try:
             episodes = await asyncio.gather(*tasks)
         except BaseException:

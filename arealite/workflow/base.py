@@ -1,7 +1,7 @@
 """The user-facing extension point: how one dataset item becomes trajectories.
 
-A workflow is one coroutine, ``arun_episode(engine, item)``, that calls the
-inference engine as often as it likes (n samples, several turns, tools),
+A workflow is one coroutine, ``arun_episode(client, item)``, that calls the
+inference client as often as it likes (n samples, several turns, tools),
 computes rewards and returns one flat TensorDict (see
 ``arealite.api.types.TRAJECTORY_KEYS``), or ``None`` to reject the item.
 The controller runs many of them at once on its event loop; a workflow must
@@ -24,12 +24,10 @@ from typing import Any, Sequence
 import torch
 from tensordict import TensorDict
 
-from arealite.api.engine import Generator
+from arealite.api.contracts import InferenceClient
 from arealite.api.types import mark_well_formed
 
 
-#: What a workflow calls: ``await engine.agenerate(GenerationRequest) -> Completion``.
-InferenceEngine = Generator
 
 
 class RolloutWorkflow:
@@ -48,7 +46,7 @@ class RolloutWorkflow:
     ``arealite.workflow.registry``; docs/write_a_workflow.md walks through one).
     """
 
-    async def arun_episode(self, engine: InferenceEngine, item: dict[str, Any]) -> TensorDict | None:
+    async def arun_episode(self, client: InferenceClient, item: dict[str, Any]) -> TensorDict | None:
         """Turn one dataset item into a TensorDict of trajectories, or ``None`` to reject it."""
         raise NotImplementedError
 
@@ -93,7 +91,7 @@ def trajectory_row(
             if len(p_lp) != n or p_ver is None or len(p_ver) != n:
                 raise ValueError(
                     f"generated piece has {n} tokens but {len(p_lp)} logprobs and "
-                    f"{None if p_ver is None else len(p_ver)} versions; the engine must return one of each per token"
+                    f"{None if p_ver is None else len(p_ver)} versions; the client must return one of each per token"
                 )
             if n:
                 generated.append((start, len(ids), p_lp, p_ver))
@@ -150,7 +148,7 @@ def _piece_check(n: int, lps: Sequence[float] | None, vers: Sequence[int] | None
     if lps is None or len(lps) != n or vers is None or len(vers) != n:
         raise ValueError(
             f"generated piece has {n} tokens but {None if lps is None else len(lps)} logprobs and "
-            f"{None if vers is None else len(vers)} versions; the engine must return one of each per token"
+            f"{None if vers is None else len(vers)} versions; the client must return one of each per token"
         )
 
 

@@ -33,7 +33,8 @@ from arealite.reward import load_reward_fn
 from arealite.reward.pool import RewardError
 from arealite.utils.imports import import_callable
 from arealite.utils.tokenizer import decode
-from arealite.workflow.base import InferenceEngine, RolloutWorkflow, new_group_id, pad_and_stack, trajectory_row
+from arealite.api.contracts import InferenceClient
+from arealite.workflow.base import RolloutWorkflow, new_group_id, pad_and_stack, trajectory_row
 from arealite.workflow.common import (
     RewardFn,
     RewardScorer,
@@ -156,12 +157,12 @@ class MultiTurnWorkflow(RolloutWorkflow):
         return StepResult(r, done, None if done else self.feedback)
 
     # -- one conversation ---------------------------------------------------
-    async def _conversation(self, engine: InferenceEngine, item: dict[str, Any], prompt_ids: list[int], affinity: str):
+    async def _conversation(self, client: InferenceClient, item: dict[str, Any], prompt_ids: list[int], affinity: str):
         ids = list(prompt_ids)
         pieces: list[tuple[list[int], list[float] | None, list[int] | None]] = []
         steps: list[tuple[int, float]] = []  # (index into pieces of the model turn, reward)
         for turn in range(self.max_turns):
-            comp: Completion = await engine.agenerate(
+            comp: Completion = await client.agenerate(
                 GenerationRequest(input_ids=list(ids), sampling=self.sampling, affinity_key=affinity)
             )
             out = list(comp.output_ids)
@@ -184,12 +185,12 @@ class MultiTurnWorkflow(RolloutWorkflow):
             ids.extend(piece)
         return pieces, steps
 
-    async def arun_episode(self, engine: InferenceEngine, item: dict[str, Any]) -> TensorDict | None:
+    async def arun_episode(self, client: InferenceClient, item: dict[str, Any]) -> TensorDict | None:
         _, prompt_ids = encode_prompt(self.tokenizer, item, self.prompt_key, apply_chat_template=True)
         gid = new_group_id()
         try:
             convs = await asyncio.gather(
-                *(self._conversation(engine, item, prompt_ids, f"group-{gid}") for _ in range(self.generation.n_samples))
+                *(self._conversation(client, item, prompt_ids, f"group-{gid}") for _ in range(self.generation.n_samples))
             )
         except RewardError:
             self.counters["reward_rejected_groups"] += 1

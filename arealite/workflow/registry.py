@@ -63,7 +63,7 @@ def resolve_workflow_class(spec: str) -> type:
     except (ImportError, AttributeError, TypeError) as e:
         raise ValueError(str(e)) from None
     if not (inspect.isclass(cls) and callable(getattr(cls, "arun_episode", None))):
-        raise ValueError(f"{spec!r} is not a class with an `async arun_episode(engine, item)` method "
+        raise ValueError(f"{spec!r} is not a class with an `async arun_episode(client, item)` method "
                          "(subclass arealite.workflow.base.RolloutWorkflow)")
     return cls
 

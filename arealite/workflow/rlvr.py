@@ -23,7 +23,8 @@ from arealite.api.types import Completion, GenerationRequest
 from arealite.config.schema import GenerationConfig, RolloutConfig
 from arealite.reward import load_reward_fn
 from arealite.utils.tokenizer import decode, decode_many, prepare_decode
-from arealite.workflow.base import InferenceEngine, RolloutWorkflow, group_from_outputs, new_group_id
+from arealite.api.contracts import InferenceClient
+from arealite.workflow.base import RolloutWorkflow, group_from_outputs, new_group_id
 from arealite.workflow.common import (
     RewardFn,
     RewardScorer,
@@ -106,7 +107,7 @@ class RLVRWorkflow(RolloutWorkflow):
         return await self.scorer(prompt, completion, prompt_ids, completion_ids,
                                  item_fields(item) if fields is None else fields)
 
-    async def arun_episode(self, engine: InferenceEngine, item: dict[str, Any]) -> TensorDict | None:
+    async def arun_episode(self, client: InferenceClient, item: dict[str, Any]) -> TensorDict | None:
         prompt, prompt_ids = encode_prompt(self.tokenizer, item, self.prompt_key, self.apply_chat_template)
         gid = new_group_id()
         group = f"group-{gid}"
@@ -120,11 +121,11 @@ class RLVRWorkflow(RolloutWorkflow):
         fields = item_fields(item)
         tok = self.tokenizer
         if n == 1:  # the common evaluation and benchmark case: no task per sample
-            comps: list[Completion] = [await engine.agenerate(reqs[0])]
+            comps: list[Completion] = [await client.agenerate(reqs[0])]
             texts = [decode(tok, comps[0].output_ids)]
             rewards = [await self.scorer(prompt, texts[0], prompt_ids, list(comps[0].output_ids), fields)]
         else:
-            comps = list(await asyncio.gather(*[engine.agenerate(r) for r in reqs]))
+            comps = list(await asyncio.gather(*[client.agenerate(r) for r in reqs]))
             texts = decode_many(tok, [c.output_ids for c in comps])
             rewards = await asyncio.gather(
                 *[self.scorer(prompt, t, prompt_ids, list(c.output_ids), fields) for c, t in zip(comps, texts)]

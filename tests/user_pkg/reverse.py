@@ -36,14 +36,14 @@ class ReverseWorkflow(RolloutWorkflow):
             return 1.0
         return self.length_bonus if len(answer) == len(digits) else 0.0
 
-    async def arun_episode(self, engine, item):
+    async def arun_episode(self, client, item):
         _trace("workflow")
         g = self.generation
         prompt_ids = self.tokenizer.encode(item["prompt"], add_special_tokens=False)
         sampling = SamplingParams(max_new_tokens=g.max_new_tokens, temperature=g.temperature,
                                   greedy=g.greedy, stop_token_ids=[self.tokenizer.eos_token_id])
         key = os.urandom(8).hex()
-        outs = await asyncio.gather(*(engine.agenerate(GenerationRequest(
+        outs = await asyncio.gather(*(client.agenerate(GenerationRequest(
             input_ids=prompt_ids, sampling=sampling, affinity_key=key)) for _ in range(g.n_samples)))
         digits = item["prompt"].split()[1]
         rewards = [self.reward(digits, self.tokenizer.decode(o.output_ids, skip_special_tokens=True))

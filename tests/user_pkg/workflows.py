@@ -11,7 +11,7 @@ class NeedsPieces(RolloutWorkflow):
     def __init__(self, tokenizer, generation, *, bonus: float, tag: str = "x"):
         self.tokenizer, self.generation, self.bonus, self.tag = tokenizer, generation, bonus, tag
 
-    async def arun_episode(self, engine, item):
+    async def arun_episode(self, client, item):
         return None
 
 
@@ -25,7 +25,7 @@ class FromConfig(RolloutWorkflow):
     def from_config(cls, cfg, tokenizer, scale: int = 1):
         return cls(cfg, tokenizer, scale)
 
-    async def arun_episode(self, engine, item):
+    async def arun_episode(self, client, item):
         return None
 
 

@@ -1,7 +1,7 @@
 """SGLang's administration routes: what a weight update asks of the servers.
 
 `SGLangAdmin` implements ``WeightUpdateAdmin`` (and its distributed and shared-memory
-extensions, see `arealite.api.engine`) over the `ServerPool` that the generation
+extensions, see `arealite.api.contracts`) over the `ServerPool` that the generation
 client uses, so that both see the same rotation: a server that leaves it for one
 leaves it for the other, and while ``pause_generation`` lasts the client holds its
 requests. Every call goes to the servers in rotation concurrently and raises one
@@ -16,9 +16,9 @@ import uuid
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from arealite.engine.errors import ServerAdminError
-from arealite.engine.server_pool import ServerPool, ServerState
-from arealite.engine.sglang_wire import has_weight_update_brackets, parse_prompt_logprobs, prompt_score_body
+from arealite.inference_client.errors import ServerAdminError
+from arealite.inference_client.server_pool import ServerPool, ServerState
+from arealite.inference_client.sglang_wire import has_weight_update_brackets, parse_prompt_logprobs, prompt_score_body
 
 __all__ = ["SGLangAdmin"]
 

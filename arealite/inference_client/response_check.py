@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import math
 
-from arealite.engine.errors import AttemptFailure
-from arealite.engine.wire import Segment
+from arealite.inference_client.errors import AttemptFailure
+from arealite.inference_client.wire import Segment
 
 __all__ = ["LOGPROB_SLACK", "MAX_VERSION", "check_segment"]
 

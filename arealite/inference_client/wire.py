@@ -9,8 +9,8 @@ between SGLang and, say, vLLM is small and lives behind `WireFormat`:
 - what a server says about itself (release, tensor-parallel size) and on which routes.
 
 Adding a backend is one module with its `WireFormat`, its administration (as
-`sglang_admin.py` for SGLang) and the engine that joins them (as `sglang_remote.py`),
-plus one entry in `arealite.engine.backends`.
+`sglang_admin.py` for SGLang) and the engine that joins them (as `sglang_client.py`),
+plus one entry in `arealite.inference_client.backends`.
 """
 
 from __future__ import annotations

@@ -40,12 +40,12 @@ import aiohttp
 
 from arealite.api.types import Completion, GenerationRequest
 from arealite.config.schema import RolloutConfig
-from arealite.engine.errors import AttemptFailure, BadRequestError, GenerationError, NoHealthyServerError
-from arealite.engine.http1 import HttpConnectionError, HttpProtocolError, HttpResponseTooLarge
-from arealite.engine.response_check import check_segment
-from arealite.engine.server_pool import Attempt, Router, ServerPool, ServerState, read_body
-from arealite.engine.coalesce import RequestBatcher, SharedFailure, retryable_status
-from arealite.engine.wire import JSON_HEADERS, Segment, WireFormat, describe, encode_request, error_message, snippet
+from arealite.inference_client.errors import AttemptFailure, BadRequestError, GenerationError, NoHealthyServerError
+from arealite.inference_client.http1 import HttpConnectionError, HttpProtocolError, HttpResponseTooLarge
+from arealite.inference_client.response_check import check_segment
+from arealite.inference_client.server_pool import Attempt, Router, ServerPool, ServerState, read_body
+from arealite.inference_client.coalesce import RequestBatcher, SharedFailure, retryable_status
+from arealite.inference_client.wire import JSON_HEADERS, Segment, WireFormat, describe, encode_request, error_message, snippet
 
 logger = logging.getLogger(__name__)
 
@@ -91,7 +91,7 @@ class RemoteInferenceClient:
     format. ``api_key`` is sent as ``Authorization: Bearer <key>`` on every request and
     never logged. ``eos_token_ids`` (optional) are treated as stop tokens when an aborted
     segment ends on one. Every answer is checked before its tokens are kept
-    (`arealite.engine.response_check`: ids ints within ``vocab_size``, at most the budget,
+    (`arealite.inference_client.response_check`: ids ints within ``vocab_size``, at most the budget,
     finite log-probs <= 0, a body of at most ``rollout.max_response_bytes``); one that
     fails is a malformed answer, retried on another server. A server leaves the rotation after ``unhealthy_after``
     consecutive failures and is probed every ``health_probe_interval_s`` seconds to come

@@ -27,9 +27,9 @@ from typing import Any
 
 import aiohttp
 
-from arealite.engine.errors import NoHealthyServerError, ServerAdminError, ServerStartupError
-from arealite.engine.http1 import Http1Pool, HttpResponseTooLarge
-from arealite.engine.wire import JSON_HEADERS, WireFormat, describe, dumps, error_message, loads, snippet
+from arealite.inference_client.errors import NoHealthyServerError, ServerAdminError, ServerStartupError
+from arealite.inference_client.http1 import Http1Pool, HttpResponseTooLarge
+from arealite.inference_client.wire import JSON_HEADERS, WireFormat, describe, dumps, error_message, loads, snippet
 
 logger = logging.getLogger(__name__)
 
@@ -117,7 +117,7 @@ class ServerPool:
 
     def __init__(self, addrs: Sequence[str] | str, *, wire: WireFormat, max_inflight: int,
                  request_timeout_s: float, api_key: str | None = None, unhealthy_after: int = 3,
-                 probe_interval_s: float = 5.0, owner: str = "RemoteSGLangEngine",
+                 probe_interval_s: float = 5.0, owner: str = "SGLangClient",
                  max_response_bytes: int = 64 << 20):
         if isinstance(addrs, str):
             addrs = [a for a in addrs.split(",") if a.strip()]

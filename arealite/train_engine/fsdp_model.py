@@ -2,7 +2,7 @@
 
 The model loads with fp32 master weights (``actor.dtype`` only sets the compute
 dtype, through FSDP's mixed-precision policy), without dropout, with the varlen
-attention function of ``arealite.engine.packing``, and every decoder layer
+attention function of ``arealite.train_engine.packing``, and every decoder layer
 sharded on its own (then the root), as FSDP2 recommends.
 """
 
@@ -16,10 +16,10 @@ from typing import Any, Callable
 import torch
 
 from arealite.config.schema import ActorConfig, OptimizerConfig
-from arealite.engine.lr_schedule import build_lr_scheduler
-from arealite.engine.packing import register_varlen_attention
+from arealite.train_engine.lr_schedule import build_lr_scheduler
+from arealite.train_engine.packing import register_varlen_attention
 
-logger = logging.getLogger("arealite.engine.fsdp")
+logger = logging.getLogger("arealite.train_engine.fsdp")
 
 
 def compute_dtype(name: str, device_type: str) -> torch.dtype:

@@ -3,13 +3,13 @@
 Each part is written against these Protocols, never against a concrete class, so that a
 second backend is one new module that satisfies the same contract:
 
-- `Generator` (what a workflow sees: ``agenerate``) and `InferenceClient` (the rollout
-  side's whole client: generation, pause/resume, versions). `RemoteSGLangEngine` is one; a vLLM
+- `InferenceClient`: generates completions on the inference servers (``agenerate``), with
+  pause/resume and versions for the rollout controller. `SGLangClient` is one; a vLLM
   client would be another. Workflows and the rollout controller see only this.
 - `WeightUpdateAdmin`: the inference servers' administration routes that a weight
   update needs (pause/continue, load from disk, read back); `DistributedUpdateAdmin`
   adds the update group, `ShmUpdateAdmin` loading from shared memory.
-  `arealite.engine.sglang_admin.SGLangAdmin` implements all three.
+  `arealite.inference_client.sglang_admin.SGLangAdmin` implements all three.
 - `TrainEngine`: trains (forward, backward, optimizer step) for any loss it is given,
   saves and loads checkpoints, exports weights. `FSDPEngine` is one. It does not know
   what GRPO is.
@@ -45,21 +45,16 @@ Runner = Callable[[Coroutine[Any, Any, Any]], Any]
 
 
 @runtime_checkable
-class Generator(Protocol):
-    """All a workflow needs from an inference client: one completion per request.
-    Workflows are typed against this, so a test can hand them a scripted stand-in."""
-
-    async def agenerate(self, req: GenerationRequest) -> Completion: ...
-
-
-@runtime_checkable
-class InferenceClient(Generator, Protocol):
+class InferenceClient(Protocol):
     """Generates completions on inference servers. It only generates.
 
+    A workflow calls ``agenerate`` alone (a test may hand it a stand-in with only that);
     ``pause``/``resume`` hold and release the client's own new submissions (the servers
     are paused by the weight transfer); ``set_version`` tells it the policy version the
     servers hold, which tags every token it returns.
     """
+
+    async def agenerate(self, req: GenerationRequest) -> Completion: ...
 
     async def initialize(self, timeout: float = 300.0) -> None: ...
 

@@ -1,4 +1,4 @@
-"""``RemoteSGLangEngine``: the inference client for SGLang (and the embedded server).
+"""``SGLangClient``: the inference client for SGLang (and the embedded server).
 
 It joins the three pieces of a backend over one `ServerPool`:
 
@@ -21,21 +21,21 @@ from collections.abc import Iterable, Sequence
 from typing import Any, Callable
 
 from arealite.config.schema import RolloutConfig
-from arealite.engine.errors import (
+from arealite.inference_client.errors import (
     BadRequestError,
     GenerationError,
     NoHealthyServerError,
     ServerAdminError,
     ServerStartupError,
 )
-from arealite.engine.remote_client import RemoteInferenceClient
-from arealite.engine.sglang_admin import SGLangAdmin
-from arealite.engine.sglang_wire import WEIGHT_UPDATE_BRACKETS_SINCE, SGLangWire, parse_sglang_version
-from arealite.engine.wire import dumps as _dumps  # noqa: F401  (benchmarks import these from here)
-from arealite.engine.wire import loads as _loads  # noqa: F401
+from arealite.inference_client.remote_client import RemoteInferenceClient
+from arealite.inference_client.sglang_admin import SGLangAdmin
+from arealite.inference_client.sglang_wire import WEIGHT_UPDATE_BRACKETS_SINCE, SGLangWire, parse_sglang_version
+from arealite.inference_client.wire import dumps as _dumps  # noqa: F401  (benchmarks import these from here)
+from arealite.inference_client.wire import loads as _loads  # noqa: F401
 
 __all__ = [
-    "RemoteSGLangEngine",
+    "SGLangClient",
     "GenerationError",
     "BadRequestError",
     "NoHealthyServerError",
@@ -68,11 +68,11 @@ def _to_admin(name: str, *, tags_version: bool = False) -> Callable[..., Any]:
         def method(self, *args, **kwargs):
             return getattr(self.admin, name)(*args, **kwargs)
     functools.update_wrapper(method, target)
-    method.__qualname__ = f"RemoteSGLangEngine.{name}"
+    method.__qualname__ = f"SGLangClient.{name}"
     return method
 
 
-class RemoteSGLangEngine(RemoteInferenceClient):
+class SGLangClient(RemoteInferenceClient):
     """Generation and administration of SGLang-compatible servers over HTTP.
 
     ``addrs`` are "host:port" (or "http://host:port"). ``api_key`` is sent as
@@ -97,7 +97,7 @@ class RemoteSGLangEngine(RemoteInferenceClient):
         # this name (`arealite.weight_sync.lora` reloads it under the same name each push).
         self.wire.lora_path = self.admin.lora_path = lora_adapter
 
-    async def __aenter__(self) -> "RemoteSGLangEngine":
+    async def __aenter__(self) -> "SGLangClient":
         return await super().__aenter__()
 
     out_of_rotation = _to_admin("out_of_rotation")

@@ -28,7 +28,7 @@ import logging
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from arealite.engine.wire import WireFormat, dumps, encode_request
+from arealite.inference_client.wire import WireFormat, dumps, encode_request
 
 logger = logging.getLogger(__name__)
 

@@ -13,7 +13,7 @@ log-probs from the training forward itself (``arealite.algo.actor``), so that
 forward must score tokens exactly as ``forward`` and the inference servers do.
 
 Layout of the data it is given and of the micro-batches it hands to loss
-functions (``mb``): see docs/internals.md and ``arealite.engine.packing``.
+functions (``mb``): see docs/internals.md and ``arealite.train_engine.packing``.
 
 Attention over packed sequences: the model runs with the attention function
 ``packing.varlen_sdpa_attention`` (registered with transformers), which gets the
@@ -34,9 +34,9 @@ from typing import Any, Iterator
 import torch
 import torch.distributed as dist
 
-from arealite.api.engine import LossFn, LossWeightFn, PostHook
+from arealite.api.contracts import LossFn, LossWeightFn, PostHook
 from arealite.config.schema import ActorConfig
-from arealite.engine.fsdp_checkpoint import (
+from arealite.train_engine.fsdp_checkpoint import (
     export_hf_dir,
     load_sharded,
     restore_rng,
@@ -44,8 +44,8 @@ from arealite.engine.fsdp_checkpoint import (
     save_sharded,
     tied_duplicate_names,
 )
-from arealite.engine.fsdp_model import build_optimizer, causal_lm, compute_dtype, load_sharded_model
-from arealite.engine.packing import PackedIndex, pack, sequence_lengths, split_into_microbatches, unpack
+from arealite.train_engine.fsdp_model import build_optimizer, causal_lm, compute_dtype, load_sharded_model
+from arealite.train_engine.packing import PackedIndex, pack, sequence_lengths, split_into_microbatches, unpack
 from arealite.utils.buckets import buckets_of
 from arealite.utils.dist import default_backend, init_default_group, resolve_device_type
 

@@ -14,8 +14,8 @@ import re
 from typing import Any
 
 from arealite.api.types import SamplingParams
-from arealite.engine.errors import AttemptFailure
-from arealite.engine.wire import Segment, ServerFacts, count, dumps, loads, snippet
+from arealite.inference_client.errors import AttemptFailure
+from arealite.inference_client.wire import Segment, ServerFacts, count, dumps, loads, snippet
 
 logger = logging.getLogger(__name__)
 
