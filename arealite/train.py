@@ -24,10 +24,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from arealite.launcher.local import main as launch
 
         return launch(["arealite.train", *argv])
-    from arealite.config.loader import parse_args
+    from arealite.check import parse_run_args
     from arealite.trainer import RLTrainer
 
-    cfg = parse_args(argv, prog="python -m arealite.train")
+    cfg = parse_run_args(argv, prog="python -m arealite.train")
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s: %(message)s")
     RLTrainer(cfg).train()
     return 0

@@ -24,7 +24,8 @@ from arealite.algo import (
     policy_loss,
 )
 from arealite.algo.loss import bind_policy_loss
-from arealite.config import ConfigError, load_config
+from arealite.check import load_run_config
+from arealite.config import ConfigError
 from arealite.config.schema import AlgorithmConfig
 
 from tests.test_algo_actor import make_batch
@@ -51,7 +52,7 @@ def test_custom_estimator_and_loss_named_in_yaml_drive_a_real_update(tmp_path, m
           policy_loss: tests.custom_algo_example:reinforce_loss
           use_decoupled_loss: false
         """))
-    cfg = load_config(path, check_paths=False)
+    cfg = load_run_config(path, check_paths=False)
     custom.CALLS.clear()
     engine = fsdp.FSDPEngine(cfg.actor, device="cpu").initialize(total_steps=10)
     try:
@@ -101,14 +102,16 @@ def test_a_bad_name_is_a_config_error_naming_field_value_and_choices(tmp_path, f
     path = tmp_path / "cfg.yaml"
     path.write_text(f"algorithm:\n  {field}: {value}\n")
     with pytest.raises(ConfigError) as info:
-        load_config(path, check_paths=False)
+        load_run_config(path, check_paths=False)
     msg = str(info.value)
     assert f"algorithm.{field} = {value!r}" in msg and needle in msg, msg
-    # Overrides go through the same check, and so does assignment to a built config.
+    # Overrides go through the same check, and so does a config built in code, when the actor is made.
     with pytest.raises(ConfigError, match=f"algorithm.{field}"):
-        load_config(None, [f"algorithm.{field}={value}"], check_paths=False)
+        load_run_config(None, [f"algorithm.{field}={value}"], check_paths=False)
+    cfg = AlgorithmConfig()
+    setattr(cfg, field, value)
     with pytest.raises(ValueError, match=field):
-        setattr(AlgorithmConfig(), field, value)
+        PPOActor(cfg, None, 1.0)  # type: ignore[arg-type]  # fails before it needs an engine
 
 
 def test_a_new_builtin_is_one_decorated_function():
@@ -127,11 +130,11 @@ def test_a_new_builtin_is_one_decorated_function():
         got = group_advantages(torch.tensor([1.0, 3.0]), torch.zeros(2, dtype=torch.long), "sign")
         assert got.tolist() == [-1.0, 1.0]
         with pytest.raises(ValueError, match="drgrpo, grpo, none, reinforce_pp, reinforce_pp_baseline, rloo, sign"):
-            AlgorithmConfig(adv_estimator="nope")
+            PPOActor(AlgorithmConfig(adv_estimator="nope"), None, 1.0)  # type: ignore[arg-type]
     finally:
         del ADVANTAGE_ESTIMATORS["sign"], POLICY_LOSSES["neg_adv"]
     with pytest.raises(ValueError, match="'sign' is neither"):
-        AlgorithmConfig(adv_estimator="sign")
+        PPOActor(AlgorithmConfig(adv_estimator="sign"), None, 1.0)  # type: ignore[arg-type]
 
 
 def test_custom_functions_that_return_the_wrong_shape_fail_clearly():

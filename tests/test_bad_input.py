@@ -27,7 +27,8 @@ import torch
 from transformers import AutoTokenizer
 
 from arealite.api.types import GenerationRequest, SamplingParams
-from arealite.config import ConfigError, load_config
+from arealite.check import load_run_config
+from arealite.config import ConfigError
 from arealite.config.schema import ArealiteConfig, GenerationConfig, RolloutConfig
 from arealite.data.dataset import DatasetError, DatasetRows, load_jsonl
 from arealite.data.validate import SHOW_ROWS, validate_datasets, validate_prompts
@@ -91,7 +92,7 @@ BAD_CONFIG = [
 @pytest.mark.parametrize("overrides, field, needle", BAD_CONFIG, ids=[c[1] + "-" + str(i) for i, c in enumerate(BAD_CONFIG)])
 def test_bad_config_names_the_field(overrides, field, needle):
     with pytest.raises(ConfigError) as info:
-        load_config(None, overrides, check_paths=False)
+        load_run_config(None, overrides, check_paths=False)
     hits = [p.format() for p in info.value.problems if p.path == field]
     assert hits, f"no problem names {field}:\n{info.value}"
     assert any(needle.lower() in h.lower() for h in hits), hits

@@ -496,10 +496,10 @@ def test_config_reference_is_up_to_date():
         assert f"`{dotted}`" in committed
 
 
-def _cli(*args: str, cwd: Path = REPO) -> subprocess.CompletedProcess:
+def _cli(*args: str, cwd: Path = REPO, module: str = "arealite.config") -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")}
     return subprocess.run(
-        [sys.executable, "-m", "arealite.config", *args],
+        [sys.executable, "-m", module, *args],
         cwd=cwd, env=env, capture_output=True, text=True, timeout=60,
     )
 
@@ -527,24 +527,35 @@ def test_cli_docs_matches_committed_reference():
     )
 
 
+def _check_cli(*args: str, cwd: Path = REPO) -> subprocess.CompletedProcess:
+    return _cli(*args, cwd=cwd, module="arealite.check")
+
+
 def test_cli_check(tmp_path):
     model = tmp_path / "model"
     model.mkdir()
     (model / "config.json").write_text("{}")
     (tmp_path / "p.jsonl").write_text('{"prompt": "x", "answer": "y"}\n')
-    ok = _cli("check", str(EXAMPLE), f"actor.model_path={model}",
-              f"data.train_path={tmp_path}/p.jsonl", f"data.eval_path={tmp_path}/p.jsonl")
+    ok = _check_cli(str(EXAMPLE), f"actor.model_path={model}",
+                    f"data.train_path={tmp_path}/p.jsonl", f"data.eval_path={tmp_path}/p.jsonl")
     assert ok.returncode == 0, ok.stderr
     assert ok.stdout.startswith("OK:")
 
     # Run where the example's relative paths name nothing (the demo may have built runs/demo here).
-    bad = _cli("check", str(EXAMPLE), "rollout.consumer_batch_size=0", cwd=tmp_path)
+    bad = _check_cli(str(EXAMPLE), "rollout.consumer_batch_size=0", cwd=tmp_path)
     assert bad.returncode == 1
     assert "rollout.consumer_batch_size = 0" in bad.stderr
     assert "actor.model_path = 'runs/demo/model'" in bad.stderr  # path checks are on
     assert "python -m arealite.models.tiny runs/demo/model" in bad.stderr
 
+    # Names resolved by the packages above config are checked in the same round.
+    names = _check_cli(str(EXAMPLE), "--no-paths", "algorithm.adv_estimator=grpoo", "rollout.workflow=nope",
+                       "rollout.consumer_batch_size=0")
+    assert names.returncode == 1
+    for needle in ("algorithm.adv_estimator = 'grpoo'", "rollout.workflow = 'nope'", "rollout.consumer_batch_size = 0"):
+        assert needle in names.stderr, names.stderr
+
     syntax = tmp_path / "broken.yaml"
     syntax.write_text("actor:\n  dtype: [\n")
-    r = _cli("check", str(syntax))
+    r = _check_cli(str(syntax))
     assert r.returncode == 1 and f"{syntax}:3:" in r.stderr

@@ -46,13 +46,13 @@ def test_sglang_command_from_config():
         actor={"model_path": "/models/actor"},
         experiment={"seed": 7},
         launch={"server_backend": "sglang"},
-        server={"host": "0.0.0.0", "dtype": "float16", "api_key": "s3cret",
+        server={"host": "127.0.0.2", "dtype": "float16", "api_key": "s3cret",
                 "sglang": {"tp_size": 2, "mem_fraction_static": 0.7, "context_length": 4096,
                            "extra_args": ["--enable-metrics", "--log-level", "warning"]}},
     )
     cmd = server_command(cfg, 31000, index=3)
     assert _flag(cmd, "--model-path") == "/models/actor"  # server.model_path unset -> actor's
-    assert _flag(cmd, "--host") == "0.0.0.0" and _flag(cmd, "--port") == "31000"
+    assert _flag(cmd, "--host") == "127.0.0.2" and _flag(cmd, "--port") == "31000"
     assert _flag(cmd, "--tp-size") == "2" and _flag(cmd, "--mem-fraction-static") == "0.7"
     assert _flag(cmd, "--dtype") == "float16"
     assert _flag(cmd, "--random-seed") == "10"  # experiment.seed + server index
@@ -240,6 +240,7 @@ def test_launch_two_servers_runs_script_and_cleans_up(tmp_path, micro_model_dir)
     assert code == ExitCode.OK, run.err()
     record = json.loads(run.out.read_text())
     assert len(record["addrs"]) == 2 and len(set(record["addrs"])) == 2
+    assert all(a.startswith("127.0.0.1:") for a in record["addrs"]), record["addrs"]  # server.host
     assert record["health"] == [200, 200], "the script could reach every server"
     # The key override is not passed on (it would show in `ps`): the key travels in the env.
     assert record["argv"] == ["--config", str(run.cfg), "rollout.consumer_batch_size=4"]

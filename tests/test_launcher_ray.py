@@ -2,10 +2,12 @@
 
 Ray's own cluster utilities start two raylets: the head offers a `server_node` resource,
 the other a `trainer_node` one, so that servers and trainer ranks land on different
-nodes (and `launch.ray.separate_nodes` is checked too). The launcher runs as
+nodes (and `launch.ray.separate_nodes` is checked too). Both nodes advertise 127.0.0.1,
+so the test talks to loopback only: every address the launcher hands out is the node IP
+Ray reports (never a guess of its own), and here that is loopback. The launcher runs as
 `python -m arealite.launcher.ray` in a subprocess with the CPU demo: 2 embedded
-servers, 2 trainer ranks, the weights pushed over a gloo group whose store and
-members use the node's IP, never loopback.
+servers, 2 trainer ranks, the weights pushed over a gloo group on loopback
+(`GLOO_SOCKET_IFNAME=lo`, which the launcher passes on).
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from test_launcher import _alive
 ray = pytest.importorskip("ray")
 
 NODE_MB = 80 * 2**20  # Ray's smallest object store: the launcher sends no objects
+LOOPBACK = "127.0.0.1"
 
 
 @pytest.fixture(scope="module")
@@ -39,9 +42,10 @@ def cluster():
 
     c = Cluster(initialize_head=True, head_node_args={
         "num_cpus": 2, "resources": {"server_node": 2}, "include_dashboard": False,
-        "object_store_memory": NODE_MB})
-    c.add_node(num_cpus=2, resources={"trainer_node": 2}, object_store_memory=NODE_MB)
+        "object_store_memory": NODE_MB, "node_ip_address": LOOPBACK})
+    c.add_node(num_cpus=2, resources={"trainer_node": 2}, object_store_memory=NODE_MB, node_ip_address=LOOPBACK)
     c.wait_for_nodes()
+    assert c.address.startswith(f"{LOOPBACK}:"), c.address
     yield c
     c.shutdown()
 
@@ -76,7 +80,8 @@ class RayRun:
         self.tmp = tmp
         (tmp / "cfg.yaml").write_text(yaml.safe_dump(cfg))
         self.err_path = tmp / f"launcher{len(list(tmp.glob('launcher*.err')))}.err"
-        env = run_env(AREALITE_LAUNCHER_GRACE_S="5")
+        # gloo would otherwise pick the interface its hostname resolves to.
+        env = run_env(AREALITE_LAUNCHER_GRACE_S="5", GLOO_SOCKET_IFNAME="lo")
         env.pop("AREALITE_SERVER_ADDRS", None)
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "arealite.launcher.ray", "--config", str(tmp / "cfg.yaml"),
@@ -94,6 +99,15 @@ class RayRun:
                              self.err()):
             out[m[1]] = {"pid": int(m[2]), "actor_pid": int(m[3]), "node": m[4], "ip": m[5], "addr": m[6]}
         return out
+
+    def assert_loopback_only(self) -> None:
+        """Every address the launcher joined, started a process at or handed a trainer is loopback."""
+        err = self.err()
+        joined = re.findall(r"joined the Ray cluster at (\S+):", err)
+        rendezvous = re.findall(r"rendezvous at (\S+)", err)
+        assert joined and rendezvous, err
+        addrs = [*joined, *rendezvous, *(a for s in self.started().values() for a in (s["ip"], s["addr"]) if a)]
+        assert all(a.startswith("127.") for a in addrs), addrs
 
     def wait(self, timeout: float = 240) -> int:
         try:
@@ -190,8 +204,9 @@ def test_two_nodes_two_servers_two_ranks_train_end_to_end(cluster, tmp_path, mic
     server_nodes = {started[n]["node"] for n in ("server0", "server1")}
     trainer_nodes = {started[n]["node"] for n in ("trainer", "trainer1")}
     assert len(server_nodes) == 1 and len(trainer_nodes) == 1 and server_nodes != trainer_nodes
-    for s in ("server0", "server1"):  # bound and advertised on the node's IP, not loopback
-        assert not started[s]["addr"].startswith("127.") and started[s]["addr"].startswith(started[s]["ip"])
+    for s in ("server0", "server1"):  # bound and advertised on the IP Ray gave the node
+        assert started[s]["addr"].startswith(f"{started[s]['ip']}:")
+    run.assert_loopback_only()
     steps = run.steps()
     assert [r["step"] for r in steps] == [1, 2, 3]
     for r in steps:  # learning as on one machine: full batches, bounded staleness, weights pushed
@@ -226,6 +241,7 @@ def test_dead_server_then_dead_trainer_rank_then_resume(cluster, tmp_path, micro
     err = run.err()
     assert "server1's actor is lost" in err and "launch.on_server_death=continue" in err
     assert "trainer1's actor is lost" in err
+    run.assert_loopback_only()
     _assert_all_gone(started)
     done = max(r["step"] for r in run.steps())
     assert 3 <= done < 8

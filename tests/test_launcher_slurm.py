@@ -118,7 +118,10 @@ def _job(tmp_path: Path, demo: Path, slurm_env: dict, *extra: str) -> tuple[subp
         "weight_sync": {"bucket_size_mb": 0.05},
     }
     (tmp_path / "cfg.yaml").write_text(yaml.safe_dump(cfg))
-    env = run_env(**{k: v for k, v in slurm_env.items() if k == "SLURM_CONF"})
+    # Loopback only: the servers bind (and advertise) AREALITE_HOST_IP instead of the interface
+    # address, and gloo stays on `lo` (sbatch exports the environment to every step).
+    env = run_env(AREALITE_HOST_IP="127.0.0.1", GLOO_SOCKET_IFNAME="lo",
+                  **{k: v for k, v in slurm_env.items() if k == "SLURM_CONF"})
     res = subprocess.run([sys.executable, "-m", "arealite.launcher.slurm", "--config", str(tmp_path / "cfg.yaml"),
                           "--wait", *extra], env=env, cwd=tmp_path, capture_output=True, text=True, timeout=400)
     return res, tmp_path / "runs" / "slurm" / "t"
@@ -135,6 +138,8 @@ def test_a_real_slurm_job_trains_and_cleans_up(slurm, tmp_path, micro_demo_dir):
     for p in logs.glob("*"):
         assert "sk-slurm-test" not in p.read_text(errors="replace"), p
     assert "joined weight-update group" in (logs / "server0.log").read_text()
+    addrs = [p.read_text().strip() for p in (run / "slurm").glob("addrs.*/server*")]
+    assert len(addrs) == 2 and all(a.startswith("127.0.0.1:") for a in addrs), addrs
     # Nothing of the job is left running.
     time.sleep(1)
     left = subprocess.run(["pgrep", "-f", str(tmp_path)], capture_output=True, text=True).stdout.split()

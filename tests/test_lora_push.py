@@ -50,6 +50,33 @@ def rollout(server):
     controller.stop()
 
 
+class RolloutOf:
+    """The publisher's view of the rollout side (`WeightUpdateTarget`): the administering
+    client's admin, the controller's loop; the controller is paused around a push, and the
+    controller and that client get the version."""
+
+    def __init__(self, client, controller):
+        self.client, self.controller = client, controller
+
+    @property
+    def admin(self):
+        return self.client.admin
+
+    @property
+    def run(self):
+        return self.controller.run
+
+    def pause(self) -> None:
+        self.controller.pause()
+
+    def resume(self) -> None:
+        self.controller.resume()
+
+    def set_version(self, version: int) -> None:
+        self.controller.set_version(version)
+        self.client.set_version(version)
+
+
 def config(tmp_path, model_dir) -> ArealiteConfig:
     return ArealiteConfig.model_validate({
         "experiment": {"output_root": str(tmp_path), "name": "e", "trial": "t"},
@@ -73,7 +100,7 @@ def test_adapter_push_across_an_interrupted_generation(rollout, server, micro_mo
     client, controller, admin_client = rollout
     cfg = config(tmp_path, micro_model_dir)
     engine = LoraFSDPEngine(cfg.actor, device="cpu").initialize(total_steps=4)
-    pub = make_publisher(cfg, admin_client, engine, controller)
+    pub = make_publisher(cfg, RolloutOf(admin_client, controller), engine)
     assert isinstance(pub.transfer, LoraTransfer)
     pub.init()
     root = tmp_path / "e" / "t" / "weight_sync" / "lora"

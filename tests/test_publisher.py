@@ -417,6 +417,33 @@ def rollout(server):
     controller.stop()
 
 
+class RolloutOf:
+    """A client and its started controller as the publisher sees a rollout side
+    (`WeightUpdateTarget`): the client's admin, the controller's loop; the controller is
+    paused around an update, and both get the version."""
+
+    def __init__(self, client, controller):
+        self.client, self.controller = client, controller
+
+    @property
+    def admin(self):
+        return self.client.admin
+
+    @property
+    def run(self):
+        return self.controller.run
+
+    def pause(self) -> None:
+        self.controller.pause()
+
+    def resume(self) -> None:
+        self.controller.resume()
+
+    def set_version(self, version: int) -> None:
+        self.controller.set_version(version)
+        self.client.set_version(version)
+
+
 def _config(tmp_path: Path, method: str, model_dir: Path) -> ArealiteConfig:
     return ArealiteConfig.model_validate({
         "experiment": {"output_root": str(tmp_path), "name": "e", "trial": "t"},
@@ -442,7 +469,7 @@ def _generate(controller, client):
 def test_make_publisher_publishes_with_real_parts(rollout, method, base_state, micro_model_dir, tmp_path):
     client, controller = rollout
     engine = Engine(perturbed_weights(base_state, 1), str(micro_model_dir))
-    pub = make_publisher(_config(tmp_path, method, micro_model_dir), client, engine, controller)
+    pub = make_publisher(_config(tmp_path, method, micro_model_dir), RolloutOf(client, controller), engine)
     pub.init()
     try:
         for version in (1, 2):
@@ -495,7 +522,7 @@ class Transposed(StateDictSource):
 def test_a_failed_update_leaves_the_real_server_paused(rollout, fault, base_state, micro_model_dir, tmp_path):
     client, controller = rollout
     engine = Engine(perturbed_weights(base_state, 3), str(micro_model_dir))
-    good = make_publisher(_config(tmp_path, "disk", micro_model_dir), client, engine, controller)
+    good = make_publisher(_config(tmp_path, "disk", micro_model_dir), RolloutOf(client, controller), engine)
     good.init()
     good.publish(1)
     transfer = good.transfer if fault == "transfer" else SendsOther(good.transfer, perturbed_weights(base_state, 4))

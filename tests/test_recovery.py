@@ -140,7 +140,9 @@ def test_checkpoints_are_atomic_pruned_and_resume_the_rollout_state(parts, tmp_p
     it = iter(parts.loader)
     for step in (1, 2, 3):
         next(it)
-        parts.controller._counters["consumed"] = 2 * step
+        state = parts.controller.state_dict()
+        state["counters"]["consumed"] = 2 * step
+        parts.controller.load_state_dict(state)
         assert ck.maybe_save(step, parts.engine, parts.controller, parts.loader) == root / f"step_{step}"
     assert [s for s, _ in complete_checkpoints(root)] == [2, 3]  # keep_last=2
     manifest = json.loads((root / "step_3" / "COMPLETE").read_text())
@@ -159,7 +161,7 @@ def test_checkpoints_are_atomic_pruned_and_resume_the_rollout_state(parts, tmp_p
     fresh.controller = RolloutController(None, RolloutConfig(consumer_batch_size=2))
     fresh.loader = EpochTagged(StatefulDataLoader([{"prompt": "p", "prompt_id": i} for i in range(8)], 2))
     assert _ckpt(root).maybe_resume(parts.engine, fresh.controller, fresh.loader) == 3
-    assert fresh.loader.state_dict()["index"] == 3 and fresh.controller._counters["consumed"] == 6
+    assert fresh.loader.state_dict()["index"] == 3 and fresh.controller.stats()["consumed"] == 6
     assert parts.engine.get_version() == 3
     assert not (root / "step_9.tmp").exists() and not (root / "step_8.trash").exists()  # swept on resume
 

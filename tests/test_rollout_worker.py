@@ -17,6 +17,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from arealite.config.loader import load_config
+from arealite.rollout.build import build_inference_client
 from arealite.rollout.side import LocalRollout
 from arealite.rollout.worker import CoreMigration, RolloutWorker, RolloutWorkerError, WorkerSpec, runs_in_a_worker
 from arealite.server.process import ServerProcess
@@ -49,7 +50,7 @@ def cfg(micro_model_dir, server, monkeypatch):
 def _worker(cfg) -> RolloutWorker:
     tok = AutoTokenizer.from_pretrained(cfg.actor.model_path)
     loader = build.make_loader(cfg, list(ITEMS), rank=0, world=1)
-    return RolloutWorker(WorkerSpec(cfg, 1, loader), admin_client=build.build_inference_client(cfg, tok))
+    return RolloutWorker(WorkerSpec(cfg, 1, loader), admin_client=build_inference_client(cfg, tok))
 
 
 @pytest.mark.slow

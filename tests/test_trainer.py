@@ -5,14 +5,15 @@ from __future__ import annotations
 
 import pytest
 
-from arealite.config.loader import ConfigError, load_config
+from arealite.check import load_run_config
+from arealite.config.loader import ConfigError
 from arealite.launcher.local import DEFAULT_ENTRY, parse_launcher_args
 from arealite.trainer import CallbackHook, StepStats, TrainerHook
 from arealite.workflow.registry import build_workflow, builtin_workflows, resolve_workflow_class
 
 
 def _cfg(*overrides: str):
-    return load_config(None, list(overrides), check_paths=False)
+    return load_run_config(None, list(overrides), check_paths=False)
 
 
 def test_builtin_workflows_are_found_where_they_are_defined():

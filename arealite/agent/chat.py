@@ -15,9 +15,13 @@ does to earlier turns (re-formatting tool calls, dropping reasoning).
 from __future__ import annotations
 
 import json
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Sequence
 
 from arealite.agent.errors import RequestError
+from arealite.utils.json_types import JsonObject, JsonValue
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 __all__ = ["ChatRenderer", "message_key", "normalize_messages", "tools_key"]
 
@@ -25,7 +29,7 @@ _SENTINEL = "\u2063AREALITE_TURN\u2063"
 _ROLES = ("system", "developer", "user", "assistant", "tool")
 
 
-def _text(content: Any, where: str) -> str:
+def _text(content: JsonValue, where: str) -> str:
     """A message's content as one string (OpenAI allows a list of text parts)."""
     if content is None:
         return ""
@@ -43,7 +47,7 @@ def _text(content: Any, where: str) -> str:
     raise RequestError(f"{where}.content must be a string or a list of text parts", param=f"{where}.content")
 
 
-def _tool_calls(calls: Any, where: str) -> list[dict[str, Any]]:
+def _tool_calls(calls: JsonValue, where: str) -> list[JsonObject]:
     if calls is None:
         return []
     if not isinstance(calls, list):
@@ -60,7 +64,7 @@ def _tool_calls(calls: Any, where: str) -> list[dict[str, Any]]:
     return out
 
 
-def normalize_messages(messages: Any) -> list[dict[str, Any]]:
+def normalize_messages(messages: JsonValue) -> list[JsonObject]:
     """Validate OpenAI chat messages and return them in one plain form for the chat template:
     ``{role, content: str}`` (+ ``tool_calls`` on assistant turns, ``tool_call_id`` on tool turns).
     ``developer`` becomes ``system``. Raises `RequestError` naming the bad message."""
@@ -74,7 +78,7 @@ def normalize_messages(messages: Any) -> list[dict[str, Any]]:
         role = m.get("role")
         if role not in _ROLES:
             raise RequestError(f"{where}.role is {role!r}; expected one of {', '.join(_ROLES)}", param=f"{where}.role")
-        msg: dict[str, Any] = {"role": "system" if role == "developer" else role,
+        msg: JsonObject = {"role": "system" if role == "developer" else role,
                                "content": _text(m.get("content"), where)}
         if role == "assistant":
             calls = _tool_calls(m.get("tool_calls"), where)
@@ -97,7 +101,7 @@ def _canonical_args(args: str) -> str:
         return args
 
 
-def message_key(msg: dict[str, Any]) -> tuple:
+def message_key(msg: JsonObject) -> tuple:
     """What identifies a normalized message when a later request repeats it (tool-call ids and
     the spacing of their JSON arguments aside)."""
     calls = tuple((c["function"]["name"], _canonical_args(c["function"]["arguments"]))
@@ -105,7 +109,7 @@ def message_key(msg: dict[str, Any]) -> tuple:
     return (msg["role"], msg["content"], calls, msg.get("tool_call_id"))
 
 
-def tools_key(tools: Sequence[dict[str, Any]] | None, template_kwargs: dict[str, Any] | None) -> str:
+def tools_key(tools: Sequence[JsonObject] | None, template_kwargs: JsonObject | None) -> str:
     """What else shapes the rendering: the tool schemas and extra chat-template arguments."""
     return json.dumps([tools or [], template_kwargs or {}], sort_keys=True, default=str)
 
@@ -113,15 +117,15 @@ def tools_key(tools: Sequence[dict[str, Any]] | None, template_kwargs: dict[str,
 class ChatRenderer:
     """Token ids of chat requests for one tokenizer (its chat template)."""
 
-    def __init__(self, tokenizer: Any):
+    def __init__(self, tokenizer: PreTrainedTokenizerBase):
         if getattr(tokenizer, "chat_template", None) is None:
             raise ValueError("the OpenAI-compatible endpoint needs a tokenizer with a chat template "
                              "(tokenizer.chat_template is None)")
         self.tok = tokenizer
         self.end_of_turn = self._end_of_turn()
 
-    def _render(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
-                template_kwargs: dict[str, Any] | None) -> str:
+    def _render(self, messages: list[JsonObject], tools: list[JsonObject] | None,
+                template_kwargs: JsonObject | None) -> str:
         kw = dict(template_kwargs or {})
         if tools:
             kw["tools"] = tools
@@ -147,13 +151,13 @@ class ChatRenderer:
     def encode(self, text: str) -> list[int]:
         return list(self.tok.encode(text, add_special_tokens=False))
 
-    def prompt_ids(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
-                   template_kwargs: dict[str, Any] | None = None) -> list[int]:
+    def prompt_ids(self, messages: list[JsonObject], tools: list[JsonObject] | None,
+                   template_kwargs: JsonObject | None = None) -> list[int]:
         """The whole conversation rendered and tokenized, ending with the assistant's turn opening."""
         return self.encode(self._render(messages, tools, template_kwargs))
 
-    def continuation_ids(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
-                         template_kwargs: dict[str, Any] | None, sampled_at: int,
+    def continuation_ids(self, messages: list[JsonObject], tools: list[JsonObject] | None,
+                         template_kwargs: JsonObject | None, sampled_at: int,
                          sampled_ids: Sequence[int]) -> list[int]:
         """Tokens to append after the sampled reply ``messages[sampled_at]`` (whose tokens are
         ``sampled_ids``): the end of that turn, ``messages[sampled_at + 1:]`` and the opening of

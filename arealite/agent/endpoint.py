@@ -20,7 +20,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import secrets
-from typing import Any, Awaitable, Callable
+from typing import TYPE_CHECKING, Awaitable, Callable
 
 from aiohttp import web
 
@@ -30,7 +30,7 @@ from arealite.agent.protocol import (
     Choice, ParsedRequest, SamplingPolicy, assistant_message, chat_chunks, chat_response,
     completion_chunks, completion_response, finish_choice, parse_request,
 )
-from arealite.agent.session import LLMCall, Session, SessionStore
+from arealite.agent.session import CallKey, LLMCall, Session, SessionStore
 from arealite.agent.streaming import LiveStream, sse
 from arealite.agent.tool_parsers import make_tool_parser
 from arealite.api.contracts import InferenceClient
@@ -41,6 +41,9 @@ from arealite.inference_client.errors import BadRequestError, GenerationError, N
 from arealite.utils.tokenizer import prepare_decode
 from arealite.workflow.common import sampling_from_config
 from arealite.inference_client.wire import loads as strict_json  # no NaN, bounded nesting
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 logger = logging.getLogger("arealite.agent")
 
@@ -54,7 +57,7 @@ _COUNTERS = ("requests", "stream_requests", "request_errors", "unknown_session",
 class AgentEndpoint:
     """An aiohttp server on the running event loop; `start()` it there, `aclose()` it there."""
 
-    def __init__(self, tokenizer: Any, generation: GenerationConfig, agent: AgentConfig):
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, generation: GenerationConfig, agent: AgentConfig):
         self.tok = tokenizer
         self.agent = agent
         self.renderer = ChatRenderer(tokenizer)
@@ -71,7 +74,7 @@ class AgentEndpoint:
         self.loop: asyncio.AbstractEventLoop | None = None
         self._runner: web.AppRunner | None = None
         self._guard: asyncio.Task | None = None
-        self._closers: list[Callable[[], Awaitable[Any]]] = []
+        self._closers: list[Callable[[], Awaitable[object]]] = []
 
     # ------------------------------------------------------------ lifecycle
     @property
@@ -111,7 +114,7 @@ class AgentEndpoint:
         finally:
             await self._cleanup()
 
-    def on_close(self, fn: Callable[[], Awaitable[Any]]) -> None:
+    def on_close(self, fn: Callable[[], Awaitable[object]]) -> None:
         """Await ``fn()`` when the endpoint stops (e.g. to close the agents' HTTP client)."""
         self._closers.append(fn)
 
@@ -270,7 +273,7 @@ class AgentEndpoint:
         for c in choices:
             if req.kind == "chat":
                 reply = message_key(normalize_messages([assistant_message(c)])[0])
-                key: Any = (key_prefix[0], key_prefix[1] + [reply])
+                key: CallKey = (key_prefix[0], key_prefix[1] + [reply])
             else:
                 key = key_prefix + c.text if isinstance(key_prefix, str) else None
             s.record(LLMCall(rid, 0, list(prompt_ids), c.output_ids, c.logprobs, c.versions, c.finish_reason,
@@ -278,7 +281,7 @@ class AgentEndpoint:
         self._count(req, choices, len(prompt_ids))
         return rid, len(prompt_ids), choices
 
-    def _prompt(self, s: Session, req: ParsedRequest) -> tuple[list[int], int | None, Any]:
+    def _prompt(self, s: Session, req: ParsedRequest) -> tuple[list[int], int | None, CallKey]:
         """Prompt token ids, the call they continue (index) and the key prefix of the new calls."""
         if req.kind == "chat":
             mkeys = [message_key(m) for m in req.messages]

@@ -7,7 +7,7 @@ that the ``openai`` client raises its usual exception (``BadRequestError``,
 
 from __future__ import annotations
 
-from typing import Any
+from arealite.utils.json_types import JsonObject
 
 
 class RequestError(Exception):
@@ -18,7 +18,7 @@ class RequestError(Exception):
         super().__init__(message)
         self.message, self.param, self.code, self.status, self.type = message, param, code, status, type
 
-    def body(self) -> dict[str, Any]:
+    def body(self) -> JsonObject:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
 

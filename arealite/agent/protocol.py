@@ -14,12 +14,16 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any, Iterator
+from typing import TYPE_CHECKING, Iterator
 
 from arealite.agent.errors import RequestError, unsupported_parameter, unsupported_value
 from arealite.agent.tool_parsers import ToolCall, ToolParser
 from arealite.api.types import Completion, SamplingParams
+from arealite.utils.json_types import JsonObject, JsonValue
 from arealite.utils.tokenizer import decode
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 _COMMON = {"model", "frequency_penalty", "logit_bias", "logprobs", "max_tokens", "n", "presence_penalty",
            "seed", "stop", "stream", "stream_options", "temperature", "top_p", "user", "top_k", "min_p"}
@@ -30,11 +34,12 @@ CHAT_KEYS = _COMMON | {"messages", "top_logprobs", "max_completion_tokens", "res
                        "prompt_cache_key", "verbosity"}
 COMPLETION_KEYS = _COMMON | {"prompt", "best_of", "echo", "suffix"}
 # Parameters we cannot honour: refused unless they hold the value that changes nothing.
-_NEUTRAL: dict[str, Any] = {"frequency_penalty": (0, 0.0), "presence_penalty": (0, 0.0), "logit_bias": ({},),
-                            "modalities": (["text"],), "audio": (), "prediction": (),
-                            "web_search_options": (), "functions": (), "function_call": (), "best_of": (1,),
-                            "echo": (False,), "suffix": ("",),
-                            "response_format": ({"type": "text"},)}
+_NEUTRAL: dict[str, tuple[JsonValue, ...]] = {
+    "frequency_penalty": (0, 0.0), "presence_penalty": (0, 0.0), "logit_bias": ({},),
+    "modalities": (["text"],), "audio": (), "prediction": (),
+    "web_search_options": (), "functions": (), "function_call": (), "best_of": (1,),
+    "echo": (False,), "suffix": ("",),
+    "response_format": ({"type": "text"},)}
 
 
 @dataclass
@@ -50,10 +55,10 @@ class ParsedRequest:
     logprobs: bool = False
     top_logprobs: int = 0  # alternatives reported per token (chat: top_logprobs; completions: logprobs)
     stop: list[str] = field(default_factory=list)
-    messages: list[dict[str, Any]] | None = None
-    tools: list[dict[str, Any]] | None = None
+    messages: list[JsonObject] | None = None
+    tools: list[JsonObject] | None = None
     parse_tools: bool = False
-    template_kwargs: dict[str, Any] | None = None
+    template_kwargs: JsonObject | None = None
     prompt: str | list[int] | None = None
     overridden: int = 0  # sampling parameters the request set that the config overrode
     clamped: bool = False  # max_tokens above the config's limit
@@ -63,7 +68,7 @@ class ParsedRequest:
         return {t["function"]["name"] for t in self.tools or ()}
 
 
-def _number(body: dict[str, Any], name: str, lo: float, hi: float, lo_open: bool = False) -> float | None:
+def _number(body: JsonObject, name: str, lo: float, hi: float, lo_open: bool = False) -> float | None:
     v = body.get(name)
     if v is None:
         return None
@@ -73,7 +78,7 @@ def _number(body: dict[str, Any], name: str, lo: float, hi: float, lo_open: bool
     return v
 
 
-def _int(body: dict[str, Any], name: str, lo: int, hi: int | None = None) -> int | None:
+def _int(body: JsonObject, name: str, lo: int, hi: int | None = None) -> int | None:
     v = body.get(name)
     if v is None:
         return None
@@ -91,12 +96,12 @@ class SamplingPolicy:
         self.base, self.honoured, self.cap, self.max_n = base, set(honoured), max_tokens_cap, max_n
         self.default_max = min(base.max_new_tokens, max_tokens_cap)
 
-    def __call__(self, body: dict[str, Any], extra_stop_ids: list[int]) -> tuple[SamplingParams, int, bool]:
+    def __call__(self, body: JsonObject, extra_stop_ids: list[int]) -> tuple[SamplingParams, int, bool]:
         given = {"temperature": _number(body, "temperature", 0, 2), "top_p": _number(body, "top_p", 0, 1, True),
                  "top_k": _int(body, "top_k", -1), "min_p": _number(body, "min_p", 0, 1)}
         mt = body.get("max_completion_tokens", body.get("max_tokens"))
         mt = _int({"max_tokens": mt}, "max_tokens", 1)
-        updates: dict[str, Any] = {"max_new_tokens": self.default_max}
+        updates: dict[str, float | int | bool] = {"max_new_tokens": self.default_max}
         overridden, clamped = 0, False
         for name, v in given.items():
             if v is None:
@@ -116,7 +121,7 @@ class SamplingPolicy:
         return self.base.replace(stop_token_ids=stop_ids, **updates), overridden, clamped
 
 
-def _check_keys(body: dict[str, Any], allowed: set[str]) -> None:
+def _check_keys(body: JsonObject, allowed: set[str]) -> None:
     for key in body:
         if key not in allowed:
             raise RequestError(f"Unrecognized request argument supplied: {key}", param=key)
@@ -126,7 +131,7 @@ def _check_keys(body: dict[str, Any], allowed: set[str]) -> None:
             raise unsupported_parameter(key)
 
 
-def _stop(body: dict[str, Any]) -> list[str]:
+def _stop(body: JsonObject) -> list[str]:
     stop = body.get("stop")
     if stop is None:
         return []
@@ -136,7 +141,7 @@ def _stop(body: dict[str, Any]) -> list[str]:
     return stop
 
 
-def _stream(body: dict[str, Any]) -> tuple[bool, bool]:
+def _stream(body: JsonObject) -> tuple[bool, bool]:
     stream, opts = body.get("stream") or False, body.get("stream_options")
     if not isinstance(stream, bool):
         raise RequestError("'stream' must be a boolean", param="stream")
@@ -146,7 +151,7 @@ def _stream(body: dict[str, Any]) -> tuple[bool, bool]:
     return stream, bool(isinstance(opts, dict) and opts.get("include_usage"))
 
 
-def _tools(body: dict[str, Any]) -> tuple[list[dict[str, Any]] | None, bool]:
+def _tools(body: JsonObject) -> tuple[list[JsonObject] | None, bool]:
     tools, choice = body.get("tools"), body.get("tool_choice")
     if tools is not None:
         if not isinstance(tools, list) or not all(
@@ -161,7 +166,7 @@ def _tools(body: dict[str, Any]) -> tuple[list[dict[str, Any]] | None, bool]:
     return tools or None, bool(tools) and choice != "none"
 
 
-def parse_request(kind: str, body: Any, policy: SamplingPolicy, extra_stop_ids: list[int]) -> ParsedRequest:
+def parse_request(kind: str, body: JsonValue, policy: SamplingPolicy, extra_stop_ids: list[int]) -> ParsedRequest:
     """Validate a body of ``/v1/chat/completions`` (``kind="chat"``) or ``/v1/completions``."""
     from arealite.agent.chat import normalize_messages
 
@@ -197,7 +202,7 @@ def parse_request(kind: str, body: Any, policy: SamplingPolicy, extra_stop_ids: 
     return req
 
 
-def _prompt(prompt: Any) -> str | list[int]:
+def _prompt(prompt: JsonValue) -> str | list[int]:
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
         prompt = prompt[0]  # a batch of one
     if isinstance(prompt, str) and prompt:
@@ -228,7 +233,7 @@ class Choice:
     top: list[list[tuple[int, float]]] | None = None  # per token: (id, log-prob) of the likeliest
 
 
-def _cut_at_stop(tok: Any, ids: list[int], stop: list[str]) -> tuple[int, str] | None:
+def _cut_at_stop(tok: PreTrainedTokenizerBase, ids: list[int], stop: list[str]) -> tuple[int, str] | None:
     """(tokens to keep, text before the stop string) when a stop string occurs, else None."""
     text = decode(tok, ids)
     hits = [(text.find(s), s) for s in stop if s in text]
@@ -245,7 +250,8 @@ def _cut_at_stop(tok: Any, ids: list[int], stop: list[str]) -> tuple[int, str] |
     return lo, text[:pos]
 
 
-def finish_choice(index: int, comp: Completion, req: ParsedRequest, tok: Any, parser: ToolParser) -> Choice:
+def finish_choice(index: int, comp: Completion, req: ParsedRequest, tok: PreTrainedTokenizerBase,
+                  parser: ToolParser) -> Choice:
     """A server completion as a choice: cut at the first stop string (the tokens after it are
     dropped from the record too), decoded, tool calls parsed."""
     ids, lps, vers = list(comp.output_ids), list(comp.output_logprobs), list(comp.output_versions)
@@ -267,20 +273,20 @@ def finish_choice(index: int, comp: Completion, req: ParsedRequest, tok: Any, pa
     return choice
 
 
-def _token_entry(tok: Any, t: int, lp: float) -> dict[str, Any]:
+def _token_entry(tok: PreTrainedTokenizerBase, t: int, lp: float) -> JsonObject:
     s = decode(tok, [t], skip_special_tokens=False)
     return {"token": s, "logprob": lp, "bytes": list(s.encode())}
 
 
-def _token_logprobs(tok: Any, c: Choice) -> list[dict[str, Any]]:
+def _token_logprobs(tok: PreTrainedTokenizerBase, c: Choice) -> list[JsonObject]:
     tops = c.top if c.top is not None else [()] * len(c.output_ids)
     return [{**_token_entry(tok, t, lp), "top_logprobs": [_token_entry(tok, a, alp) for a, alp in top]}
             for t, lp, top in zip(c.output_ids, c.logprobs, tops)]
 
 
-def assistant_message(c: Choice) -> dict[str, Any]:
+def assistant_message(c: Choice) -> JsonObject:
     """The ``message`` of a chat choice (what the agent will send back in its next request)."""
-    msg: dict[str, Any] = {"role": "assistant", "content": c.content if (c.content or not c.tool_calls) else None}
+    msg: JsonObject = {"role": "assistant", "content": c.content if (c.content or not c.tool_calls) else None}
     if c.tool_calls:
         msg["tool_calls"] = [t.to_openai() for t in c.tool_calls]
     return msg
@@ -291,7 +297,8 @@ def usage(prompt_len: int, choices: list[Choice]) -> dict[str, int]:
     return {"prompt_tokens": prompt_len, "completion_tokens": out, "total_tokens": prompt_len + out}
 
 
-def chat_response(rid: str, req: ParsedRequest, tok: Any, choices: list[Choice], prompt_len: int) -> dict[str, Any]:
+def chat_response(rid: str, req: ParsedRequest, tok: PreTrainedTokenizerBase, choices: list[Choice],
+                  prompt_len: int) -> JsonObject:
     return {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": req.model,
             "system_fingerprint": None,
             "choices": [{"index": c.index, "message": assistant_message(c), "finish_reason": c.finish_reason,
@@ -300,7 +307,8 @@ def chat_response(rid: str, req: ParsedRequest, tok: Any, choices: list[Choice],
             "usage": usage(prompt_len, choices)}
 
 
-def completion_response(rid: str, req: ParsedRequest, tok: Any, choices: list[Choice], prompt_len: int) -> dict[str, Any]:
+def completion_response(rid: str, req: ParsedRequest, tok: PreTrainedTokenizerBase, choices: list[Choice],
+                        prompt_len: int) -> JsonObject:
     return {"id": rid, "object": "text_completion", "created": int(time.time()), "model": req.model,
             "system_fingerprint": None,
             "choices": [{"index": c.index, "text": c.text, "finish_reason": c.finish_reason,
@@ -308,7 +316,7 @@ def completion_response(rid: str, req: ParsedRequest, tok: Any, choices: list[Ch
             "usage": usage(prompt_len, choices)}
 
 
-def _legacy_logprobs(tok: Any, c: Choice) -> dict[str, Any]:
+def _legacy_logprobs(tok: PreTrainedTokenizerBase, c: Choice) -> JsonObject:
     tokens = [decode(tok, [t], skip_special_tokens=False) for t in c.output_ids]
     offsets, pos = [], 0
     for s in tokens:
@@ -324,14 +332,15 @@ def _pieces(text: str, size: int = 24) -> list[str]:
     return [text[i:i + size] for i in range(0, len(text), size)] or [""]
 
 
-def chat_chunks(rid: str, req: ParsedRequest, tok: Any, choices: list[Choice], prompt_len: int) -> Iterator[dict[str, Any]]:
+def chat_chunks(rid: str, req: ParsedRequest, tok: PreTrainedTokenizerBase, choices: list[Choice],
+                prompt_len: int) -> Iterator[JsonObject]:
     """The stream of a chat completion: role, content pieces, tool calls, finish, usage."""
     base = {"id": rid, "object": "chat.completion.chunk", "created": int(time.time()), "model": req.model,
             "system_fingerprint": None}
     if req.include_usage:
         base["usage"] = None
 
-    def chunk(i: int, delta: dict[str, Any], finish: str | None = None, logprobs: Any = None) -> dict[str, Any]:
+    def chunk(i: int, delta: JsonObject, finish: str | None = None, logprobs: JsonValue = None) -> JsonObject:
         return {**base, "choices": [{"index": i, "delta": delta, "logprobs": logprobs, "finish_reason": finish}]}
 
     for c in choices:
@@ -348,7 +357,8 @@ def chat_chunks(rid: str, req: ParsedRequest, tok: Any, choices: list[Choice], p
         yield {**base, "choices": [], "usage": usage(prompt_len, choices)}
 
 
-def completion_chunks(rid: str, req: ParsedRequest, tok: Any, choices: list[Choice], prompt_len: int) -> Iterator[dict[str, Any]]:
+def completion_chunks(rid: str, req: ParsedRequest, tok: PreTrainedTokenizerBase, choices: list[Choice],
+                      prompt_len: int) -> Iterator[JsonObject]:
     base = {"id": rid, "object": "text_completion", "created": int(time.time()), "model": req.model,
             "system_fingerprint": None}
     if req.include_usage:

@@ -38,7 +38,10 @@ import tempfile
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from arealite.config.agent import SandboxConfig
 
 __all__ = ["SandboxResult", "isolation", "run_python", "arun_python"]
 
@@ -78,7 +81,7 @@ class _Limits:
     network: bool = False
 
 
-def _limits(config: Any) -> _Limits:
+def _limits(config: SandboxConfig | _Limits | None) -> _Limits:
     if config is None:
         return _Limits()
     return _Limits(**{k: getattr(config, k) for k in _Limits.__dataclass_fields__})
@@ -184,7 +187,7 @@ def isolation() -> str:
     return _mode
 
 
-def run_python(code: str, limits: Any = None, *, stdin: str = "", files: dict[str, str] | None = None,
+def run_python(code: str, limits: SandboxConfig | _Limits | None = None, *, stdin: str = "", files: dict[str, str] | None = None,
                _probe: bool = False) -> SandboxResult:
     """Run ``code`` with ``python`` in a fresh sandbox; ``files`` are written to its directory first.
 
@@ -246,9 +249,18 @@ def _run_in(root: str, mode: str, lim: _Limits, code: str, stdin: str, files: di
     finally:
         _kill_tree(proc, uid)
     rc = None if timed_out else proc.returncode
-    sig = signal.Signals(-rc).name if rc is not None and rc < 0 and -rc in signal.Signals._value2member_map_ else None
     return SandboxResult(rc, out.decode("utf-8", "replace"), err.decode("utf-8", "replace"), timed_out,
-                         truncated, time.monotonic() - t0, sig)
+                         truncated, time.monotonic() - t0, _signal_name(rc))
+
+
+def _signal_name(rc: int | None) -> str | None:
+    """The name of the signal that killed the program (a negative return code), if it has one."""
+    if rc is None or rc >= 0:
+        return None
+    try:
+        return signal.Signals(-rc).name
+    except ValueError:  # a signal number without a name (a real-time signal, say)
+        return None
 
 
 def _collect(proc: subprocess.Popen, stdin: bytes, lim: _Limits, t0: float) -> tuple[bytes, bytes, bool, bool]:
@@ -327,8 +339,9 @@ def _kill_tree(proc: subprocess.Popen, uid: int) -> None:
             stream.close()
 
 
-async def arun_python(code: str, limits: Any = None, **kw: Any) -> SandboxResult:
+async def arun_python(code: str, limits: SandboxConfig | None = None, *, stdin: str = "",
+                      files: dict[str, str] | None = None) -> SandboxResult:
     """`run_python` in a worker thread, for use on an event loop (an agent's tool)."""
     import asyncio
 
-    return await asyncio.to_thread(run_python, code, limits, **kw)
+    return await asyncio.to_thread(run_python, code, limits, stdin=stdin, files=files)

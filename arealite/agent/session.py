@@ -13,11 +13,15 @@ from __future__ import annotations
 import asyncio
 import secrets
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Union
 
 from arealite.api.contracts import InferenceClient
 
-__all__ = ["LLMCall", "Session", "SessionStore"]
+__all__ = ["CallKey", "LLMCall", "Session", "SessionStore"]
+
+#: How a later request recognises a call: ``(tools key, message keys incl. the reply)`` for chat,
+#: the prompt text + returned text for completions; None for a prompt of token ids.
+CallKey = Union[tuple[str, list[tuple]], str, None]
 
 
 @dataclass
@@ -32,9 +36,7 @@ class LLMCall:
     versions: list[int]
     finish_reason: str
     parent: int | None = None  # the call whose prompt + output this call's prompt starts with
-    # How a later request recognises this call: (tools key, message keys incl. the reply) for
-    # chat, the prompt text + returned text for completions.
-    key: Any = None
+    key: CallKey = None  # how a later request recognises this call (`CallKey`)
     reward: float | None = None
     tool_calls: int = 0
 

@@ -18,9 +18,16 @@ from __future__ import annotations
 
 import json
 from dataclasses import replace
-from typing import Any, Iterable
+from typing import TYPE_CHECKING, Iterable
 
+from arealite.utils.json_types import JsonObject, JsonValue
 from arealite.utils.tokenizer import decode
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+    from arealite.agent.protocol import Choice, ParsedRequest
+    from arealite.agent.tool_parsers import ToolParser
 
 __all__ = ["safe_prefix", "LiveStream"]
 
@@ -55,7 +62,7 @@ def safe_prefix(text: str, marks: Iterable[str], strip: bool) -> str:
 class LiveStream:
     """The server-sent events of one streamed request, written as the segments come."""
 
-    def __init__(self, req: Any, tok: Any, parser: Any):
+    def __init__(self, req: ParsedRequest, tok: PreTrainedTokenizerBase, parser: ToolParser):
         self.req, self.tok = req, tok
         start = getattr(parser, "start", None) if req.parse_tools else None
         self.live = not (req.parse_tools and not start)  # a parser without a known tag: at the end
@@ -69,7 +76,7 @@ class LiveStream:
             self.ids[i].extend(ids)
         return on_segment
 
-    def early_chunks(self, rid: str, opened: bool) -> list[dict[str, Any]]:
+    def early_chunks(self, rid: str, opened: bool) -> list[JsonObject]:
         """Chunks of the text that became safe since the last call (and the opening ones)."""
         out = []
         for i in range(self.req.n):
@@ -84,11 +91,11 @@ class LiveStream:
         return out
 
     @staticmethod
-    def without_opening(chunks: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
+    def without_opening(chunks: Iterable[JsonObject]) -> list[JsonObject]:
         """The finished completion's chunks less the opening (role) ones, already sent."""
         return [c for c in chunks if not (c.get("choices") and "role" in c["choices"][0].get("delta", {}))]
 
-    def rest_of(self, choices: list[Any]) -> list[Any]:
+    def rest_of(self, choices: list[Choice]) -> list[Choice]:
         """``choices`` with the text already sent taken off their content / text."""
         out = []
         for c in choices:
@@ -101,7 +108,7 @@ class LiveStream:
             out.append(replace(c, **{field: full[len(sent):]}))
         return out
 
-    def _chunk(self, rid: str, i: int, delta: Any) -> dict[str, Any]:
+    def _chunk(self, rid: str, i: int, delta: JsonValue) -> JsonObject:
         base = {"id": rid, "model": self.req.model, "system_fingerprint": None, "created": 0}
         if self.req.include_usage:
             base["usage"] = None
@@ -112,5 +119,5 @@ class LiveStream:
                 "choices": [{"index": i, "text": delta, "logprobs": None, "finish_reason": None}]}
 
 
-def sse(obj: Any) -> bytes:
+def sse(obj: JsonObject | bytes) -> bytes:
     return b"data: " + (obj if isinstance(obj, bytes) else json.dumps(obj).encode()) + b"\n\n"

@@ -21,9 +21,10 @@ import json
 import re
 import uuid
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Protocol
 
 from arealite.utils.imports import import_callable, is_import_spec
+from arealite.utils.json_types import JsonObject
 
 __all__ = ["HermesToolParser", "ParsedTurn", "ToolCall", "ToolParser", "PARSERS", "make_tool_parser"]
 
@@ -36,7 +37,7 @@ class ToolCall:
     arguments: str
     id: str = field(default_factory=lambda: "call_" + uuid.uuid4().hex[:24])
 
-    def to_openai(self) -> dict[str, Any]:
+    def to_openai(self) -> JsonObject:
         return {"id": self.id, "type": "function", "function": {"name": self.name, "arguments": self.arguments}}
 
 

@@ -20,7 +20,6 @@ are the ones the config names (``algorithm.adv_estimator``, ``algorithm.policy_l
 from __future__ import annotations
 
 import functools
-from typing import Any
 
 import torch
 from tensordict import TensorDictBase
@@ -43,7 +42,7 @@ from arealite.algo.loss import (
 )
 from arealite.algo.overlong import exclude_rows, soft_overlong_penalty, truncated_rows
 from arealite.algo.returns import discounted_returns, gae, global_whiten, terminal_rewards
-from arealite.api.contracts import TrainEngine
+from arealite.api.contracts import MicroBatch, TrainEngine
 from arealite.config.algo_checks import raise_algorithm_problems
 from arealite.config.schema import AlgorithmConfig
 
@@ -53,12 +52,12 @@ __all__ = ["PPOActor", "split_minibatches", "logprob_hook"]
 _LOGP_CHUNK = 1024
 
 
-def logprob_hook(logits: torch.Tensor, mb: dict[str, Any], temperature: float) -> torch.Tensor:
+def logprob_hook(logits: torch.Tensor, mb: MicroBatch, temperature: float) -> torch.Tensor:
     """``engine.forward`` post-hook: the log-prob of each ``mb["labels"]`` token, ``[T]``."""
     return gather_logprobs(logits, mb["labels"], temperature, chunk_size=_LOGP_CHUNK)
 
 
-def _weight_fn(mb: dict[str, Any], mode: str) -> float:
+def _weight_fn(mb: MicroBatch, mode: str) -> float:
     return loss_weight(mb["loss_mask"], mode, mb.get("cu_seqlens"))
 
 

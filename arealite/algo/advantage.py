@@ -28,18 +28,23 @@ step's reward and broadcast to all the run's steps.
 
 from __future__ import annotations
 
-from typing import Callable, NamedTuple
+from typing import TYPE_CHECKING, Callable, NamedTuple
 
 import torch
 
 from arealite.algo.named import resolve_named
+from arealite.config.problems import ConfigProblem
 from arealite.utils.imports import register_into
+
+if TYPE_CHECKING:
+    from arealite.config.schema import ArealiteConfig
 
 __all__ = [
     "ADVANTAGE_ESTIMATORS",
     "AdvantageEstimator",
     "advantage_estimator",
     "resolve_advantage_estimator",
+    "estimator_problems",
     "transform_rewards",
     "group_advantages",
     "stepwise_advantages",
@@ -79,6 +84,19 @@ def resolve_advantage_estimator(spec: str | AdvantageEstimator) -> AdvantageEsti
     """
     return resolve_named(spec, ADVANTAGE_ESTIMATORS, "advantage estimator", "algorithm.adv_estimator", 2,
                          "fn(rewards, group_id) -> advantages")
+
+
+def estimator_problems(cfg: ArealiteConfig) -> list[ConfigProblem]:
+    """`algorithm.adv_estimator` names a built-in, `gae`, or an importable function taking
+    ``(rewards, group_id)`` (a config check, run before anything starts)."""
+    name = cfg.algorithm.adv_estimator
+    if name == "gae":  # token-level, from the critic's values: PPOActor computes it, not the registry
+        return []
+    try:
+        resolve_advantage_estimator(name)
+    except ValueError as e:
+        return [ConfigProblem("algorithm.adv_estimator", f"{e} (or gae, PPO with a critic)", name)]
+    return []
 
 
 def _check_1d(name: str, t: torch.Tensor, n: int | None = None) -> None:

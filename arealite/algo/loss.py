@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import functools
 import inspect
-from typing import TYPE_CHECKING, Any, Callable, Literal, Optional
+from typing import TYPE_CHECKING, Callable, Literal, Optional
 
 import torch
 
@@ -38,10 +38,12 @@ from arealite.algo.logprob import gather_logprobs_entropy, gather_logprobs_entro
 from arealite.algo.mismatch import behaviour_weight
 from arealite.algo.named import resolve_named
 from arealite.algo.ratio import clamped_exp, sequence_index
+from arealite.api.contracts import MicroBatch
+from arealite.config.problems import ConfigProblem
 from arealite.utils.imports import register_into
 
 if TYPE_CHECKING:
-    from arealite.config.schema import AlgorithmConfig, MismatchConfig
+    from arealite.config.schema import AlgorithmConfig, ArealiteConfig, MismatchConfig
 
 __all__ = [
     "LossAggMode",
@@ -51,6 +53,7 @@ __all__ = [
     "BoundPolicyLoss",
     "policy_loss",
     "resolve_policy_loss",
+    "policy_loss_problems",
     "bind_policy_loss",
     "ppo_clip_loss",
     "ppo_policy_loss",
@@ -113,6 +116,16 @@ def resolve_policy_loss(spec: str | PolicyLoss) -> PolicyLoss:
     """
     return resolve_named(spec, POLICY_LOSSES, "policy loss", "algorithm.policy_loss", 6,
                          "fn(logp, prox_logp, advantages, loss_mask, behav_logp, config) -> (token_loss, stats)")
+
+
+def policy_loss_problems(cfg: ArealiteConfig) -> list[ConfigProblem]:
+    """`algorithm.policy_loss` names a built-in or an importable function taking the policy
+    loss's six arguments (a config check, run before anything starts)."""
+    try:
+        resolve_policy_loss(cfg.algorithm.policy_loss)
+    except ValueError as e:
+        return [ConfigProblem("algorithm.policy_loss", str(e), cfg.algorithm.policy_loss)]
+    return []
 
 
 def bind_policy_loss(fn: PolicyLoss, config: "AlgorithmConfig") -> BoundPolicyLoss:
@@ -361,12 +374,12 @@ def loss_weight(
 
 def _ppo_term(logp: torch.Tensor, prox_logp: torch.Tensor, advantages: torch.Tensor, loss_mask: torch.Tensor,
               behav_logp: torch.Tensor | None, cu_seqlens: torch.Tensor | None = None,
-              **knobs: Any) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+              **knobs: float | None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     return ppo_policy_loss(logp, prox_logp, advantages, loss_mask, behav_logp=behav_logp, cu_seqlens=cu_seqlens,
                            **knobs)
 
 
-def _check_micro_batch(mb: dict[str, Any]) -> None:
+def _check_micro_batch(mb: MicroBatch) -> None:
     for key in ("labels", "loss_mask", "logprobs", "advantages"):
         if key not in mb:
             raise KeyError(f"micro-batch lacks '{key}' (has {sorted(mb)}); "
@@ -375,7 +388,7 @@ def _check_micro_batch(mb: dict[str, Any]) -> None:
 
 @torch.no_grad()
 def _logged_stats(
-    mb: dict[str, Any], pg: torch.Tensor, logp: torch.Tensor, entropy: torch.Tensor, prox: torch.Tensor | None,
+    mb: MicroBatch, pg: torch.Tensor, logp: torch.Tensor, entropy: torch.Tensor, prox: torch.Tensor | None,
     mask: torch.Tensor, loss_agg_mode: LossAggMode, agg_constant: float | None,
 ) -> dict[str, torch.Tensor]:
     """The figures every step logs besides the policy loss's own stats."""
@@ -396,7 +409,7 @@ def _logged_stats(
 
 def ppo_actor_loss(
     logits: torch.Tensor,
-    mb: dict[str, Any],
+    mb: MicroBatch,
     *,
     temperature: float,
     eps_clip: float = 0.2,

@@ -10,18 +10,19 @@ micro-batches and ranks is the NLL per completion token of the whole batch.
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
 
 import torch
 from tensordict import TensorDict
 
 from arealite.algo.logprob import gather_logprobs
 from arealite.algo.loss import masked_mean
+from arealite.api.contracts import MicroBatch
 
 __all__ = ["sft_loss_fn", "sft_loss_weight", "build_sft_batch"]
 
 
-def sft_loss_fn(logits: torch.Tensor, mb: dict[str, Any]) -> torch.Tensor:
+def sft_loss_fn(logits: torch.Tensor, mb: MicroBatch) -> torch.Tensor:
     """Mean cross-entropy of ``mb["labels"]`` on ``mb["loss_mask"]`` tokens (a packed micro-batch)."""
     if "loss_mask" not in mb:
         raise KeyError("SFT micro-batch lacks 'loss_mask'; build the batch with build_sft_batch")
@@ -35,7 +36,7 @@ def sft_loss_fn(logits: torch.Tensor, mb: dict[str, Any]) -> torch.Tensor:
     return loss
 
 
-def sft_loss_weight(mb: dict[str, Any]) -> float:
+def sft_loss_weight(mb: MicroBatch) -> float:
     """The number of completion tokens of a micro-batch (the unit of ``sft_loss_fn``)."""
     return float(mb["loss_mask"].bool().sum())
 

@@ -21,9 +21,9 @@ the critic accounts for: 1 is perfect, 0 no better than a constant, below 0 wors
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
+
+from arealite.api.contracts import MicroBatch
 
 __all__ = ["value_loss", "explained_variance", "value_hook"]
 
@@ -72,7 +72,7 @@ def explained_variance(values: torch.Tensor, returns: torch.Tensor, mask: torch.
     return float(1.0 - (g - v).var(unbiased=False) / var_g)
 
 
-def value_hook(out: torch.Tensor, mb: dict[str, Any]) -> torch.Tensor:
+def value_hook(out: torch.Tensor, mb: MicroBatch) -> torch.Tensor:
     """``engine.forward`` post-hook of a value model: its ``[T, 1]`` head output as ``[T]`` values."""
     if out.dim() != 2 or out.shape[-1] != 1:
         raise ValueError(f"a value model outputs [T, 1] per token, got {tuple(out.shape)}")

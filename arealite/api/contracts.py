@@ -18,6 +18,9 @@ second backend is one new module that satisfies the same contract:
   distributed). It implements the transfer only; `WeightPublisher` owns the sequence
   around it (pause → transfer → verify → set the version everywhere → resume).
 - `Pausable`: what the publisher pauses around an update (the rollout controller).
+- `WeightUpdateTarget`: the rollout side as the publisher sees it (the servers' admin, a
+  runner on the client's loop, pause/resume, the version); `RolloutSide` is all of it
+  as the trainer sees it.
 
 They are ``runtime_checkable`` so that a constructor can reject a wrong object early with a
 message that names what is missing (`require`).
@@ -25,23 +28,44 @@ message that names what is missing (`require`).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Coroutine, Iterator, Sequence
+from collections.abc import Callable, Coroutine, Iterable, Iterator, Mapping, Sequence
 from os import PathLike
-from typing import Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Protocol, TypeVar, Union, runtime_checkable
 
 import torch
 
 from arealite.api.types import Completion, GenerationRequest
+from arealite.utils.json_types import JsonObject
 
+if TYPE_CHECKING:  # tensordict is slow to import, and only the trainer's side holds batches
+    from tensordict import TensorDictBase
+
+_T = TypeVar("_T")
+
+#: What a train engine trains on or scores: right-padded ``[B, L]`` rows by key (at least
+#: ``input_ids`` and ``attention_mask``), as a TensorDict or a plain dict of tensors.
+TrainBatch = Union["TensorDictBase", Mapping[str, torch.Tensor]]
+#: What a loss function logs for its micro-batch: floats or 0-dim tensors by name.
+MicroBatchStats = dict[str, Union[float, torch.Tensor]]
+#: A packed micro-batch as a loss function or hook sees it: its tensors by key (layout in
+#: docs/internals.md) and, under ``"_stats"``, the `MicroBatchStats` the loss logs.
+MicroBatch = dict[str, Union[torch.Tensor, MicroBatchStats]]
 #: A per-micro-batch loss: ``loss_fn(logits, micro_batch) -> 0-dim loss tensor``; stats it
-#: wants logged go in ``micro_batch["_stats"]`` (a dict of floats or 0-dim tensors).
-LossFn = Callable[[torch.Tensor, dict[str, Any]], torch.Tensor]
+#: wants logged go in ``micro_batch["_stats"]``.
+LossFn = Callable[[torch.Tensor, MicroBatch], torch.Tensor]
 #: The weight of a micro-batch's loss in the step (e.g. its number of loss tokens).
-LossWeightFn = Callable[[dict[str, Any]], float]
+LossWeightFn = Callable[[MicroBatch], float]
 #: Turns a micro-batch's logits into the per-token values `TrainEngine.forward` returns.
-PostHook = Callable[[torch.Tensor, dict[str, Any]], torch.Tensor]
-#: Runs a coroutine on the inference client's event loop from another thread, returns its result.
-Runner = Callable[[Coroutine[Any, Any, Any]], Any]
+PostHook = Callable[[torch.Tensor, MicroBatch], torch.Tensor]
+#: A checkpointed state (``torch.save``d as it is: tensors and plain Python data).
+StateDict = dict[str, object]
+
+
+class Runner(Protocol):
+    """Runs a coroutine on the inference client's event loop from another thread and
+    returns its result."""
+
+    def __call__(self, coro: Coroutine[object, object, _T]) -> _T: ...
 
 
 @runtime_checkable
@@ -68,7 +92,7 @@ class InferenceClient(Protocol):
 
     def resume(self) -> None: ...
 
-    def stats(self) -> dict[str, Any]: ...
+    def stats(self) -> JsonObject: ...
 
 
 @runtime_checkable
@@ -86,19 +110,19 @@ class WeightUpdateAdmin(Protocol):
     @property
     def servers(self) -> list[str]: ...
 
-    def server_info(self, addr: str) -> dict[str, Any]: ...
+    def server_info(self, addr: str) -> JsonObject: ...
 
     def out_of_rotation(self) -> dict[str, str]: ...
 
-    async def drop_unreachable(self, addrs: Any = None, why: str = "") -> list[str]: ...
+    async def drop_unreachable(self, addrs: Iterable[str] | None = None, why: str = "") -> list[str]: ...
 
-    async def pause_generation(self) -> dict[str, Any]: ...
+    async def pause_generation(self) -> JsonObject: ...
 
-    async def continue_generation(self) -> dict[str, Any]: ...
+    async def continue_generation(self) -> JsonObject: ...
 
-    async def update_weights_from_disk(self, path: str, version: int, timeout: float | None = None) -> dict[str, Any]: ...
+    async def update_weights_from_disk(self, path: str, version: int, timeout: float | None = None) -> JsonObject: ...
 
-    async def get_weights_by_name(self, name: str, truncate_size: int = 100) -> dict[str, Any]: ...
+    async def get_weights_by_name(self, name: str, truncate_size: int = 100) -> JsonObject: ...
 
 
 @runtime_checkable
@@ -115,28 +139,28 @@ class DistributedUpdateAdmin(WeightUpdateAdmin, Protocol):
 
     async def init_weights_update_group(self, master_address: str, master_port: int,
                                         world_size: int | None = None, group_name: str = ...,
-                                        backend: str = "gloo", *, timeout: float | None = None) -> dict[str, Any]: ...
+                                        backend: str = "gloo", *, timeout: float | None = None) -> JsonObject: ...
 
-    async def update_weights_from_distributed(self, names: Sequence[str], dtypes: Sequence[Any],
+    async def update_weights_from_distributed(self, names: Sequence[str], dtypes: Sequence[torch.dtype | str],
                                               shapes: Sequence[Sequence[int]], group_name: str = ...,
                                               version: int | None = None, flattened_bucket: bool = False, *,
                                               flush_cache: bool = True,
-                                              timeout: float | None = None) -> dict[str, Any]: ...
+                                              timeout: float | None = None) -> JsonObject: ...
 
-    async def destroy_weights_update_group(self, group_name: str = ...) -> dict[str, Any]: ...
+    async def destroy_weights_update_group(self, group_name: str = ...) -> JsonObject: ...
 
-    async def begin_weight_update(self) -> dict[str, Any]: ...
+    async def begin_weight_update(self) -> JsonObject: ...
 
-    async def end_weight_update(self) -> dict[str, Any]: ...
+    async def end_weight_update(self) -> JsonObject: ...
 
 
 @runtime_checkable
 class ShmUpdateAdmin(WeightUpdateAdmin, Protocol):
     """Updates from one shared-memory file (servers on the trainer's host)."""
 
-    async def update_weights_from_shm(self, path: str, names: Sequence[str], dtypes: Sequence[Any],
+    async def update_weights_from_shm(self, path: str, names: Sequence[str], dtypes: Sequence[torch.dtype | str],
                                       shapes: Sequence[Sequence[int]], offsets: Sequence[int], version: int, *,
-                                      timeout: float | None = None, alias: bool = False) -> dict[str, Any]: ...
+                                      timeout: float | None = None, alias: bool = False) -> JsonObject: ...
 
 
 @runtime_checkable
@@ -157,9 +181,9 @@ class TrainEngine(WeightSource, Protocol):
 
     def destroy(self) -> None: ...
 
-    def train_batch(self, batch: Any, loss_fn: LossFn, loss_weight_fn: LossWeightFn) -> dict[str, float]: ...
+    def train_batch(self, batch: TrainBatch, loss_fn: LossFn, loss_weight_fn: LossWeightFn) -> dict[str, float]: ...
 
-    def forward(self, batch: Any, post_hook: PostHook, out_dtype: torch.dtype = torch.float32) -> torch.Tensor: ...
+    def forward(self, batch: TrainBatch, post_hook: PostHook, out_dtype: torch.dtype = torch.float32) -> torch.Tensor: ...
 
     def save(self, path: str | PathLike) -> None: ...
 
@@ -220,26 +244,34 @@ class Pausable(Protocol):
 class Stateful(Protocol):
     """What a checkpoint saves and restores."""
 
-    def state_dict(self) -> dict[str, Any]: ...
+    def state_dict(self) -> StateDict: ...
 
-    def load_state_dict(self, state: dict[str, Any]) -> None: ...
+    def load_state_dict(self, state: StateDict) -> None: ...
 
 
 @runtime_checkable
-class RolloutSide(Pausable, Versioned, Protocol):
-    """The rollout side of one trainer rank as the trainer sees it: client, controller,
-    dataloader and workflows together (`arealite.rollout.side.LocalRollout` in the trainer's
-    process, `arealite.rollout.worker.RolloutWorker` in a child process).
-
-    ``admin``/``run`` serve the weight publisher; ``controller_state``/``loader_state`` the
-    checkpointer; ``last_batch_items``/``take_dropped`` the per-prompt accounting.
-    """
+class WeightUpdateTarget(Pausable, Versioned, Protocol):
+    """The rollout side as the weight publisher sees it: ``admin`` administers the servers,
+    ``run`` runs its coroutines on the client's loop; the side is paused around an update
+    and gets the new version after it."""
 
     @property
     def admin(self) -> WeightUpdateAdmin: ...
 
     @property
     def run(self) -> Runner: ...
+
+
+@runtime_checkable
+class RolloutSide(WeightUpdateTarget, Protocol):
+    """The rollout side of one trainer rank as the trainer sees it: client, controller,
+    dataloader and workflows together (`arealite.rollout.side.LocalRollout` in the trainer's
+    process, `arealite.rollout.worker.RolloutWorker` in a child process).
+
+    What it is to the weight publisher is `WeightUpdateTarget`; ``controller_state``/
+    ``loader_state`` serve the checkpointer; ``last_batch_items``/``take_dropped`` the
+    per-prompt accounting.
+    """
 
     @property
     def controller_state(self) -> Stateful: ...
@@ -248,26 +280,26 @@ class RolloutSide(Pausable, Versioned, Protocol):
     def loader_state(self) -> Stateful: ...
 
     @property
-    def last_batch_items(self) -> list[Any]: ...
+    def last_batch_items(self) -> list[JsonObject]: ...
 
     def start(self, version: int) -> None: ...
 
-    def prepare_batch(self) -> Any: ...
+    def prepare_batch(self) -> TensorDictBase: ...
 
-    def take_dropped(self) -> list[Any]: ...
+    def take_dropped(self) -> list[JsonObject]: ...
 
-    def stats(self) -> dict[str, dict[str, Any]]: ...
+    def stats(self) -> dict[str, JsonObject]: ...
 
-    def unfinished_state(self) -> dict[str, Any]: ...
+    def unfinished_state(self) -> StateDict: ...
 
     def epochs_handed_out(self) -> int: ...
 
-    def eval_sums(self, items: Sequence[dict[str, Any]], ks: Sequence[int] = ()) -> dict[str, float]: ...
+    def eval_sums(self, items: Sequence[JsonObject], ks: Sequence[int] = ()) -> dict[str, float]: ...
 
     def stop(self) -> None: ...
 
 
-def require(obj: Any, contract: type, what: str) -> None:
+def require(obj: object, contract: type, what: str) -> None:
     """Raise a `TypeError` naming the missing methods when `obj` does not satisfy `contract`."""
     if isinstance(obj, contract):
         return
@@ -277,6 +309,7 @@ def require(obj: Any, contract: type, what: str) -> None:
                     f" (missing: {', '.join(missing) or 'see the Protocol'})")
 
 
-__all__ = ["DistributedUpdateAdmin", "InferenceClient", "LossFn", "LossWeightFn", "Pausable", "PostHook",
-           "Runner", "ShmUpdateAdmin", "TrainEngine", "Versioned", "WeightSource", "WeightTransfer",
-           "WeightUpdateAdmin", "require"]
+__all__ = ["DistributedUpdateAdmin", "InferenceClient", "LossFn", "LossWeightFn", "MicroBatch", "MicroBatchStats",
+           "Pausable", "PostHook", "RolloutSide", "Runner", "ShmUpdateAdmin", "StateDict", "Stateful", "TrainBatch",
+           "TrainEngine", "Versioned", "WeightSource", "WeightTransfer", "WeightUpdateAdmin", "WeightUpdateTarget",
+           "require"]

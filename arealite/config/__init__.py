@@ -3,11 +3,15 @@
     from arealite.config import load_config, parse_args
     cfg = load_config("examples/configs/default.yaml", ["actor.optimizer.lr=1e-5"])
 
-`python -m arealite.config {show,check,schema,docs}` inspects configs from a shell.
+`python -m arealite.config {show,schema,docs}` inspects configs from a shell. The names a
+config gives to pieces of the packages above it (advantage estimator, policy loss, reward
+function, workflow) are checked by those packages: `arealite.check` loads a run's config
+with every check, and `python -m arealite.check` validates one from a shell.
 """
 
 from arealite.config.loader import (
     SERVER_ADDRS_ENV,
+    ConfigCheck,
     ConfigError,
     ConfigProblem,
     check_config,
@@ -43,6 +47,7 @@ __all__ = [
     "ActorConfig",
     "AlgorithmConfig",
     "ArealiteConfig",
+    "ConfigCheck",
     "ConfigError",
     "ConfigProblem",
     "DataConfig",

@@ -1,12 +1,12 @@
 """Inspect arealite configs from a shell.
 
     python -m arealite.config show   [CFG] [key=value ...]   effective config as YAML (api_key masked)
-    python -m arealite.config check  [CFG] [key=value ...]   validate, model/data paths included
     python -m arealite.config schema                         JSON schema of the config
     python -m arealite.config docs                           Markdown reference (docs/config_reference.md)
 
 Exit status: 0 when the config is valid, 1 when it is not (problems on stderr),
-2 on a usage error.
+2 on a usage error. To validate a run's config in full, the names of its algorithm
+pieces, reward function and workflow included, use `python -m arealite.check`.
 """
 
 from __future__ import annotations
@@ -16,16 +16,8 @@ import json
 import sys
 from collections.abc import Sequence
 
-from arealite.config.loader import ConfigError, check_launch, dump_config, load_config
+from arealite.config.loader import ConfigError, dump_config, load_config, split_config_args
 from arealite.config.schema import ArealiteConfig
-
-
-def _split_config(items: Sequence[str]) -> tuple[str | None, list[str]]:
-    """`[CFG] key=value ...`: the first item is the file unless it is an override."""
-    items = list(items)
-    if items and "=" not in items[0]:
-        return items[0], items[1:]
-    return None, items
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -40,10 +32,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     show.add_argument("args", nargs="*", metavar="CFG | key=value")
     show.add_argument("--check-paths", action="store_true", help="also require model/data paths to exist")
     show.add_argument("--show-secrets", action="store_true", help="print server.api_key instead of ***")
-    check = sub.add_parser("check", help="validate a config, paths included")
-    check.add_argument("args", nargs="*", metavar="CFG | key=value")
-    check.add_argument("--no-paths", action="store_true", help="do not check model/data paths")
-    check.add_argument("--launch", action="store_true", help="also run the local launcher's checks")
     sub.add_parser("schema", help="print the JSON schema")
     sub.add_parser("docs", help="print the Markdown config reference")
     args = parser.parse_args(argv)
@@ -57,19 +45,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         sys.stdout.write(render_reference())
         return 0
 
-    path, overrides = _split_config(args.args)
+    path, overrides = split_config_args(args.args)
     try:
-        if args.command == "show":
-            cfg = load_config(path, overrides, check_paths=args.check_paths)
-            sys.stdout.write(dump_config(cfg, mask_secrets=not args.show_secrets))
-            return 0
-        cfg = load_config(path, overrides, check_paths=not args.no_paths)
-        if args.launch:
-            check_launch(cfg)
+        cfg = load_config(path, overrides, check_paths=args.check_paths)
     except ConfigError as e:
         print(e, file=sys.stderr)
         return 1
-    print(f"OK: {path or 'defaults'}" + (f" with {len(overrides)} override(s)" if overrides else ""))
+    sys.stdout.write(dump_config(cfg, mask_secrets=not args.show_secrets))
     return 0
 
 

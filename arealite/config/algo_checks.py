@@ -7,39 +7,35 @@ involve other sections and is one of the loader's cross-field checks.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING
+
+from arealite.config.problems import ConfigProblem
 
 if TYPE_CHECKING:
     from arealite.config.schema import AlgorithmConfig, ArealiteConfig
 
-__all__ = ["AlgoProblem", "algorithm_problems", "raise_algorithm_problems", "check_algorithm"]
+__all__ = ["algorithm_problems", "raise_algorithm_problems", "check_algorithm"]
 
 #: Estimators defined with advantage whitening over the global batch (REINFORCE++).
 _GLOBAL_NORM = ("reinforce_pp", "reinforce_pp_baseline")
 _SEQUENCE_LOSSES = ("gspo", "gspo_token")
 
 
-class AlgoProblem(NamedTuple):
-    path: str
-    message: str
-    value: Any
-
-
-def algorithm_problems(alg: "AlgorithmConfig") -> list[AlgoProblem]:
+def algorithm_problems(alg: "AlgorithmConfig") -> list[ConfigProblem]:
     """What is wrong inside the `algorithm` section (dotted paths under `algorithm.`)."""
-    out: list[AlgoProblem] = []
+    out: list[ConfigProblem] = []
     if alg.kl_in_reward and alg.kl_coef <= 0:
-        out.append(AlgoProblem("algorithm.kl_in_reward", "needs algorithm.kl_coef > 0 (the weight of the KL "
-                               "penalty put in the reward); set kl_coef or kl_in_reward: false", True))
+        out.append(ConfigProblem("algorithm.kl_in_reward", "needs algorithm.kl_coef > 0 (the weight of the KL "
+                                 "penalty put in the reward); set kl_coef or kl_in_reward: false", True))
     if alg.adv_estimator in _GLOBAL_NORM and alg.adv_norm != "batch":
-        out.append(AlgoProblem("algorithm.adv_norm", f"must be `batch` with adv_estimator={alg.adv_estimator}: "
-                               "REINFORCE++ whitens advantages over the global batch", alg.adv_norm))
+        out.append(ConfigProblem("algorithm.adv_norm", f"must be `batch` with adv_estimator={alg.adv_estimator}: "
+                                 "REINFORCE++ whitens advantages over the global batch", alg.adv_norm))
     if alg.mismatch.mode != "none" and not alg.use_decoupled_loss:
-        out.append(AlgoProblem("algorithm.mismatch.mode", "needs the trainer's own log-probs of the batch: set "
-                               "algorithm.use_decoupled_loss: true (or mismatch.mode: none)", alg.mismatch.mode))
+        out.append(ConfigProblem("algorithm.mismatch.mode", "needs the trainer's own log-probs of the batch: set "
+                                 "algorithm.use_decoupled_loss: true (or mismatch.mode: none)", alg.mismatch.mode))
     if alg.policy_loss in _SEQUENCE_LOSSES and alg.c_clip is not None:
-        out.append(AlgoProblem("algorithm.c_clip", f"dual clip is part of the token-level `ppo` loss, not of "
-                               f"policy_loss={alg.policy_loss}: set c_clip: null", alg.c_clip))
+        out.append(ConfigProblem("algorithm.c_clip", f"dual clip is part of the token-level `ppo` loss, not of "
+                                 f"policy_loss={alg.policy_loss}: set c_clip: null", alg.c_clip))
     return out
 
 
@@ -50,13 +46,11 @@ def raise_algorithm_problems(alg: "AlgorithmConfig") -> None:
         raise ValueError("; ".join(f"{p.path} = {p.value!r}: {p.message}" for p in problems))
 
 
-def check_algorithm(cfg: "ArealiteConfig") -> list:
+def check_algorithm(cfg: "ArealiteConfig") -> list[ConfigProblem]:
     """The `algorithm` section's rules, and: `adv_estimator: gae` if and only if `critic.enabled`;
     `algorithm.overlong.buffer_len` <= `generation.max_new_tokens`; `evaluation.n_samples` > 1
     needs `data.eval_path`."""
-    from arealite.config.loader import ConfigProblem
-
-    out = [ConfigProblem(*p) for p in algorithm_problems(cfg.algorithm)]
+    out = algorithm_problems(cfg.algorithm)
     alg = cfg.algorithm
     if alg.adv_estimator == "gae" and not cfg.critic.enabled:
         out.append(ConfigProblem("algorithm.adv_estimator", "needs a value model: set critic.enabled: true "

@@ -8,15 +8,16 @@ from __future__ import annotations
 import inspect
 import types
 import typing
-from typing import Any, Literal
+from typing import Literal
 
 import annotated_types
 import yaml
 from pydantic import BaseModel
 from pydantic.fields import FieldInfo
 
-from arealite.config.loader import CROSS_FIELD_CHECKS, _Dumper, _section_model
+from arealite.config.loader import CROSS_FIELD_CHECKS, _section_model
 from arealite.config.schema import ArealiteConfig
+from arealite.config.yaml12 import Dumper
 
 REGENERATE = "python -m arealite.config docs > docs/config_reference.md"
 
@@ -34,7 +35,7 @@ and every key can be overridden on the command line with its dotted path:
 python -m arealite.train --config examples/configs/default.yaml \\
     actor.optimizer.lr=1e-5 generation.stop_token_ids=[1,2]
 python -m arealite.config show examples/configs/default.yaml server.api_key=null   # effective config
-python -m arealite.config check examples/configs/default.yaml                      # validate, paths too
+python -m arealite.check examples/configs/default.yaml                             # validate, paths too
 ```
 
 Values (in files and in overrides) follow the YAML 1.2 core rules: only
@@ -47,13 +48,13 @@ the directory the command runs in.
 """
 
 
-def _scalar(value: Any) -> str:
+def _scalar(value: object) -> str:
     """A default value as it would be written in YAML."""
-    text = yaml.dump(value, Dumper=_Dumper, default_flow_style=True, width=10**6)
+    text = yaml.dump(value, Dumper=Dumper, default_flow_style=True, width=10**6)
     return text.removesuffix("\n...\n").strip()
 
 
-def _type_name(annotation: Any) -> str:
+def _type_name(annotation: object) -> str:
     origin = typing.get_origin(annotation)
     args = typing.get_args(annotation)
     if annotation is type(None):
@@ -120,7 +121,13 @@ def render_reference() -> str:
         "whose own value is invalid waits until that value is fixed):",
         "",
         *[f"- {_cell(inspect.getdoc(check) or check.__name__)}" for check in CROSS_FIELD_CHECKS],
-        "- Path checks (`python -m arealite.config check`, `load_config(..., check_paths=True)`, "
+        "- Names, checked by the packages that resolve them, in the same round wherever a run's config "
+        "is loaded (`python -m arealite.check`, the launchers, `python -m arealite.train`) and when "
+        "`RLTrainer` is made: `algorithm.adv_estimator` and `algorithm.policy_loss` name a built-in or "
+        "an importable function that takes the estimator's or the loss's arguments; `data.reward_fn` "
+        "names an importable callable; `rollout.workflow` names a built-in or importable workflow "
+        "class, and `rollout.workflow_kwargs` fits its constructor.",
+        "- Path checks (`python -m arealite.check`, `load_config(..., check_paths=True)`, "
         "the default): `actor.model_path`, and `server.model_path` when set, are Hugging Face model "
         "directories with a `config.json` (build a tiny one with `python -m arealite.models.tiny DIR`); "
         "`data.train_path` and `data.eval_path`, when set, are existing files.",

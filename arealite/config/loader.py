@@ -8,6 +8,11 @@ value, what is allowed, and where the value came from (file and line, or the
 override). YAML is read with the YAML 1.2 core rules (only `true`/`false` are
 booleans, `1e-5` is a float, `no`, `on` and `2024-01-01` stay strings), both in
 files and in override values, and duplicate keys are an error.
+
+The loader judges what the config alone can tell. Names that only the packages
+above it can resolve (advantage estimator, policy loss, reward function, workflow)
+are checked by their owners: `arealite.check` passes those checks in as
+`extra_checks`, so that they are reported in the same round.
 """
 
 from __future__ import annotations
@@ -23,17 +28,22 @@ import types
 import typing
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any
 
 import yaml
 from pydantic import BaseModel, ValidationError
 
+from arealite.config.algo_checks import check_algorithm
+from arealite.config.problems import NO_VALUE, SECRET_FIELDS, ConfigCheck, ConfigError, ConfigProblem, short_value
 from arealite.config.schema import ArealiteConfig, _check_server_addr
+from arealite.config.yaml12 import Dumper, Loader, error_text
 from arealite.utils.net import is_local_host, split_addr
 
 __all__ = [
+    "ConfigCheck",
     "ConfigError",
     "ConfigProblem",
+    "SECRET_FIELDS",
     "SERVER_ADDRS_ENV",
     "check_config",
     "check_launch",
@@ -42,182 +52,14 @@ __all__ = [
     "load_config",
     "parse_args",
     "parse_override_value",
+    "split_config_args",
 ]
 
 #: Environment variable with comma-separated `host:port` of servers started elsewhere.
 SERVER_ADDRS_ENV = "AREALITE_SERVER_ADDRS"
 
-#: Fields whose values are secrets: masked in `dump_config` and in error messages.
-SECRET_FIELDS = frozenset({"server.api_key"})
 
-_NO_VALUE: Any = object()
-
-
-# --------------------------------------------------------------------------- errors
-
-
-class ConfigProblem(NamedTuple):
-    """One thing wrong with a config: where, what value, what is allowed, from where."""
-
-    path: str
-    """Dotted path of the field (`rollout.consumer_batch_size`), or `<file>`/`<override>`."""
-    message: str
-    """What is wrong and what is allowed."""
-    value: Any = _NO_VALUE
-    """The offending value (absent when there is none, e.g. a YAML syntax error)."""
-    source: str | None = None
-    """Where the value came from: `cfg.yaml:12` or `override 'a.b=1'`."""
-
-    def format(self) -> str:
-        """The problem as one line: `path = value: message  [source]`."""
-        head = self.path
-        if self.value is not _NO_VALUE:
-            shown = "***" if self.path in SECRET_FIELDS and self.value is not None else _short(self.value)
-            head = f"{head} = {shown}"
-        line = f"{head}: {self.message}"
-        if self.source:
-            line += f"  [{self.source}]"
-        return line.replace("\n", " ")
-
-
-class ConfigError(ValueError):
-    """A config that cannot be used; `problems` lists everything found, all at once."""
-
-    def __init__(self, problems: Sequence[ConfigProblem], origin: str | None = None):
-        self.problems = list(problems)
-        self.origin = origin
-        n = len(self.problems)
-        where = f" in {origin}" if origin else ""
-        lines = [f"{n} config problem{'s' if n != 1 else ''}{where}:"]
-        lines += [f"  {p.format()}" for p in self.problems]
-        super().__init__("\n".join(lines))
-
-
-def _short(value: Any, limit: int = 80) -> str:
-    """A value as the user would type it, cut to one short line."""
-    if value is None:
-        text = "null"
-    elif isinstance(value, bool):
-        text = "true" if value else "false"
-    elif isinstance(value, (Mapping, list, tuple)):
-        try:
-            text = yaml.dump(
-                _plain(value), Dumper=_Dumper, default_flow_style=True, width=10**6
-            ).strip()
-        except yaml.YAMLError:
-            text = repr(value)
-    else:
-        text = repr(value)
-    text = text.replace("\n", "\\n")
-    return text if len(text) <= limit else text[: limit - 3] + "..."
-
-
-def _plain(value: Any) -> Any:
-    if isinstance(value, Mapping):
-        return {str(k): _plain(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_plain(v) for v in value]
-    return value
-
-
-# --------------------------------------------------------------------------- YAML 1.2
-
-
-def _yaml12_resolvers(cls: type) -> None:
-    """Give a PyYAML loader/dumper class the YAML 1.2 core rules for plain scalars.
-
-    PyYAML implements YAML 1.1, where `no`/`on` are booleans, `1e-5` is a
-    string, `010` is octal and `1:30` is 90: all surprises in a config file.
-    The dumper gets the same rules so that what it writes reads back the same.
-    """
-    keep = {"tag:yaml.org,2002:null", "tag:yaml.org,2002:merge"}
-    cls.yaml_implicit_resolvers = {
-        first: [(tag, rx) for tag, rx in rules if tag in keep]
-        for first, rules in yaml.SafeLoader.yaml_implicit_resolvers.items()
-    }
-    cls.add_implicit_resolver(
-        "tag:yaml.org,2002:bool",
-        re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$"),
-        list("tTfF"),
-    )
-    cls.add_implicit_resolver(
-        "tag:yaml.org,2002:int",
-        re.compile(r"^(?:[-+]?[0-9]+|0o[0-7]+|0x[0-9a-fA-F]+)$"),
-        list("-+0123456789"),
-    )
-    cls.add_implicit_resolver(
-        "tag:yaml.org,2002:float",
-        re.compile(
-            r"^(?:[-+]?(?:\.[0-9]+|[0-9]+\.[0-9]*)(?:[eE][-+]?[0-9]+)?"
-            r"|[-+]?[0-9]+[eE][-+]?[0-9]+"
-            r"|[-+]?\.(?:inf|Inf|INF)|\.(?:nan|NaN|NAN))$"
-        ),
-        list("-+.0123456789"),
-    )
-
-
-class _Loader(yaml.SafeLoader):
-    """SafeLoader with YAML 1.2 core scalars and an error on duplicate keys."""
-
-    def construct_mapping(self, node, deep=False):
-        if isinstance(node, yaml.MappingNode):
-            seen: dict[Any, int] = {}
-            for key_node, _ in node.value:
-                if key_node.tag == "tag:yaml.org,2002:merge":
-                    continue
-                key = self.construct_object(key_node, deep=True)
-                try:
-                    first = seen.get(key)
-                except TypeError:  # an unhashable key; the base class reports it
-                    continue
-                if first is not None:
-                    raise yaml.constructor.ConstructorError(
-                        "while constructing a mapping", node.start_mark,
-                        f"found duplicate key {key!r} (first given on line {first}); "
-                        "remove one of them",
-                        key_node.start_mark,
-                    )
-                seen[key] = key_node.start_mark.line + 1
-        return super().construct_mapping(node, deep=deep)
-
-    def construct_yaml_int(self, node):
-        text = self.construct_scalar(node)
-        sign = -1 if text.startswith("-") else 1
-        digits = text.lstrip("+-")
-        if digits.startswith("0x"):
-            return sign * int(digits[2:], 16)
-        if digits.startswith("0o"):
-            return sign * int(digits[2:], 8)
-        return sign * int(digits, 10)
-
-    def construct_yaml_float(self, node):
-        text = self.construct_scalar(node).lower()
-        if text.endswith(".inf"):
-            return -math.inf if text.startswith("-") else math.inf
-        if text.endswith(".nan"):
-            return math.nan
-        return float(text)
-
-
-_yaml12_resolvers(_Loader)
-_Loader.add_constructor("tag:yaml.org,2002:int", _Loader.construct_yaml_int)
-_Loader.add_constructor("tag:yaml.org,2002:float", _Loader.construct_yaml_float)
-
-
-class _Dumper(yaml.SafeDumper):
-    """SafeDumper that quotes exactly the strings `_Loader` would not read as strings."""
-
-
-_yaml12_resolvers(_Dumper)
-
-
-def _yaml_error_text(err: yaml.YAMLError) -> str:
-    context, mark = getattr(err, "context", None), getattr(err, "context_mark", None)
-    if context and mark is not None:
-        context += f" (line {mark.line + 1})"
-    parts = [context, getattr(err, "problem", None)]
-    text = "; ".join(p for p in parts if p)
-    return text or str(err).splitlines()[0]
+# --------------------------------------------------------------------------- reading YAML
 
 
 def _read_yaml_file(path: Path) -> tuple[Any, dict[str, int]]:
@@ -230,7 +72,7 @@ def _read_yaml_file(path: Path) -> tuple[Any, dict[str, int]]:
         raise ConfigError([ConfigProblem("<file>", f"config path {str(path)!r} is a directory, not a YAML file")], str(path)) from None
     except UnicodeDecodeError as e:
         raise ConfigError([ConfigProblem("<file>", f"{path} is not UTF-8 text ({e.reason} at byte {e.start})")], str(path)) from None
-    loader = _Loader(text)
+    loader = Loader(text)
     try:
         node = loader.get_single_node()
         data = loader.construct_document(node) if node is not None else None
@@ -238,7 +80,7 @@ def _read_yaml_file(path: Path) -> tuple[Any, dict[str, int]]:
         mark = e.problem_mark or e.context_mark
         where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark else str(path)
         raise ConfigError(
-            [ConfigProblem("<file>", f"invalid YAML: {_yaml_error_text(e)}", source=where)], str(path)
+            [ConfigProblem("<file>", f"invalid YAML: {error_text(e)}", source=where)], str(path)
         ) from None
     except yaml.YAMLError as e:
         raise ConfigError([ConfigProblem("<file>", f"invalid YAML: {e}", source=str(path))], str(path)) from None
@@ -249,7 +91,7 @@ def _read_yaml_file(path: Path) -> tuple[Any, dict[str, int]]:
     return data, lines
 
 
-def _record_key_lines(node: Any, prefix: str, out: dict[str, int]) -> None:
+def _record_key_lines(node: yaml.Node | None, prefix: str, out: dict[str, int]) -> None:
     if isinstance(node, yaml.MappingNode):
         for key_node, value_node in node.value:
             if isinstance(key_node, yaml.ScalarNode) and key_node.tag != "tag:yaml.org,2002:merge":
@@ -264,7 +106,7 @@ def parse_override_value(text: str) -> Any:
     `1e-5` -> float, `8` -> int, `true` -> bool, `null` or nothing -> None,
     `[1, 2]` -> list, `{a: 1}` -> dict, anything else -> the string itself.
     """
-    loader = _Loader(text)
+    loader = Loader(text)
     try:
         return loader.get_single_data()
     finally:
@@ -274,7 +116,7 @@ def parse_override_value(text: str) -> Any:
 # --------------------------------------------------------------------------- schema walking
 
 
-def _section_model(annotation: Any) -> type[BaseModel] | None:
+def _section_model(annotation: object) -> type[BaseModel] | None:
     """The section class of a field annotation (`ActorConfig`, `X | None`), else None."""
     if isinstance(annotation, type) and issubclass(annotation, BaseModel):
         return annotation
@@ -285,7 +127,7 @@ def _section_model(annotation: Any) -> type[BaseModel] | None:
     return None
 
 
-def _is_mapping_field(annotation: Any) -> bool:
+def _is_mapping_field(annotation: object) -> bool:
     return typing.get_origin(annotation) in (dict, Mapping)
 
 
@@ -345,7 +187,7 @@ def _source_of(path: str, sources: Mapping[str, str]) -> str | None:
     return None
 
 
-def _loc_to_path(loc: Sequence[Any]) -> str:
+def _loc_to_path(loc: Sequence[int | str]) -> str:
     out = ""
     for part in loc:
         if isinstance(part, int):
@@ -355,10 +197,10 @@ def _loc_to_path(loc: Sequence[Any]) -> str:
     return out
 
 
-def _string_keys(obj: Any) -> Any:
+def _string_keys(obj: object) -> object:
     """Mapping keys as the text the user wrote (`1: x` is key '1'), so errors name them."""
     if isinstance(obj, dict):
-        return {(k if isinstance(k, str) else _short(k)): _string_keys(v) for k, v in obj.items()}
+        return {(k if isinstance(k, str) else short_value(k)): _string_keys(v) for k, v in obj.items()}
     if isinstance(obj, list):
         return [_string_keys(v) for v in obj]
     return obj
@@ -399,7 +241,7 @@ def _apply_override(raw: dict, override: str, sources: dict[str, str]) -> Config
     except yaml.YAMLError as e:
         shown = repr(text) if key not in SECRET_FIELDS else "***"
         return ConfigProblem(
-            key, f"cannot parse the value {shown} as YAML: {_yaml_error_text(e)}; "
+            key, f"cannot parse the value {shown} as YAML: {error_text(e)}; "
             "quote strings with special characters", source=src,
         )
     node = raw
@@ -410,7 +252,7 @@ def _apply_override(raw: dict, override: str, sources: dict[str, str]) -> Config
         elif not isinstance(child, dict):
             where = ".".join(parts[: i + 1])
             return ConfigProblem(
-                key, f"cannot be set: {where} is {_short(child)} in the config, not a mapping",
+                key, f"cannot be set: {where} is {short_value(child)} in the config, not a mapping",
                 source=src,
             )
         node = child
@@ -439,7 +281,7 @@ def _validation_problems(err: ValidationError, sources: Mapping[str, str]) -> li
     for e in err.errors(include_url=False):
         loc = tuple(e["loc"])
         path = _loc_to_path(loc)
-        value = e.get("input", _NO_VALUE)
+        value = e.get("input", NO_VALUE)
         kind = e["type"]
         # pydantic says "Input should be ..."; name the rule as the field's own.
         msg = e["msg"].removeprefix("Value error, ").replace("Input should be", "must be")
@@ -467,12 +309,15 @@ def load_config(
     overrides: Sequence[str] = (),
     *,
     check_paths: bool = True,
+    extra_checks: Sequence[ConfigCheck] = (),
 ) -> ArealiteConfig:
     """Load a YAML config (defaults when `path` is None), apply overrides, validate.
 
     `overrides` are `dotted.key=value` strings; values follow YAML flow rules.
     With `check_paths`, model and data paths must exist (turn it off to inspect
-    a config before its model is built). Raises `ConfigError` listing every problem.
+    a config before its model is built). `extra_checks` run beside the cross-field
+    checks: the checks of names that only the packages above config can resolve
+    (`arealite.check.NAME_CHECKS`). Raises `ConfigError` listing every problem.
     """
     sources: dict[str, str] = {}
     origin = str(path) if path is not None else None
@@ -514,12 +359,12 @@ def load_config(
             problems += [p._replace(source=_source_of(p.path, sources)) for p in _path_problems(values)]
         problems += [
             p._replace(source=p.source or _source_of(p.path, sources))
-            for p in _cross_field_problems_around(raw, invalid)
+            for p in _cross_field_problems_around(raw, invalid, extra_checks)
         ]
         raise ConfigError(problems, origin) from None
     problems += [
         p._replace(source=p.source or _source_of(p.path, sources))
-        for p in config_problems(cfg, check_paths=check_paths)
+        for p in config_problems(cfg, check_paths=check_paths, extra_checks=extra_checks)
     ]
     if problems:
         raise ConfigError(problems, origin)
@@ -599,30 +444,6 @@ def _check_context_length(cfg: ArealiteConfig) -> list[ConfigProblem]:
     return out
 
 
-def _check_reward_fn(cfg: ArealiteConfig) -> list[ConfigProblem]:
-    """`data.reward_fn` names an importable callable."""
-    from arealite.reward import load_reward_fn
-
-    try:
-        load_reward_fn(cfg.data.reward_fn)
-    except (ImportError, AttributeError, TypeError) as e:
-        return [ConfigProblem("data.reward_fn", str(e), cfg.data.reward_fn)]
-    return []
-
-
-def _check_workflow(cfg: ArealiteConfig) -> list[ConfigProblem]:
-    """`rollout.workflow` names a built-in or importable workflow class, and
-    `rollout.workflow_kwargs` fits its constructor."""
-    from arealite.workflow.registry import resolve_workflow_class, workflow_kwargs_problems
-
-    try:
-        cls = resolve_workflow_class(cfg.rollout.workflow)
-    except ValueError as e:
-        return [ConfigProblem("rollout.workflow", str(e), cfg.rollout.workflow)]
-    return [ConfigProblem(f"rollout.workflow_kwargs.{key}", why, cfg.rollout.workflow_kwargs.get(key))
-            for key, why in workflow_kwargs_problems(cls, cfg.rollout.workflow_kwargs)]
-
-
 def _check_shm_backend(cfg: ArealiteConfig) -> list[ConfigProblem]:
     """`weight_sync.method: shm` needs `launch.server_backend: embedded` (SGLang cannot read the shared-memory file)."""
     if cfg.weight_sync.method == "shm" and cfg.launch.server_backend != "embedded":
@@ -644,8 +465,6 @@ def _check_merged_export(cfg: ArealiteConfig) -> list[ConfigProblem]:
     return []
 
 
-from arealite.config.algo_checks import check_algorithm  # noqa: E402  (the algorithm's rules live with it)
-
 #: Checks that relate several fields; each docstring is listed in docs/config_reference.md.
 CROSS_FIELD_CHECKS = (
     _check_batch_divisible,
@@ -653,8 +472,6 @@ CROSS_FIELD_CHECKS = (
     _check_eval_needs_data,
     _check_warmup,
     _check_context_length,
-    _check_reward_fn,
-    _check_workflow,
     _check_shm_backend,
     _check_merged_export,
     check_algorithm,
@@ -680,7 +497,7 @@ def _model_dir_problems(name: str, value: str | None) -> list[ConfigProblem]:
 _PATH_FIELDS = ("actor.model_path", "server.model_path", "data.train_path", "data.eval_path")
 
 
-def _path_problems(values: Mapping[str, Any]) -> list[ConfigProblem]:
+def _path_problems(values: Mapping[str, str | None]) -> list[ConfigProblem]:
     """Problems of the model and data paths in `values` (dotted path -> value)."""
     out = _model_dir_problems("actor.model_path", values["actor.model_path"])
     if values["server.model_path"] is not None:
@@ -698,7 +515,7 @@ def _path_problems(values: Mapping[str, Any]) -> list[ConfigProblem]:
     return out
 
 
-def _raw_path_values(raw: Any, invalid: set[str]) -> dict[str, Any] | None:
+def _raw_path_values(raw: object, invalid: set[str]) -> dict[str, str | None] | None:
     """The path fields of a config that failed validation, when all of them are usable."""
     defaults = ArealiteConfig()
     values = {}
@@ -717,7 +534,8 @@ def _raw_path_values(raw: Any, invalid: set[str]) -> dict[str, Any] | None:
     return values
 
 
-def _cross_field_problems_around(raw: Any, invalid: set[str]) -> list[ConfigProblem]:
+def _cross_field_problems_around(raw: object, invalid: set[str],
+                                 extra_checks: Sequence[ConfigCheck]) -> list[ConfigProblem]:
     """Cross-field problems of a config whose fields are not all valid, so that one round reports both.
 
     Each invalid value is put back to its default; a rule whose message or
@@ -739,24 +557,28 @@ def _cross_field_problems_around(raw: Any, invalid: set[str]) -> list[ConfigProb
         return []
     names = {p.split("[")[0] for p in invalid}
     return [
-        p for check in CROSS_FIELD_CHECKS for p in check(cfg)
+        p for check in (*CROSS_FIELD_CHECKS, *extra_checks) for p in check(cfg)
         if not any(n == p.path or n in p.message for n in names)
     ]
 
 
-def config_problems(cfg: ArealiteConfig, *, check_paths: bool = True) -> list[ConfigProblem]:
-    """Every cross-field problem of a validated config (and path problems with `check_paths`)."""
+def config_problems(cfg: ArealiteConfig, *, check_paths: bool = True,
+                    extra_checks: Sequence[ConfigCheck] = ()) -> list[ConfigProblem]:
+    """Every cross-field problem of a validated config, those of `extra_checks`, and path
+    problems with `check_paths`."""
     out: list[ConfigProblem] = []
-    for check in CROSS_FIELD_CHECKS:
+    for check in (*CROSS_FIELD_CHECKS, *extra_checks):
         out += check(cfg)
     if check_paths:
         out += _path_problems({d: getattr(getattr(cfg, d.split(".")[0]), d.split(".")[1]) for d in _PATH_FIELDS})
     return out
 
 
-def check_config(cfg: ArealiteConfig, *, check_paths: bool = True) -> ArealiteConfig:
-    """Raise `ConfigError` if the config breaks a cross-field rule (or a path check); else return it."""
-    problems = config_problems(cfg, check_paths=check_paths)
+def check_config(cfg: ArealiteConfig, *, check_paths: bool = True,
+                 extra_checks: Sequence[ConfigCheck] = ()) -> ArealiteConfig:
+    """Raise `ConfigError` if the config breaks a cross-field rule, an `extra_checks` one
+    (or a path check); else return it."""
+    problems = config_problems(cfg, check_paths=check_paths, extra_checks=extra_checks)
     if problems:
         raise ConfigError(problems)
     return cfg
@@ -849,7 +671,15 @@ def dump_config(cfg: ArealiteConfig, *, mask_secrets: bool = True) -> str:
                 node = node[p]
             if node.get(leaf) is not None:
                 node[leaf] = "***"
-    return yaml.dump(data, Dumper=_Dumper, sort_keys=False, default_flow_style=False, allow_unicode=True)
+    return yaml.dump(data, Dumper=Dumper, sort_keys=False, default_flow_style=False, allow_unicode=True)
+
+
+def split_config_args(items: Sequence[str]) -> tuple[str | None, list[str]]:
+    """`[CFG] key=value ...`: the first item is the file unless it is an override."""
+    items = list(items)
+    if items and "=" not in items[0]:
+        return items[0], items[1:]
+    return None, items
 
 
 def parse_args(
@@ -858,11 +688,13 @@ def parse_args(
     check_paths: bool = True,
     exit_on_error: bool = True,
     prog: str | None = None,
+    extra_checks: Sequence[ConfigCheck] = (),
 ) -> ArealiteConfig:
     """Config of a training script from its command line: `--config CFG key=value ...`.
 
     On a bad config, prints every problem and exits with status 2 (like
     argparse); with `exit_on_error=False` raises `ConfigError` instead.
+    `extra_checks` as in `load_config`.
     """
     parser = argparse.ArgumentParser(
         prog=prog,
@@ -873,7 +705,7 @@ def parse_args(
     parser.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides")
     args = parser.parse_args(list(sys.argv[1:] if argv is None else argv))
     try:
-        return load_config(args.config, args.overrides, check_paths=check_paths)
+        return load_config(args.config, args.overrides, check_paths=check_paths, extra_checks=extra_checks)
     except ConfigError as e:
         if not exit_on_error:
             raise

@@ -505,28 +505,6 @@ class AlgorithmConfig(Section):
     overlong: OverlongConfig = Field(default_factory=OverlongConfig)
     """DAPO's overlong reward shaping and filtering."""
 
-    @field_validator("adv_estimator")
-    @classmethod
-    def _known_estimator(cls, v: str) -> str:
-        if v == "gae":  # token-level, from the critic's values: PPOActor computes it, not the registry
-            return v
-        # Imported here: the registry lives with the estimators (torch), which a config need not load.
-        from arealite.algo.advantage import resolve_advantage_estimator
-
-        try:
-            resolve_advantage_estimator(v)
-        except ValueError as e:
-            raise ValueError(f"{e} (or gae, PPO with a critic)") from None
-        return v
-
-    @field_validator("policy_loss")
-    @classmethod
-    def _known_policy_loss(cls, v: str) -> str:
-        from arealite.algo.loss import resolve_policy_loss
-
-        resolve_policy_loss(v)
-        return v
-
 
 class DataConfig(Section):
     train_path: str = ""

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import functools
 from pathlib import Path
-from typing import Any
 
 import torch
 from tensordict import TensorDictBase
@@ -12,12 +11,12 @@ from tensordict import TensorDictBase
 from arealite.algo.actor import split_minibatches
 from arealite.algo.loss import masked_mean
 from arealite.algo.value import explained_variance, value_hook, value_loss
-from arealite.api.contracts import TrainEngine
+from arealite.api.contracts import MicroBatch, TrainEngine
 
 __all__ = ["Critic", "WithCritic", "critic_loss"]
 
 
-def critic_loss(values: torch.Tensor, mb: dict[str, Any], value_clip: float | None) -> torch.Tensor:
+def critic_loss(values: torch.Tensor, mb: MicroBatch, value_clip: float | None) -> torch.Tensor:
     """The loss given to ``engine.train_batch``: token-mean clipped value loss of a packed
     micro-batch (``values [T, 1]`` from the value model; ``mb["values"]`` the old values,
     ``mb["returns"]`` the targets, ``mb["loss_mask"]`` the trained tokens). Stats go to
@@ -37,7 +36,7 @@ def critic_loss(values: torch.Tensor, mb: dict[str, Any], value_clip: float | No
     return loss
 
 
-def _n_loss_tokens(mb: dict[str, Any]) -> float:
+def _n_loss_tokens(mb: MicroBatch) -> float:
     return float(mb["loss_mask"].bool().sum())
 
 

@@ -10,8 +10,9 @@ over ranks, checkpoints and RNG state are the base engine's.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -20,10 +21,13 @@ from arealite.train_engine.fsdp import FSDPEngine
 from arealite.train_engine.fsdp_model import without_dropout
 from arealite.train_engine.packing import register_varlen_attention
 
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
+
 __all__ = ["ValueEngine", "value_model"]
 
 
-def value_model(path: Path, hf_config: Any) -> torch.nn.Module:
+def value_model(path: Path, hf_config: PretrainedConfig) -> torch.nn.Module:
     """The backbone at ``path`` with a fresh scalar head (token classification, one label),
     every dropout off so that training scores tokens as `forward` does."""
     from transformers import AutoModelForTokenClassification
@@ -52,7 +56,7 @@ class ValueEngine(FSDPEngine):
     def __init__(self, config: ActorConfig, device: str = "auto"):
         super().__init__(config, frozen=False, device=device)
 
-    def export_hf(self, path: Any) -> None:
+    def export_hf(self, path: str | os.PathLike) -> None:
         raise NotImplementedError("the critic is not exported as a Hugging Face causal LM; its state is in the "
                                   "run's checkpoints")
 

@@ -18,7 +18,9 @@ import json
 import math
 import random
 from pathlib import Path
-from typing import Any, Iterable, Iterator, Sequence
+from typing import Iterable, Iterator, Sequence
+
+from arealite.utils.json_types import JsonObject, JsonValue
 
 
 class DatasetError(ValueError):
@@ -54,7 +56,7 @@ def load_items(
     return load_jsonl(path, prompt_key, answer_key, required_keys, max_rows)
 
 
-def _check_prompt(value: Any, where: str, key: str) -> None:
+def _check_prompt(value: JsonValue, where: str, key: str) -> None:
     if isinstance(value, str):
         if not value.strip():
             raise DatasetError(f"{where}: field '{key}' is an empty string")
@@ -78,7 +80,7 @@ class _RowChecker:
         self.prompt_key, self.answer_key, self.required_keys = prompt_key, answer_key, tuple(required_keys)
         self.seen_ids: dict[int, int] = {}
 
-    def __call__(self, row: Any, where: str, index: int) -> dict[str, Any]:
+    def __call__(self, row: JsonValue, where: str, index: int) -> JsonObject:
         """Check ``row`` (the ``index``-th kept) in place and return it."""
         prompt_key, answer_key = self.prompt_key, self.answer_key
         if not isinstance(row, dict):
@@ -134,7 +136,7 @@ def load_jsonl(
     if not path.is_file():
         raise DatasetError(f"dataset file not found: {path}")
     check = _RowChecker(prompt_key, answer_key, required_keys)
-    rows: list[dict[str, Any]] = []
+    rows: list[JsonObject] = []
     line_numbers: list[int] = []
     # Binary read, decoded per line: a bad byte is reported with its line, not as a bare UnicodeDecodeError.
     with open(path, "rb") as f:
@@ -185,7 +187,7 @@ def _load_table(
             raise DatasetError(f"{path}: not a readable Parquet file ({e})") from None
         columns = table.column_names
 
-        def read(n: int | None) -> list[dict[str, Any]]:
+        def read(n: int | None) -> list[JsonObject]:
             return (table if n is None else table.slice(0, n)).to_pylist()
     else:
         if not any((path / marker).is_file() for marker in ("state.json", "dataset_dict.json")):
@@ -203,7 +205,7 @@ def _load_table(
             ds = next(iter(ds.values()))
         columns = ds.column_names
 
-        def read(n: int | None) -> list[dict[str, Any]]:
+        def read(n: int | None) -> list[JsonObject]:
             return (ds if n is None else ds.select(range(min(n, len(ds))))).to_list()
     for key, field in ((prompt_key, "data.prompt_key"), (answer_key, "data.answer_key"), *((k, None) for k in required_keys)):
         if key is not None and key not in columns:
@@ -216,7 +218,7 @@ def _load_table(
     return DatasetRows(rows, source=str(path), line_numbers=range(len(rows)), unit="row")
 
 
-def _drop_nulls(row: dict[str, Any]) -> dict[str, Any]:
+def _drop_nulls(row: JsonObject) -> JsonObject:
     # A table has every column in every row; a null stands for a field the row does not have.
     return {k: v for k, v in row.items() if v is not None}
 
@@ -228,7 +230,7 @@ class DatasetRows(list):
     table (``unit="row"``: Parquet, saved datasets).
     """
 
-    def __init__(self, rows: Sequence[Any] = (), source: str | None = None,
+    def __init__(self, rows: Sequence[JsonObject] = (), source: str | None = None,
                  line_numbers: Iterable[int] | None = None, unit: str = "line"):
         super().__init__(rows)
         self.source = source
@@ -262,7 +264,7 @@ class StatefulDataLoader:
 
     def __init__(
         self,
-        items: Sequence[Any],
+        items: Sequence[JsonObject],
         batch_size: int,
         shuffle: bool = True,
         seed: int = 0,
@@ -311,7 +313,7 @@ class StatefulDataLoader:
         per_rank = self._per_rank()
         return per_rank // self.batch_size if self.drop_last else -(-per_rank // self.batch_size)
 
-    def __iter__(self) -> Iterator[list[Any]]:
+    def __iter__(self) -> Iterator[list[JsonObject]]:
         shard = self._shard(self.epoch)
         n = len(self)
         while self.index < n:

@@ -11,27 +11,33 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Sequence
 
 from arealite.data.dataset import DatasetError
+from arealite.utils.json_types import JsonObject, JsonValue
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+    from arealite.config.schema import ArealiteConfig
 
 #: Offending rows shown in full in an error; the rest are counted.
 SHOW_ROWS = 5
 
 
-def _where(items: Sequence[Any], i: int) -> str:
+def _where(items: Sequence[JsonValue], i: int) -> str:
     where = items.where(i) if hasattr(items, "where") else f"row {i}"
     item = items[i]
     pid = item.get("prompt_id") if isinstance(item, dict) else None
     return f"{where} (prompt_id {pid})" if pid is not None else where
 
 
-def _tokenizer_name(tokenizer: Any, tokenizer_path: str | os.PathLike | None) -> str:
+def _tokenizer_name(tokenizer: PreTrainedTokenizerBase, tokenizer_path: str | os.PathLike | None) -> str:
     return str(tokenizer_path or getattr(tokenizer, "name_or_path", "") or type(tokenizer).__name__)
 
 
-def _prompt_text(item: Any, prompt_key: str, apply_chat_template: bool, has_template: bool,
-                 tokenizer: Any, tokenizer_label: str, vocab: int) -> str | int | tuple[str, str]:
+def _prompt_text(item: JsonValue, prompt_key: str, apply_chat_template: bool, has_template: bool,
+                 tokenizer: PreTrainedTokenizerBase, tokenizer_label: str, vocab: int) -> str | int | tuple[str, str]:
     """What one row holds: the text to tokenize, the length of its ``input_ids`` (token-in),
     or ``(kind, detail)`` of what is wrong with it."""
     if not isinstance(item, dict):
@@ -73,8 +79,8 @@ def _length_problem(n: int, prompt_key: str, max_prompt_len: int | None, context
 
 
 def validate_prompts(
-    items: Sequence[dict[str, Any]],
-    tokenizer: Any,
+    items: Sequence[JsonObject],
+    tokenizer: PreTrainedTokenizerBase,
     *,
     prompt_key: str = "prompt",
     apply_chat_template: bool = False,
@@ -147,7 +153,7 @@ _KINDS = {"type": "malformed", "template": "without a chat template", "empty": "
           "long": "longer than data.max_prompt_len", "context": "beyond the context length"}
 
 
-def _report(items: Sequence[Any], bad: list[tuple[int, str, str]], dataset: str, max_new: str) -> str:
+def _report(items: Sequence[JsonValue], bad: list[tuple[int, str, str]], dataset: str, max_new: str) -> str:
     bad.sort()
     lines = [f"{dataset}: {len(bad)} of {len(items)} prompts cannot be used:"]
     lines += [f"  {_where(items, i)}: {detail}" for i, _, detail in bad[:SHOW_ROWS]]
@@ -161,7 +167,7 @@ def _report(items: Sequence[Any], bad: list[tuple[int, str, str]], dataset: str,
     return "\n".join(lines)
 
 
-def _hf_config(model: Path) -> dict[str, Any]:
+def _hf_config(model: Path) -> JsonObject:
     try:
         hf = json.loads((model / "config.json").read_text())
     except (OSError, ValueError):
@@ -169,7 +175,7 @@ def _hf_config(model: Path) -> dict[str, Any]:
     return hf if isinstance(hf, dict) else {}
 
 
-def model_context_length(cfg: Any) -> tuple[int | None, str]:
+def model_context_length(cfg: ArealiteConfig) -> tuple[int | None, str]:
     """The servers' context length and where it comes from (a config field or the model's config.json)."""
     if cfg.launch.server_backend == "sglang" and cfg.server.sglang.context_length is not None:
         return cfg.server.sglang.context_length, "server.sglang.context_length"
@@ -184,10 +190,10 @@ def model_context_length(cfg: Any) -> tuple[int | None, str]:
 
 
 def validate_datasets(
-    cfg: Any,
-    tokenizer: Any,
-    train_items: Sequence[dict[str, Any]],
-    eval_items: Sequence[dict[str, Any]] = (),
+    cfg: ArealiteConfig,
+    tokenizer: PreTrainedTokenizerBase,
+    train_items: Sequence[JsonObject],
+    eval_items: Sequence[JsonObject] = (),
     world_size: int | None = None,
 ) -> dict[str, list[int]]:
     """Every check a training script needs on its datasets, with config field names in the errors.

@@ -26,9 +26,8 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Awaitable, Callable
-from typing import Any
-
 from arealite.inference_client.wire import WireFormat, dumps, encode_request
+from arealite.utils.json_types import JsonObject, JsonValue
 
 logger = logging.getLogger(__name__)
 
@@ -66,7 +65,7 @@ class SharedFailure(Exception):
 class _Batch:
     __slots__ = ("key", "bodies", "waiters")
 
-    def __init__(self, key: tuple[str, str], body: dict[str, Any]):
+    def __init__(self, key: tuple[str, str], body: JsonObject):
         self.key = key
         self.bodies = [body]
         self.waiters: list[asyncio.Future | None] = [None]  # the opener awaits nothing
@@ -85,7 +84,7 @@ class RequestBatcher:
         self._plain: set[str] = set()  # servers that refused the batch form
         self.counts = {"batched_requests": 0, "batches": 0, "batches_split": 0}
 
-    async def send(self, addr: str, key: str, body: dict[str, Any], post: Post) -> tuple[int, bytes | Any]:
+    async def send(self, addr: str, key: str, body: JsonObject, post: Post) -> tuple[int, bytes | JsonValue]:
         """Send ``body`` to ``addr`` (``post`` is that server's exchange), batched with the
         requests of ``key`` sent in the same turn of the loop.
 
@@ -121,7 +120,7 @@ class RequestBatcher:
         if self._open.get(batch.key) is batch:
             del self._open[batch.key]
 
-    async def _send_batch(self, batch: _Batch, post: Post) -> tuple[int, bytes | Any]:
+    async def _send_batch(self, batch: _Batch, post: Post) -> tuple[int, bytes | JsonValue]:
         n = len(batch.bodies)
         self.counts["batches"] += 1
         self.counts["batched_requests"] += n
@@ -161,7 +160,8 @@ class RequestBatcher:
         return 200, parts[0]
 
     @staticmethod
-    def _release(batch: _Batch, error: BaseException | None, results: list | None = None) -> None:
+    def _release(batch: _Batch, error: BaseException | None,
+                 results: list[tuple[int, JsonValue]] | None = None) -> None:
         """Hand every waiting member its result (or ``error``)."""
         for i, fut in enumerate(batch.waiters):
             if fut is None or fut.done():

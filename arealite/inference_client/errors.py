@@ -6,8 +6,6 @@ vLLM one), so that callers catch the same types whatever the servers are.
 
 from __future__ import annotations
 
-from typing import Any
-
 __all__ = [
     "AttemptFailure",
     "BadRequestError",
@@ -44,7 +42,7 @@ class ServerAdminError(RuntimeError):
     answers of the servers that succeeded.
     """
 
-    def __init__(self, route: str, failures: dict[str, str], results: dict[str, Any]):
+    def __init__(self, route: str, failures: dict[str, str], results: dict[str, object]):
         self.route, self.failures, self.results = route, failures, results
         detail = "; ".join(f"{addr}: {cause}" for addr, cause in failures.items())
         super().__init__(f"{route} failed on {len(failures)} server(s): {detail}")

@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import Any
 
 __all__ = ["Http1Pool", "HttpConnectionError", "HttpProtocolError", "HttpResponseTooLarge"]
 
@@ -99,7 +98,7 @@ class _Conn(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
-        self.pool._forget(self)
+        self.pool.forget(self)
         fut = self.fut
         if fut is None or fut.done():
             return
@@ -224,7 +223,7 @@ class _Conn(asyncio.Protocol):
             self.closed = True
             if self.transport is not None:
                 self.transport.close()
-            self.pool._forget(self)
+            self.pool.forget(self)
 
 
 class Http1Pool:
@@ -246,7 +245,8 @@ class Http1Pool:
         self._live: set[_Conn] = set()
         self._closed = False
 
-    def _forget(self, conn: _Conn) -> None:
+    def forget(self, conn: _Conn) -> None:
+        """Stop tracking ``conn`` (it closed or was lost); a connection calls this itself."""
         self._live.discard(conn)
 
     async def _connect(self, loop: asyncio.AbstractEventLoop) -> _Conn:
@@ -347,7 +347,7 @@ class Http1Pool:
         self._idle.clear()
         self._live.clear()
 
-    def stats(self) -> dict[str, Any]:
+    def stats(self) -> dict[str, int]:
         return {"idle": len(self._idle), "live": len(self._live)}
 
 

@@ -34,8 +34,6 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any
-
 import aiohttp
 
 from arealite.api.types import Completion, GenerationRequest
@@ -46,6 +44,7 @@ from arealite.inference_client.response_check import check_segment
 from arealite.inference_client.server_pool import Attempt, Router, ServerPool, ServerState, read_body
 from arealite.inference_client.coalesce import RequestBatcher, SharedFailure, retryable_status
 from arealite.inference_client.wire import JSON_HEADERS, Segment, WireFormat, describe, encode_request, error_message, snippet
+from arealite.utils.json_types import JsonObject
 
 logger = logging.getLogger(__name__)
 
@@ -70,7 +69,7 @@ class _Progress:
     __slots__ = ("req", "t0", "prompt", "budget", "params", "ids", "lps", "vers", "n_aborts",
                  "empty_aborts", "retries", "segment", "errors", "tried", "server", "finish", "top")
 
-    def __init__(self, req: GenerationRequest, prompt: list[int], budget: int, params: dict[str, Any]):
+    def __init__(self, req: GenerationRequest, prompt: list[int], budget: int, params: JsonObject):
         self.req, self.prompt, self.budget, self.params = req, prompt, budget, params
         self.t0 = time.perf_counter()
         self.ids: list[int] = []
@@ -152,7 +151,7 @@ class RemoteInferenceClient:
         """The release string a server reported at ``initialize()`` (None if unknown)."""
         return self.pool.get(addr).version_text
 
-    def server_info(self, addr: str) -> dict[str, Any]:
+    def server_info(self, addr: str) -> JsonObject:
         """What a server reported about itself at ``initialize()`` (empty if unknown)."""
         return dict(self.pool.get(addr).info)
 
@@ -169,9 +168,9 @@ class RemoteInferenceClient:
         """Release submissions held by ``pause()``."""
         self._on_loop(self._gate.set)
 
-    def stats(self) -> dict[str, Any]:
+    def stats(self) -> JsonObject:
         """Counters (requests, retries, failures by cause, aborts ...) and per-server state."""
-        out: dict[str, Any] = dict(self._counters)
+        out: JsonObject = dict(self._counters)
         out.update(self.pool.counts)
         if self._batcher is not None:
             out.update(self._batcher.counts)
@@ -215,7 +214,7 @@ class RemoteInferenceClient:
         self.pool.ensure_session()
         return self
 
-    async def __aexit__(self, *exc: Any) -> None:
+    async def __aexit__(self, *exc: object) -> None:
         await self.aclose()
 
     def _on_loop(self, fn: Callable[[], None]) -> None:
@@ -290,7 +289,7 @@ class RemoteInferenceClient:
                 history = f"; earlier attempts: {' | '.join(p.errors)}" if p.errors else ""
                 raise NoHealthyServerError(f"request {p.req.rid}: {e}{history}") from None
 
-    def _next_body(self, p: _Progress) -> dict[str, Any]:
+    def _next_body(self, p: _Progress) -> JsonObject:
         """The next segment's request: the prompt plus what was generated so far."""
         rid = p.req.rid
         top = p.req.top_logprobs
@@ -386,7 +385,7 @@ class RemoteInferenceClient:
                           latency_s=time.perf_counter() - p.t0, server=p.server.addr,
                           n_interruptions=p.n_aborts, output_top_logprobs=p.top)
 
-    async def _generate_once(self, server: ServerState, payload: dict[str, Any], key: str | None) -> Segment | None:
+    async def _generate_once(self, server: ServerState, payload: JsonObject, key: str | None) -> Segment | None:
         """One generation call; returns the segment with its version filled in.
 
         Returns None without sending when, by the time the request has a slot on

@@ -23,13 +23,12 @@ import logging
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any
-
 import aiohttp
 
 from arealite.inference_client.errors import NoHealthyServerError, ServerAdminError, ServerStartupError
 from arealite.inference_client.http1 import Http1Pool, HttpResponseTooLarge
 from arealite.inference_client.wire import JSON_HEADERS, WireFormat, describe, dumps, error_message, loads, snippet
+from arealite.utils.json_types import JsonObject, JsonValue
 
 logger = logging.getLogger(__name__)
 
@@ -38,7 +37,7 @@ __all__ = ["Attempt", "Router", "ServerPool", "ServerState", "normalize_addr"]
 _AFFINITY_CACHE = 100_000  # affinity keys remembered (LRU); old groups are done anyway
 
 
-def normalize_addr(addr: Any) -> tuple[str, str]:
+def normalize_addr(addr: str) -> tuple[str, str]:
     """ "host:port" or "http(s)://host:port[/]" -> (host:port, base url)."""
     if not isinstance(addr, str) or not addr.strip():
         raise ValueError(f"server address {addr!r} is not a 'host:port' string")
@@ -85,7 +84,7 @@ class ServerState:
         self.consecutive_failures = 0
         self.inflight = 0
         self.attempts: set[Attempt] = set()
-        self.info: dict[str, Any] = {}
+        self.info: JsonObject = {}
         self.version_text: str | None = None
         self.version: tuple[int, int, int, int] | None = None
         self.tp_size = 1  # ranks this server contributes to a weight-update group
@@ -373,7 +372,7 @@ class ServerPool:
         live = [r for r in self.wire.liveness_routes if s.serves(r)]
         s.liveness = live[0] if live else self.wire.liveness_routes[-1]
 
-    def _fit_inflight(self, s: ServerState, running: Any) -> None:
+    def _fit_inflight(self, s: ServerState, running: JsonValue) -> None:
         """Send a server at most twice the requests it says it runs at once
         (``max_running_requests``, when it reports a number): one batch running and one
         waiting to step in. Beyond that, requests only wait in its queue, and a weight
@@ -417,11 +416,11 @@ class ServerPool:
     # ----------------------------------------------------------- admin calls
 
     async def call_all(
-        self, route: str, payload: dict[str, Any] | None = None, *,
+        self, route: str, payload: JsonObject | None = None, *,
         servers: list[ServerState] | None = None,
-        per_server: Callable[[int, ServerState], dict[str, Any]] | None = None,
+        per_server: Callable[[int, ServerState], JsonObject] | None = None,
         timeout: float | None = None, method: str = "POST",
-    ) -> dict[str, Any]:
+    ) -> dict[str, JsonValue]:
         """Send one call to every target (default: the servers in rotation) concurrently.
 
         Returns ``{addr: answer}``; raises `ServerAdminError` naming every server that failed
@@ -442,8 +441,8 @@ class ServerPool:
             raise ServerAdminError(route, failures, results)
         return results
 
-    async def _call_one(self, s: ServerState, route: str, body: dict[str, Any] | None,
-                        t: aiohttp.ClientTimeout, method: str) -> tuple[Any, str | None]:
+    async def _call_one(self, s: ServerState, route: str, body: JsonObject | None,
+                        t: aiohttp.ClientTimeout, method: str) -> tuple[JsonValue, str | None]:
         """(answer, None) or (answer or None, why it failed)."""
         try:
             async with self.ensure_session().request(
@@ -459,7 +458,7 @@ class ServerPool:
             self.record_admin_fault(s)
             return None, describe(e)
         try:
-            result: Any = loads(raw) if raw else None
+            result: JsonValue = loads(raw) if raw else None
         except ValueError:
             result = raw.decode("utf-8", "replace")
         if status != 200:
@@ -475,10 +474,10 @@ class Router:
 
     def __init__(self, pool: ServerPool):
         self.pool = pool
-        self._affinity: OrderedDict[Any, str] = OrderedDict()
+        self._affinity: OrderedDict[str, str] = OrderedDict()
         self._rr = 0
 
-    async def pick(self, key: Any, exclude: set[str]) -> ServerState:
+    async def pick(self, key: str | None, exclude: set[str]) -> ServerState:
         """`choose`, probing the servers out of rotation when it finds nobody."""
         pool = self.pool
         if pool.n_unhealthy:
@@ -493,7 +492,7 @@ class Router:
                 raise NoHealthyServerError(f"no healthy inference server ({detail})")
         return s
 
-    def choose(self, key: Any, exclude: set[str]) -> ServerState | None:
+    def choose(self, key: str | None, exclude: set[str]) -> ServerState | None:
         """Affinity first; else round-robin, preferring a server with a free slot."""
         owner = None
         if key is not None:

@@ -14,16 +14,20 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import Iterable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING
 
 from arealite.inference_client.errors import ServerAdminError
 from arealite.inference_client.server_pool import ServerPool, ServerState
 from arealite.inference_client.sglang_wire import has_weight_update_brackets, parse_prompt_logprobs, prompt_score_body
+from arealite.utils.json_types import JsonObject, JsonValue
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = ["SGLangAdmin"]
 
 
-def _dtype_names(dtypes: Sequence[Any]) -> list[str]:
+def _dtype_names(dtypes: Sequence[torch.dtype | str]) -> list[str]:
     return [str(d).removeprefix("torch.") for d in dtypes]
 
 
@@ -59,7 +63,7 @@ class SGLangAdmin:
         """Addresses of the servers currently in rotation."""
         return self.pool.healthy
 
-    def server_info(self, addr: str) -> dict[str, Any]:
+    def server_info(self, addr: str) -> JsonObject:
         """What a server reported in ``/server_info`` at start-up (empty if unknown)."""
         return dict(self.pool.get(addr).info)
 
@@ -74,7 +78,7 @@ class SGLangAdmin:
 
     # ------------------------------------------------------------ generation
 
-    async def pause_generation(self) -> dict[str, Any]:
+    async def pause_generation(self) -> dict[str, JsonValue]:
         """Pause every server: in-flight requests return with finish reason ``abort``.
 
         Until ``continue_generation``, their resubmissions and new requests wait in
@@ -83,7 +87,7 @@ class SGLangAdmin:
         self.pool.hold()
         return await self.pool.call_all("/pause_generation", {"mode": "abort"})
 
-    async def continue_generation(self) -> dict[str, Any]:
+    async def continue_generation(self) -> dict[str, JsonValue]:
         """Resume generation on every server after ``pause_generation``; held requests go out."""
         try:
             return await self.pool.call_all("/continue_generation", {})
@@ -92,21 +96,21 @@ class SGLangAdmin:
             # client's pause, and the fault handling moves them.
             self.pool.release()
 
-    async def flush_cache(self) -> dict[str, Any]:
+    async def flush_cache(self) -> dict[str, JsonValue]:
         """Drop every server's prefix (KV) cache."""
         return await self.pool.call_all("/flush_cache", {})
 
     # --------------------------------------------------------------- weights
 
     async def update_weights_from_disk(self, path: str, version: int, *,
-                                       timeout: float | None = None) -> dict[str, Any]:
+                                       timeout: float | None = None) -> dict[str, JsonValue]:
         """Load an HF-format directory on every healthy server, tagged ``version``."""
         self.pool.exclude_unhealthy(f"the weight update to version {version}")
         return await self.pool.call_all(
             "/update_weights_from_disk", {"model_path": str(path), "weight_version": str(int(version))},
             timeout=timeout)
 
-    async def load_lora_adapter(self, name: str, path: str, *, timeout: float | None = None) -> dict[str, Any]:
+    async def load_lora_adapter(self, name: str, path: str, *, timeout: float | None = None) -> dict[str, JsonValue]:
         """Load the PEFT adapter directory ``path`` as ``name`` on every healthy server (SGLang's
         ``/load_lora_adapter``; the server needs ``--enable-lora``)."""
         self.pool.exclude_unhealthy(f"loading LoRA adapter {name}")
@@ -114,7 +118,7 @@ class SGLangAdmin:
                                         timeout=timeout)
 
     async def unload_lora_adapter(self, name: str, *, timeout: float | None = None,
-                                  missing_ok: bool = False) -> dict[str, Any]:
+                                  missing_ok: bool = False) -> dict[str, JsonValue]:
         """Unload adapter ``name`` on every healthy server (``/unload_lora_adapter``). With
         ``missing_ok`` a server that does not hold it (SGLang: "LoRA with name X does not
         exist") is no failure; it answers ``None``."""
@@ -130,10 +134,10 @@ class SGLangAdmin:
                 raise ServerAdminError(route, real, e.results) from None
             return {**e.results, **dict.fromkeys(e.failures)}
 
-    async def update_weights_from_shm(self, path: str, names: Sequence[str], dtypes: Sequence[Any],
+    async def update_weights_from_shm(self, path: str, names: Sequence[str], dtypes: Sequence[torch.dtype | str],
                                       shapes: Sequence[Sequence[int]], offsets: Sequence[int],
                                       version: int, *, timeout: float | None = None,
-                                      alias: bool = False) -> dict[str, Any]:
+                                      alias: bool = False) -> dict[str, JsonValue]:
         """Load every weight from a shared-memory file on every healthy server, tagged ``version``.
 
         Tensor ``names[i]`` lies at byte ``offsets[i]`` of ``path`` with ``dtypes[i]``
@@ -153,7 +157,7 @@ class SGLangAdmin:
             "weight_version": str(int(version)), **({"alias": True} if alias else {}),
         }, timeout=timeout)
 
-    async def get_weights_by_name(self, name: str, truncate_size: int = 100) -> dict[str, Any]:
+    async def get_weights_by_name(self, name: str, truncate_size: int = 100) -> dict[str, JsonValue]:
         """Read a weight back from every healthy server: {addr: values (truncated)}."""
         return await self.pool.call_all("/get_weights_by_name", {"name": name, "truncate_size": int(truncate_size)})
 
@@ -176,7 +180,7 @@ class SGLangAdmin:
             raise ServerAdminError("/generate", bad, out)
         return out
 
-    async def update_weight_version(self, version: int) -> dict[str, Any]:
+    async def update_weight_version(self, version: int) -> dict[str, JsonValue]:
         """Set the ``weight_version`` every healthy server reports."""
         self.pool.exclude_unhealthy(f"the version update to {version}")
         return await self.pool.call_all(
@@ -184,7 +188,7 @@ class SGLangAdmin:
 
     # ----------------------------------------------------- update sessions
 
-    async def begin_weight_update(self) -> dict[str, Any]:
+    async def begin_weight_update(self) -> dict[str, JsonValue]:
         """Open a weight-update session on the servers that have them (SGLang >= 0.5.21).
 
         SGLang refuses a second begin while a session is open (and a distributed update
@@ -203,7 +207,7 @@ class SGLangAdmin:
             again = await self.pool.call_all("/begin_weight_update", {}, servers=targets)
             return {**e.results, **again}
 
-    async def end_weight_update(self) -> dict[str, Any]:
+    async def end_weight_update(self) -> dict[str, JsonValue]:
         """Close the weight-update session on the servers that have them; others skip."""
         return await self._bracket("/end_weight_update")
 
@@ -214,7 +218,7 @@ class SGLangAdmin:
         served = s.serves("/begin_weight_update")
         return has_weight_update_brackets(s.version) if served is None else served
 
-    async def _bracket(self, route: str) -> dict[str, Any]:
+    async def _bracket(self, route: str) -> dict[str, JsonValue]:
         targets = [s for s in self.pool.states if s.healthy and self.supports_weight_update_brackets(s.addr)]
         if not targets:
             return {}
@@ -232,7 +236,7 @@ class SGLangAdmin:
 
     async def init_weights_update_group(self, master_address: str, master_port: int,
                                         world_size: int | None = None, group_name: str = "arealite_weights",
-                                        backend: str = "gloo", *, timeout: float | None = None) -> dict[str, Any]:
+                                        backend: str = "gloo", *, timeout: float | None = None) -> dict[str, JsonValue]:
         """Ask every healthy server to join the trainer's weight-update group.
 
         Rank 0 is the trainer; server i gets ``rank_offset`` 1 + the ranks of the
@@ -278,10 +282,10 @@ class SGLangAdmin:
         return members
 
     async def update_weights_from_distributed(
-        self, names: Sequence[str], dtypes: Sequence[Any], shapes: Sequence[Sequence[int]],
+        self, names: Sequence[str], dtypes: Sequence[torch.dtype | str], shapes: Sequence[Sequence[int]],
         group_name: str = "arealite_weights", version: int | None = None, flattened_bucket: bool = False,
         *, flush_cache: bool = True, timeout: float | None = None,
-    ) -> dict[str, Any]:
+    ) -> dict[str, JsonValue]:
         """Tell every group member to receive the tensors ``names`` (broadcast from rank 0).
 
         ``dtypes`` may be torch dtypes or strings ("bfloat16"). Post this while
@@ -292,7 +296,7 @@ class SGLangAdmin:
             raise ValueError(f"{route}: names ({len(names)}), dtypes ({len(dtypes)}) and shapes "
                              f"({len(shapes)}) must have the same length")
         members = self._members(group_name, route)
-        payload: dict[str, Any] = {
+        payload: JsonObject = {
             "names": list(names), "dtypes": _dtype_names(dtypes), "shapes": _shape_lists(shapes),
             "group_name": group_name, "flush_cache": bool(flush_cache),
         }
@@ -302,7 +306,7 @@ class SGLangAdmin:
             payload["load_format"] = "flattened_bucket"
         return await self.pool.call_all(route, payload, servers=members, timeout=timeout)
 
-    async def destroy_weights_update_group(self, group_name: str = "arealite_weights") -> dict[str, Any]:
+    async def destroy_weights_update_group(self, group_name: str = "arealite_weights") -> dict[str, JsonValue]:
         """Tear down a weight-update group on its (healthy) members."""
         addrs = self._groups.pop(group_name, None)
         if addrs is None:

@@ -18,7 +18,7 @@ import asyncio
 import functools
 import inspect
 from collections.abc import Iterable, Sequence
-from typing import Any, Callable
+from typing import Callable
 
 from arealite.config.schema import RolloutConfig
 from arealite.inference_client.errors import (
@@ -46,7 +46,7 @@ __all__ = [
 ]
 
 
-def _to_admin(name: str, *, tags_version: bool = False) -> Callable[..., Any]:
+def _to_admin(name: str, *, tags_version: bool = False) -> Callable[..., object]:
     """A method of the engine that calls ``self.admin.<name>`` (same signature and doc).
 
     With ``tags_version``, the call's ``version`` becomes the client's once it succeeded.

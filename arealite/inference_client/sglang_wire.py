@@ -11,11 +11,11 @@ from __future__ import annotations
 import logging
 import math
 import re
-from typing import Any
 
 from arealite.api.types import SamplingParams
 from arealite.inference_client.errors import AttemptFailure
 from arealite.inference_client.wire import Segment, ServerFacts, count, dumps, loads, snippet
+from arealite.utils.json_types import JsonObject, JsonValue
 
 logger = logging.getLogger(__name__)
 
@@ -38,7 +38,7 @@ _VERSION_RE = re.compile(
 )
 
 
-def parse_sglang_version(text: Any) -> tuple[int, int, int, int] | None:
+def parse_sglang_version(text: JsonValue) -> tuple[int, int, int, int] | None:
     """Parse a release string such as "0.5.23", "0.5.21rc1", "0.5.3.post1".
 
     Returns ``(major, minor, patch, stage)`` where ``stage`` is -1 for a
@@ -61,7 +61,7 @@ def has_weight_update_brackets(version: tuple[int, int, int, int] | None) -> boo
     return version is not None and version >= (*WEIGHT_UPDATE_BRACKETS_SINCE, 0)
 
 
-def _weight_version(wv: Any) -> int | None:
+def _weight_version(wv: JsonValue) -> int | None:
     """SGLang reports "default" until the first update_weight_version: that is None. A
     version of any other type (a float, a list, true) is not an answer SGLang gives."""
     if type(wv) is int:
@@ -76,13 +76,13 @@ def _weight_version(wv: Any) -> int | None:
     raise AttemptFailure("malformed", f"meta_info.weight_version is a {type(wv).__name__} ({wv!r:.40})")
 
 
-def prompt_score_body(input_ids: list[int], rid: str) -> dict[str, Any]:
+def prompt_score_body(input_ids: list[int], rid: str) -> JsonObject:
     """A request that scores ``input_ids`` (their ``input_token_logprobs`` at temperature 1)."""
     return {"input_ids": list(input_ids), "rid": rid, "return_logprob": True, "logprob_start_len": 0,
             "sampling_params": {"max_new_tokens": 1, "temperature": 1.0}}
 
 
-def parse_prompt_logprobs(data: Any, input_ids: list[int]) -> tuple[list[float], int | None]:
+def parse_prompt_logprobs(data: JsonValue, input_ids: list[int]) -> tuple[list[float], int | None]:
     """The log-probs of ``input_ids[1:]`` from an answer to `prompt_score_body`, and the weight
     version that computed them. SGLang gives ``[None, id0, _]`` first, then
     ``[logprob, id, _]`` for each later prompt token (``logprob_result_processor.py``)."""
@@ -107,7 +107,7 @@ def parse_prompt_logprobs(data: Any, input_ids: list[int]) -> tuple[list[float],
     return lps, version
 
 
-def _text(data: Any, raw: bytes | None) -> str:
+def _text(data: JsonValue, raw: bytes | None) -> str:
     return snippet(raw if raw is not None else dumps(data))
 
 
@@ -115,7 +115,7 @@ def _malformed(why: str) -> AttemptFailure:
     return AttemptFailure("malformed", why)
 
 
-def _split_logprobs(token_lps: Any) -> tuple[list[float], list[int]]:
+def _split_logprobs(token_lps: JsonValue) -> tuple[list[float], list[int]]:
     """``[[logprob, token_id, text-or-null], ...]`` -> (logprobs, token ids)."""
     if not isinstance(token_lps, list):
         raise _malformed("meta_info.output_token_logprobs is missing (was return_logprob honoured?)")
@@ -131,7 +131,7 @@ def _split_logprobs(token_lps: Any) -> tuple[list[float], list[int]]:
     return lps, lp_ids
 
 
-def _split_top(top: Any, n: int) -> list[list[tuple[int, float]]]:
+def _split_top(top: JsonValue, n: int) -> list[list[tuple[int, float]]]:
     """``output_top_logprobs`` (per position, ``[[logprob, id, text], ...]``) -> (id, logprob) pairs."""
     if not isinstance(top, list) or len(top) != n:
         raise _malformed(f"meta_info.output_top_logprobs has {count(top)} positions for {n} tokens")
@@ -157,11 +157,11 @@ class SGLangWire:
     #: LoRA run, the name each push reloads, `arealite.weight_sync.lora`); None = the base model.
     lora_path: str | None = None
 
-    def sampling_params(self, sp: SamplingParams) -> dict[str, Any]:
+    def sampling_params(self, sp: SamplingParams) -> JsonObject:
         return sp.to_sglang()
 
-    def generate_body(self, input_ids: list[int], params: dict[str, Any], rid: str,
-                      max_new_tokens: int | None = None, top_logprobs: int = 0) -> dict[str, Any]:
+    def generate_body(self, input_ids: list[int], params: JsonObject, rid: str,
+                      max_new_tokens: int | None = None, top_logprobs: int = 0) -> JsonObject:
         if max_new_tokens is not None:
             params = {**params, "max_new_tokens": max_new_tokens}
         body = {"input_ids": input_ids, "sampling_params": params, "return_logprob": True, "rid": rid}
@@ -171,10 +171,10 @@ class SGLangWire:
             body["lora_path"] = self.lora_path
         return body
 
-    def batch_body(self, bodies: list[dict[str, Any]]) -> dict[str, Any]:
+    def batch_body(self, bodies: list[JsonObject]) -> JsonObject:
         """`generate_body` requests as one: SGLang's batch form (``GenerateReqInput`` takes a
         list per field, one entry per prompt, and answers a list in the same order)."""
-        body: dict[str, Any] = {
+        body: JsonObject = {
             "input_ids": [b["input_ids"] for b in bodies],
             "sampling_params": [b["sampling_params"] for b in bodies],
             "return_logprob": True,
@@ -186,7 +186,7 @@ class SGLangWire:
             body["lora_path"] = [self.lora_path] * len(bodies)
         return body
 
-    def split_batch(self, raw: bytes, n: int) -> list[Any]:
+    def split_batch(self, raw: bytes, n: int) -> list[JsonValue]:
         """The answers to a `batch_body` of ``n`` requests, one parsed object each."""
         try:
             data = loads(raw)
@@ -206,7 +206,7 @@ class SGLangWire:
             data = data[0]
         return self.parse_answer(data, raw)
 
-    def parse_answer(self, data: Any, raw: bytes | None = None) -> Segment:
+    def parse_answer(self, data: JsonValue, raw: bytes | None = None) -> Segment:
         """One parsed answer (``raw``: its text, for error messages; None: a batch's part)."""
         if not isinstance(data, dict):
             raise _malformed(f"response is {type(data).__name__}, not an object: {_text(data, raw)}")
@@ -231,7 +231,7 @@ class SGLangWire:
         return Segment(ids, lps, finish, _weight_version(meta.get("weight_version")),
                        None if top is None else _split_top(top, len(ids)))
 
-    def server_facts(self, addr: str, info: dict[str, Any]) -> ServerFacts:
+    def server_facts(self, addr: str, info: JsonObject) -> ServerFacts:
         release = info.get("version") if isinstance(info.get("version"), str) else None
         version = parse_sglang_version(release)
         if version is None:

@@ -15,29 +15,30 @@ plus one entry in `arealite.inference_client.backends`.
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple, Protocol, runtime_checkable
+from typing import NamedTuple, NoReturn, Protocol, runtime_checkable
 
 from arealite.api.types import SamplingParams
+from arealite.utils.json_types import JsonObject, JsonValue
 
 import numpy as np
 
 try:  # orjson is several times faster on token-id lists; plain json is the fallback.
     import orjson
 
-    def dumps(obj: Any) -> bytes:
+    def dumps(obj: JsonValue) -> bytes:
         return orjson.dumps(obj)
 
     _parse = orjson.loads  # strict JSON: NaN and Infinity are refused
 except ImportError:  # pragma: no cover - exercised only without orjson
     import json
 
-    def dumps(obj: Any) -> bytes:
+    def dumps(obj: JsonValue) -> bytes:
         return json.dumps(obj, separators=(",", ":")).encode()
 
-    def _no_constant(name: str) -> Any:
+    def _no_constant(name: str) -> NoReturn:
         raise ValueError(f"{name} is not JSON")
 
-    def _parse(raw: bytes | str) -> Any:
+    def _parse(raw: bytes | str) -> JsonValue:
         return json.loads(raw, parse_constant=_no_constant)
 
 #: Deepest nesting accepted in a server's JSON. SGLang's answers nest 4 levels; a recursive
@@ -52,7 +53,7 @@ def _nesting_depth(raw: bytes) -> int:
     return int(np.cumsum(step).max(initial=0))
 
 
-def loads(raw: bytes | str) -> Any:
+def loads(raw: bytes | str) -> JsonValue:
     """Parse a server's JSON; raise ``ValueError`` for anything that is not strict JSON nested
     at most `MAX_JSON_DEPTH` levels (NaN, Infinity, a bomb of brackets)."""
     if isinstance(raw, str):
@@ -102,12 +103,12 @@ class WireFormat(Protocol):
     liveness_routes: tuple[str, ...]  # GET, 200 = alive, never generates (probes while paused)
     batches: bool  # whether `generate_route` takes several requests in one body (`batch_body`)
 
-    def sampling_params(self, sp: SamplingParams) -> dict[str, Any]:
+    def sampling_params(self, sp: SamplingParams) -> JsonObject:
         """The backend's sampling parameters for `sp` (computed once per request)."""
         ...
 
-    def generate_body(self, input_ids: list[int], params: dict[str, Any], rid: str,
-                      max_new_tokens: int | None = None, top_logprobs: int = 0) -> dict[str, Any]:
+    def generate_body(self, input_ids: list[int], params: JsonObject, rid: str,
+                      max_new_tokens: int | None = None, top_logprobs: int = 0) -> JsonObject:
         """One generation request; ``max_new_tokens`` overrides ``params``' own when given;
         ``top_logprobs`` > 0 asks for that many likeliest tokens per position."""
         ...
@@ -116,20 +117,20 @@ class WireFormat(Protocol):
         """Read an answer; raise ``AttemptFailure("malformed", why)`` when it is not one."""
         ...
 
-    def batch_body(self, bodies: list[dict[str, Any]]) -> dict[str, Any]:
+    def batch_body(self, bodies: list[JsonObject]) -> JsonObject:
         """Several `generate_body` requests as one request (only when `batches`)."""
         ...
 
-    def split_batch(self, raw: bytes, n: int) -> list[Any]:
+    def split_batch(self, raw: bytes, n: int) -> list[JsonValue]:
         """The answer to a `batch_body` of ``n`` requests as ``n`` parsed answers (for
         `parse_answer`); ``AttemptFailure("malformed", why)`` when it is not that."""
         ...
 
-    def parse_answer(self, data: Any) -> Segment:
+    def parse_answer(self, data: JsonValue) -> Segment:
         """Read one parsed answer (a part of `split_batch`'s), as `parse_generate` reads one."""
         ...
 
-    def server_facts(self, addr: str, info: dict[str, Any]) -> ServerFacts:
+    def server_facts(self, addr: str, info: JsonObject) -> ServerFacts:
         """What `info` (the JSON object of an `info_routes` route) says about server `addr`."""
         ...
 
@@ -139,7 +140,7 @@ class WireFormat(Protocol):
 # ---------------------------------------------------------------------------
 
 
-def encode_request(payload: dict[str, Any]) -> bytes:
+def encode_request(payload: JsonObject) -> bytes:
     """A request body as JSON; a ``ValueError`` naming the request when it holds a non-JSON
     value (a numpy integer among the token ids, say)."""
     try:
@@ -161,7 +162,7 @@ def snippet(raw: bytes, n: int = 200) -> str:
     return repr(text) + ("..." if len(raw) > n else "")
 
 
-def count(x: Any) -> Any:
+def count(x: JsonValue) -> int | str:
     return len(x) if isinstance(x, list) else type(x).__name__
 
 

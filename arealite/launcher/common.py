@@ -327,12 +327,14 @@ def _module_exists(name: str) -> bool:
 
 
 def load_checked_config(args: argparse.Namespace):
-    """The validated config of a launch and the external server addresses (`check_launch`);
-    raises ValueError (a `ConfigError`) naming the field when something is wrong."""
-    from arealite.config.loader import check_launch, load_config
+    """The validated config of a launch (names included: `arealite.check`) and the external server
+    addresses (`check_launch`); raises ValueError (a `ConfigError`) naming the field when something
+    is wrong."""
+    from arealite.check import load_run_config
+    from arealite.config.loader import check_launch
     from arealite.launcher.server_cmd import server_model_path
 
-    cfg = load_config(args.config, args.overrides)
+    cfg = load_run_config(args.config, args.overrides)
     external_addrs = check_launch(cfg)
     if cfg.launch.n_servers > 0:
         server_model_path(cfg)  # fail now, not inside a server, if no model is set

@@ -27,6 +27,7 @@ The training code is unchanged: a rank cannot tell Ray from torchrun. The run di
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import socket
 import sys
@@ -62,6 +63,11 @@ FORWARDED_PREFIXES = ("AREALITE_", "SGLANG_", "HF_", "TRANSFORMERS_", "TOKENIZER
 _NOT_FORWARDED = (ENV_SERVER_ADDRS, ENV_SERVER_API_KEY, ENV_HOST_IP)
 #: Seconds between two rounds of log copying and of watching.
 PERIOD_S = 0.5
+#: Read by Ray when it is imported: "0" makes it take loopback as this machine's IP. Without it
+#: `ray.init` rewrites a loopback head address into the interface IP before dialling it
+#: (ray-project/ray#59110), which a cluster started with `--node-ip-address=127.0.0.1` does not
+#: listen on.
+RAY_LOOPBACK_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
 
 
 def forwarded_env() -> dict[str, str]:
@@ -88,6 +94,18 @@ def resolve_address(address: str) -> str:
             "started on this machine; start one (`ray start --head`) or set launch.ray.address=host:port",
             ExitCode.CLUSTER_UNAVAILABLE)
     return text
+
+
+def keep_loopback(address: str) -> None:
+    """Make Ray dial a loopback head address as given (call before Ray is imported)."""
+    host = split_addr(address)[0]
+    if host != "localhost" and not host.startswith("127."):
+        return
+    if "ray" in sys.modules and os.environ.get(RAY_LOOPBACK_ENV) != "0":
+        raise LaunchError(f"launch.ray.address={address} is a loopback address, but Ray was imported before "
+                          f"the launcher could set {RAY_LOOPBACK_ENV}=0 (Ray would dial this machine's "
+                          "interface IP instead); set it in the environment", ExitCode.CLUSTER_UNAVAILABLE)
+    os.environ[RAY_LOOPBACK_ENV] = "0"
 
 
 def check_reachable(address: str, timeout_s: float) -> None:
@@ -189,11 +207,12 @@ class RayLauncher:
 
     def connect(self) -> None:
         """Join the cluster and check, before anything starts, that the roles fit on it."""
-        import ray
-
         r = self.cfg.launch.ray
         address = resolve_address(r.address)
         check_reachable(address, r.connect_timeout_s)
+        keep_loopback(address)
+        import ray
+
         env_vars = {"PYTHONPATH": os.environ["PYTHONPATH"]} if os.environ.get("PYTHONPATH") else {}
         ray.init(address=address, namespace="arealite", log_to_driver=False, logging_level="WARNING",
                  runtime_env={"env_vars": env_vars} if env_vars else None)
@@ -288,6 +307,7 @@ class RayLauncher:
         n = cfg.launch.n_trainer_procs
         self.ranks = [self._actor(pg, r, role.bundle, "trainer" if r == 0 else f"trainer{r}",
                                   echo=self.echo if r == 0 else None) for r in range(n)]
+        # torch's store listens on every interface whatever MASTER_ADDR: the port must be free on all.
         master_port = ray.get(self.ranks[0].actor.free_port.remote("0.0.0.0"))
         cmd = [PYTHON, *trainer_args(self.script, self.config_path, self.overrides)]
         base = {**forwarded_env(), **cfg.launch.trainer_env, ENV_SERVER_ADDRS: ",".join(addrs),
@@ -364,9 +384,7 @@ class RayLauncher:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of `python -m arealite.launcher.ray`; returns the exit code."""
-    try:
-        import ray  # noqa: F401
-    except ImportError:
+    if importlib.util.find_spec("ray") is None:  # not imported: see `keep_loopback`
         log("the Ray launcher needs Ray: pip install 'arealite[ray]'")
         return int(ExitCode.BAD_CONFIG)
     return launch_main(argv, "python -m arealite.launcher.ray",

@@ -19,19 +19,20 @@ from __future__ import annotations
 
 import functools
 import os
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
 
 import torch
 import torch.distributed as dist
 
-from arealite.api.contracts import PostHook
+from arealite.api.contracts import PostHook, TrainBatch
 from arealite.config.schema import ActorConfig
 from arealite.train_engine.fsdp import FSDPEngine
 from arealite.train_engine.fsdp_checkpoint import tied_duplicate_names, write_hf_dir
 from arealite.lora import peft_model
 from arealite.lora.files import write_adapter_dir
 from arealite.utils.buckets import buckets_of
+from arealite.utils.json_types import JsonObject
 
 __all__ = ["AdapterOffReference", "LoraFSDPEngine"]
 
@@ -53,7 +54,7 @@ class LoraFSDPEngine(FSDPEngine):
         self._require()
         yield from buckets_of(peft_model.adapter_tensors(self.model, self.device), bucket_bytes)
 
-    def adapter_config(self) -> dict[str, Any]:
+    def adapter_config(self) -> JsonObject:
         """The adapter's ``adapter_config.json``."""
         self._require()
         return peft_model.adapter_config(self.model, str(self.config.model_path))
@@ -103,7 +104,7 @@ class AdapterOffReference:
     def config(self) -> ActorConfig:
         return self.engine.config
 
-    def forward(self, batch: Any, post_hook: PostHook, out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    def forward(self, batch: TrainBatch, post_hook: PostHook, out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """Per-token values of the base model (adapters off), as `FSDPEngine.forward`."""
         with self.engine.model.disable_adapter():
             return self.engine.forward(batch, post_hook, out_dtype)

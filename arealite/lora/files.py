@@ -7,16 +7,18 @@ SGLang's ``/load_lora_adapter {lora_name, lora_path}`` and the embedded server r
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Any, Iterable
 
 import torch
+
+from arealite.utils.json_types import JsonObject
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
 
 
-def write_adapter_dir(path: Path, tensors: Iterable[tuple[str, torch.Tensor]], config: dict[str, Any],
+def write_adapter_dir(path: Path, tensors: Iterable[tuple[str, torch.Tensor]], config: JsonObject,
                       dtype: torch.dtype | None = None) -> tuple[int, int]:
     """Write the adapter at ``path`` (created; ``dtype`` casts floats); returns (tensors, bytes)."""
     from safetensors.torch import save_file
@@ -33,7 +35,7 @@ def write_adapter_dir(path: Path, tensors: Iterable[tuple[str, torch.Tensor]], c
     return len(out), sum(t.numel() * t.element_size() for t in out.values())
 
 
-def read_adapter_dir(path: str | Path) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+def read_adapter_dir(path: str | Path) -> tuple[JsonObject, dict[str, torch.Tensor]]:
     """``(config, tensors)`` of the adapter at ``path``; ``ValueError`` naming what is missing."""
     from safetensors.torch import load_file
 

@@ -10,15 +10,20 @@ wrapped by ``peft.get_peft_model``, with every base weight frozen and LoRA on
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 
 from arealite.config.schema import LoraConfig
-from arealite.train_engine.fsdp_model import causal_lm
 from arealite.lora.modules import check_target_modules
+from arealite.train_engine.fsdp_model import causal_lm
+from arealite.utils.json_types import JsonObject
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
 
 #: PEFT's adapter name for the one adapter the engine trains.
 ADAPTER = "default"
@@ -26,7 +31,7 @@ ADAPTER = "default"
 INIT_SEED = 0
 
 
-def lora_causal_lm(path: Path, hf_config: Any, lora: LoraConfig) -> torch.nn.Module:
+def lora_causal_lm(path: Path, hf_config: PretrainedConfig, lora: LoraConfig) -> torch.nn.Module:
     """The causal LM at ``path`` with LoRA adapters (B initialised to 0: it starts as the base)."""
     from peft import LoraConfig as PeftLoraConfig
     from peft import get_peft_model
@@ -137,7 +142,7 @@ def merged_weights(model: torch.nn.Module, device: torch.device, skip: set[str])
         yield hf_name(name), t
 
 
-def adapter_config(model: torch.nn.Module, base_model_path: str) -> dict[str, Any]:
+def adapter_config(model: torch.nn.Module, base_model_path: str) -> JsonObject:
     """``adapter_config.json`` of the trained adapter (JSON-ready)."""
     cfg = model.peft_config[ADAPTER].to_dict()
     cfg["base_model_name_or_path"] = base_model_path

@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
+from arealite.config.problems import ConfigProblem
 from arealite.utils.imports import import_callable
+
+if TYPE_CHECKING:
+    from arealite.config.schema import ArealiteConfig
 
 
 def load_reward_fn(spec: str) -> Callable[..., float]:
@@ -13,7 +17,16 @@ def load_reward_fn(spec: str) -> Callable[..., float]:
     return import_callable(spec, "reward function")
 
 
-def configure(cfg) -> None:
+def reward_fn_problems(cfg: ArealiteConfig) -> list[ConfigProblem]:
+    """`data.reward_fn` names an importable callable (a config check, run before anything starts)."""
+    try:
+        load_reward_fn(cfg.data.reward_fn)
+    except (ImportError, AttributeError, TypeError) as e:
+        return [ConfigProblem("data.reward_fn", str(e), cfg.data.reward_fn)]
+    return []
+
+
+def configure(cfg: ArealiteConfig) -> None:
     """Give the library's configurable rewards the run's settings: the sandbox limits of
     `arealite.reward.code` and the judge of `arealite.reward.judge` (``cfg.agent``).
     Called where the run's workflows are built, in the process that computes rewards."""

@@ -12,10 +12,11 @@ workflow is built), or `SandboxConfig`'s defaults.
 from __future__ import annotations
 
 import re
-from typing import Any
+from collections.abc import Sequence
 
 from arealite.agent.sandbox import SandboxResult, arun_python, run_python
 from arealite.config.agent import SandboxConfig
+from arealite.utils.json_types import JsonValue
 
 __all__ = ["configure", "extract_code", "run_snippet", "unit_test_reward"]
 
@@ -35,8 +36,8 @@ def extract_code(text: str) -> str:
     return blocks[-1] if blocks else text
 
 
-def unit_test_reward(prompt: str, completion: str, prompt_ids: Any = None, completion_ids: Any = None, *,
-                     tests: str, **_: Any) -> float:
+def unit_test_reward(prompt: str, completion: str, prompt_ids: Sequence[int] | None = None,
+                     completion_ids: Sequence[int] | None = None, *, tests: str, **_: JsonValue) -> float:
     """1.0 when the completion's code passes the item's ``tests`` in the sandbox, else 0.0."""
     code = extract_code(completion) + "\n\n# --- tests ---\n" + tests + "\n"
     return 1.0 if run_python(code, _LIMITS).ok else 0.0

@@ -22,10 +22,15 @@ import threading
 import urllib.error
 import urllib.request
 import uuid
-from typing import Any
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from arealite.config.agent import JudgeConfig
 from arealite.inference_client.wire import loads as strict_json  # no NaN, bounded nesting
+from arealite.utils.json_types import JsonValue
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 __all__ = ["Judge", "configure", "judge_reward"]
 
@@ -37,7 +42,8 @@ _MAX_ANSWER_BYTES = 8 << 20  # a judge's answer is a few hundred tokens
 class Judge:
     """Grades answers on the judge servers (blocking calls; `ascore` for an event loop)."""
 
-    def __init__(self, config: JudgeConfig, addrs: list[str] | None = None, tokenizer: Any = None):
+    def __init__(self, config: JudgeConfig, addrs: list[str] | None = None,
+                 tokenizer: PreTrainedTokenizerBase | None = None):
         self.config = config
         env = [a for a in os.environ.get(ADDRS_ENV, "").split(",") if a]
         self.addrs = [a if a.startswith("http") else "http://" + a for a in (addrs or config.addrs or env)]
@@ -125,8 +131,8 @@ def configure(config: JudgeConfig) -> None:
         _CONFIG, _DEFAULT = config, None
 
 
-def judge_reward(prompt: str, completion: str, prompt_ids: Any = None, completion_ids: Any = None, *,
-                 answer: Any = "", **_: Any) -> float:
+def judge_reward(prompt: str, completion: str, prompt_ids: Sequence[int] | None = None,
+                 completion_ids: Sequence[int] | None = None, *, answer: JsonValue = "", **_: JsonValue) -> float:
     """A ``data.reward_fn``: the configured judge's grade of ``completion`` for ``prompt``."""
     global _DEFAULT
     with _DEFAULT_LOCK:

@@ -10,8 +10,10 @@ asked first (symbolic equivalence); our own comparison is the fallback.
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 from fractions import Fraction
-from typing import Any
+
+from arealite.utils.json_types import JsonValue
 
 try:  # optional: pip install math-verify
     from math_verify import parse as _mv_parse, verify as _mv_verify
@@ -85,7 +87,7 @@ def _normalise_text(s: str) -> str:
     return re.sub(r"\s+", "", s).lower()
 
 
-def answers_match(pred: str | None, ref: Any) -> bool:
+def answers_match(pred: str | None, ref: JsonValue) -> bool:
     """Whether an extracted answer equals the reference answer."""
     if pred is None or ref is None:
         return False
@@ -105,7 +107,8 @@ def answers_match(pred: str | None, ref: Any) -> bool:
     return _normalise_text(pred) == _normalise_text(ref_s)
 
 
-def math_reward(prompt: str, completion: str, prompt_ids: Any = None, completion_ids: Any = None, answer: Any = None, **_: Any) -> float:
+def math_reward(prompt: str, completion: str, prompt_ids: Sequence[int] | None = None,
+                completion_ids: Sequence[int] | None = None, answer: JsonValue = None, **_: JsonValue) -> float:
     """1.0 if the completion's final answer equals ``answer``, else 0.0.
 
     The signature is the workflows' ``reward_fn`` one; ``answer`` comes from

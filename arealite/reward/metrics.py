@@ -13,9 +13,13 @@ correctness), averaged over prompts: the expected pass@1 at that temperature.
 from __future__ import annotations
 
 import math
-from typing import Any
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from tensordict import TensorDictBase
 
 __all__ = ["pass_at_k", "eval_ks", "episode_scores"]
 
@@ -40,7 +44,7 @@ def eval_ks(n: int) -> list[int]:
     return ks + [n]
 
 
-def episode_scores(groups: list[Any], ks: list[int] = ()) -> dict[str, float]:
+def episode_scores(groups: Sequence[TensorDictBase | None], ks: Sequence[int] = ()) -> dict[str, float]:
     """Sums over evaluated prompts (each a trajectory group, ``None`` if rejected): ``correct``
     (rows with reward > 0.5), ``n`` (rows), ``reward``, ``length`` (policy tokens),
     ``truncated`` (rows cut at the length limit, from the workflow's ``truncated`` flag),

@@ -28,7 +28,8 @@ class _RewardJob:
 
     __slots__ = ("fn", "args", "kwargs", "fut", "box", "state", "started", "ok", "value")
 
-    def __init__(self, fn: Callable[..., Any], args: tuple, kwargs: dict, fut: asyncio.Future, box: "_LoopBox"):
+    def __init__(self, fn: Callable[..., object], args: tuple[object, ...], kwargs: dict[str, object],
+                 fut: asyncio.Future[object], box: "_LoopBox"):
         self.fn, self.args, self.kwargs, self.fut, self.box = fn, args, kwargs, fut, box
         self.state = _QUEUED
         self.started = 0.0  # time.monotonic() when a worker took it
@@ -192,7 +193,7 @@ class RewardRunner:
             box.inflight.pop(job, None)
         # STARTED: it runs on, and its result is dropped when it arrives
 
-    async def __call__(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> float:
+    async def __call__(self, fn: Callable[..., object], *args: object, **kwargs: object) -> float:
         """``float(fn(*args, **kwargs))`` in a worker thread; raises ``RewardError`` on any failure."""
         box = self._box()
         job = _RewardJob(fn, args, kwargs, box.loop.create_future(), box)
@@ -232,5 +233,5 @@ class RewardRunner:
 _TIMED_OUT = object()
 
 
-def _name(fn: Callable[..., Any]) -> str:
+def _name(fn: Callable[..., object]) -> str:
     return getattr(fn, "__name__", repr(fn))

@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import json
 import random
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+
+from arealite.utils.json_types import JsonObject, JsonValue
 
 
 def make_prompt(digits: str) -> str:
@@ -19,12 +21,12 @@ def make_prompt(digits: str) -> str:
 
 
 def make_items(n: int, seed: int, min_len: int = 3, max_len: int = 5,
-               exclude: set[str] | None = None) -> list[dict[str, Any]]:
+               exclude: set[str] | None = None) -> list[JsonObject]:
     """``n`` distinct, non-palindromic digit strings as dataset rows
     ``{"prompt_id", "prompt", "answer", "digits"}``."""
     rng = random.Random(seed)
     seen = set(exclude or ())
-    items: list[dict[str, Any]] = []
+    items: list[JsonObject] = []
     while len(items) < n:
         s = "".join(rng.choice("0123456789") for _ in range(rng.randint(min_len, max_len)))
         if s == s[::-1] or s in seen:
@@ -34,15 +36,16 @@ def make_items(n: int, seed: int, min_len: int = 3, max_len: int = 5,
     return items
 
 
-def write_jsonl(items: list[dict[str, Any]], path: str | Path) -> Path:
+def write_jsonl(items: list[JsonObject], path: str | Path) -> Path:
     p = Path(path)
     p.parent.mkdir(parents=True, exist_ok=True)
     p.write_text("".join(json.dumps(it) + "\n" for it in items))
     return p
 
 
-def reverse_digits_reward(prompt: str, completion: str, prompt_ids=None, completion_ids=None,
-                          answer: str | None = None, **_: Any) -> float:
+def reverse_digits_reward(prompt: str, completion: str, prompt_ids: Sequence[int] | None = None,
+                          completion_ids: Sequence[int] | None = None, answer: JsonValue = None,
+                          **_: JsonValue) -> float:
     """1.0 if the completion (whitespace stripped) is exactly ``answer``, else 0.0."""
     if answer is None:
         raise ValueError("reverse_digits_reward needs the item's 'answer' field")

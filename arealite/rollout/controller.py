@@ -11,26 +11,27 @@ queue all have room (and the controller is not paused); its workflow runs as
 a task; the result is validated and either accepted into the output queue
 (``ReadyGroups``), rejected (its slot is freed) or recorded as a failure.
 ``wait`` takes accepted groups off the output queue as one batch.
+
+The controller composes its parts, each with its own state: `Admission` (the input
+queue, the running episodes and their outcomes), `DataFeed` (items in from the
+dataloader, batches out), `ReadyGroups` (the output queue), `StalenessManager` (the
+bound), `RolloutLedger` (counters, version, restored items) and `DroppedItems`.
 """
 
 from __future__ import annotations
 
 import asyncio
-import collections
-import logging
 import threading
-import time
-import traceback
-from dataclasses import dataclass, field
-from typing import Any, Callable, Coroutine, Iterable
+from typing import Any, Callable, Coroutine, TypeVar
 
 from tensordict import TensorDict
 
 from arealite.api.contracts import InferenceClient
-from arealite.api.types import validate_trajectory
 from arealite.config.schema import RolloutConfig
+from arealite.rollout.admission import Admission, InputQueueFull, ShouldAccept, WorkflowError
 from arealite.rollout.dropped import DroppedItems
-from arealite.rollout.feed import DataFeed, ShouldAccept
+from arealite.rollout.feed import DataFeed, ItemBatches
+from arealite.rollout.ledger import RolloutLedger
 from arealite.rollout.loop_thread import (
     ControllerStopped,
     LoopThread,
@@ -38,39 +39,29 @@ from arealite.rollout.loop_thread import (
     restore_switch_interval,
     tune_process,
 )
-from arealite.rollout.ready import ReadyGroups, Waiters
-from arealite.rollout.recovery import controller_state, restore_controller
+from arealite.rollout.ready import ReadyGroups, ReadyState
 from arealite.rollout.staleness import StalenessManager
+from arealite.utils.json_types import JsonObject
 from arealite.workflow.base import RolloutWorkflow, reject_equal_rewards
 
-__all__ = ["ControllerStopped", "InputQueueFull", "RolloutController", "ShouldAccept", "WorkflowError"]
+__all__ = ["ControllerState", "ControllerStopped", "InputQueueFull", "RolloutController", "ShouldAccept",
+           "WorkflowError"]
 
-logger = logging.getLogger("arealite.rollout")
-
-
-class WorkflowError(RuntimeError):
-    """A workflow raised (or returned a malformed trajectory) on one item."""
-
-    def __init__(self, item: Any, tb: str):
-        self.item = item
-        self.traceback = tb
-        super().__init__(
-            f"workflow failed on item {_short(item)}; rollout.on_workflow_error='fail' stops the run "
-            f"(set it to 'drop' to skip such items). Workflow traceback:\n{tb}"
-        )
+T = TypeVar("T")
 
 
-def _short(item: Any, n: int = 300) -> str:
-    s = repr(item)
-    return s if len(s) <= n else s[:n] + "...}"
+class _SavedAlways(ReadyState):
+    staleness: dict[str, int]
+    counters: dict[str, int]
+    pending_items: list[JsonObject]
 
 
-@dataclass
-class _Job:
-    item: Any
-    workflow: RolloutWorkflow
-    should_accept: ShouldAccept | None = None
-    task: asyncio.Task | None = field(default=None, repr=False)
+class ControllerState(_SavedAlways, total=False):
+    """What a checkpoint keeps of a controller (`RolloutController.state_dict`); the last two
+    keys are absent from checkpoints older than them."""
+
+    unsubmitted_items: list[JsonObject]
+    dropped_items: list[JsonObject]
 
 
 class RolloutController:
@@ -98,24 +89,17 @@ class RolloutController:
             config.max_concurrent_rollouts, self.batch_size, config.max_head_offpolicyness
         )
         self._lt = LoopThread("arealite-rollout")
-        self._input: collections.deque[_Job] = collections.deque()
-        self._output = ReadyGroups()
-        self._running: dict[int, _Job] = {}
-        self._paused = False
-        self._version = 0
-        self._closing = False  # stop() in progress: nothing new is admitted
         self._old_switch_interval: float | None = None  # restored by stop()
-        self._error: WorkflowError | None = None
-        self._waiters = Waiters()
-        self._counters = {"submitted": 0, "accepted": 0, "rejected": 0, "failed": 0, "consumed": 0}
-        self._workflows: dict[int, RolloutWorkflow] = {}
-        self._feed = DataFeed(self)  # prepare_batch's items: restored ones, then the dataloader's
-        self._next_id = 0
-        # Per-prompt accounting (arealite.utils.accounting): items of the last batch taken,
-        # and, when ``record_dropped`` is set, items rejected/failed since the last ``take_dropped()``.
-        self.last_batch_items: list[Any] = []
-        self.record_dropped = False
+        self._ready = ReadyGroups()
+        self._ledger = RolloutLedger()
+        # Per-prompt accounting (arealite.utils.accounting): when ``record_dropped`` is set,
+        # items rejected/failed since the last ``take_dropped()``.
         self._dropped = DroppedItems()
+        self._admission = Admission(client, config, self.batch_size, self._lt, self.staleness,
+                                    self._ready, self._ledger, self._dropped)
+        # prepare_batch's items (restored ones, then the dataloader's) and every batch handed out
+        self._feed = DataFeed(self._admission, self._ready, self.staleness, self._ledger, self._dropped,
+                              self.batch_size)
 
     # ------------------------------------------------------------ lifecycle
     def start(self, init_timeout: float = 300.0) -> "RolloutController":
@@ -142,24 +126,14 @@ class RolloutController:
         try:
             self._lt.stop(self._shutdown_on_loop, timeout)
         finally:
-            # Jobs that never finished stay known, so that state_dict() after stop still lists them.
-            self._input.extendleft(reversed(list(self._running.values())))
-            self._running.clear()
-            self.staleness.running = 0
-            self._closing = False
-            self._unstash()  # the loop is gone: nothing else touches the queue now
+            # Episodes that never finished stay known, so that state_dict() after stop still lists them.
+            self._admission.requeue_unfinished()
+            self._feed.unstash()  # the loop is gone: nothing else touches the queue now
             restore_switch_interval(self._old_switch_interval)
             self._old_switch_interval = None
 
     async def _shutdown_on_loop(self) -> None:
-        # First stop admission: an episode finishing while the others are being
-        # cancelled would otherwise admit a new one that nobody cancels, and it
-        # would fail against the closed HTTP session.
-        self._closing = True
-        tasks = [j.task for j in self._running.values() if j.task is not None]
-        for t in tasks:
-            t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        await self._admission.cancel_all()
         close = getattr(self.client, "aclose", None)
         if close is not None:
             await close()
@@ -168,7 +142,7 @@ class RolloutController:
     def __enter__(self) -> "RolloutController":
         return self.start() if self._thread is None else self
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.stop()
 
     # ------------------------------------------------------ thread plumbing
@@ -180,104 +154,30 @@ class RolloutController:
     def _thread(self) -> threading.Thread | None:
         return self._lt.thread
 
-    def run(self, coro: Coroutine, timeout: float | None = None) -> Any:
+    def run(self, coro: Coroutine[Any, Any, T], timeout: float | None = None) -> T:
         """Run a coroutine on the controller's loop from the trainer's thread and return its result."""
         return self._lt.run(coro, timeout)
 
-    def _call(self, fn: Callable[..., Any], *args: Any) -> Any:
+    def _call(self, fn: Callable[..., T], *args: object) -> T:
         """Run a plain function on the loop thread (atomically with respect to the loop)."""
         return self._lt.call(fn, *args)
 
-    def _here_or_on_loop(self, fn: Callable[[], Any]) -> Any:
+    def _here_or_on_loop(self, fn: Callable[[], T]) -> T:
         """``fn()`` on the loop thread while the loop runs, else in this thread (nothing else touches the state)."""
         return self._call(fn) if self._loop is not None else fn()
 
     # ------------------------------------------------------------ admission
-    def submit(self, item: Any, workflow: RolloutWorkflow, should_accept: ShouldAccept | None = None) -> None:
-        """Queue one item (one group) for ``workflow``; raise ``queue.Full``-like error if the input queue is full."""
+    def submit(self, item: JsonObject, workflow: RolloutWorkflow, should_accept: ShouldAccept | None = None) -> None:
+        """Queue one item (one group) for ``workflow``; raise ``InputQueueFull`` if the input queue is full."""
         if not hasattr(workflow, "arun_episode"):
             raise TypeError(f"workflow must have an async arun_episode(client, item), got {type(workflow).__name__}")
-        self._call(self._enqueue_on_loop, [item], workflow, should_accept, True)
+        self._call(self._admission.enqueue, [item], workflow, should_accept, True)
 
-    def _enqueue_on_loop(self, items: list[Any], workflow: RolloutWorkflow, should_accept: ShouldAccept | None,
-                         counted: bool) -> None:
-        """Put ``items`` in the input queue (all or none), then admit what the bound allows."""
-        if len(self._input) + len(items) > self.config.queue_size:
-            raise InputQueueFull(
-                f"input queue cannot take {len(items)} more item(s): it holds {len(self._input)} of "
-                f"rollout.queue_size={self.config.queue_size}; consume with wait() first or raise rollout.queue_size"
-            )
-        self._input.extend(_Job(it, workflow, should_accept) for it in items)
-        self._workflows.setdefault(id(workflow), workflow)
-        if counted:
-            self._counters["submitted"] += len(items)
-        self._admit()
-
-    def _capacity(self) -> int:
-        if self._paused or self._closing:
-            return 0
-        # Back-pressure: finished + running groups never exceed the output queue.
-        by_output = self.config.queue_size - (len(self._output) + len(self._running))
-        cap = min(self.staleness.capacity(), by_output)
-        if self._feed.started and self._counters["consumed"] == 0:
-            # The first training batch overlaps with nothing: it generates alone, so that the
-            # trainer starts as soon as it is done; what the bound lets run ahead follows.
-            cap = min(cap, self.batch_size - len(self._output) - len(self._running))
-        return max(0, cap)
-
-    def _admit(self) -> None:
-        n = min(self._capacity(), len(self._input))
-        for _ in range(n):
-            job = self._input.popleft()
-            self.staleness.on_submit()
-            jid = self._next_id
-            self._next_id += 1
-            self._running[jid] = job
-            job.task = self._loop.create_task(self._run_job(jid, job))
-        if self._waiters:
-            self._notify()
-
-    def _notify(self, force: bool = False) -> None:
-        """Wake the wait() callers that can make progress: enough groups, an error, or nothing running."""
-        if self._waiters:
-            self._waiters.wake(len(self._output), force or self._error is not None or not self._running)
-
-    async def _run_job(self, jid: int, job: _Job) -> None:
-        try:
-            td = await job.workflow.arun_episode(self.client, job.item)
-            if td is not None:
-                validate_trajectory(td, where=f"workflow {type(job.workflow).__name__}")
-            accept = td is not None and (job.should_accept is None or bool(job.should_accept(td)))
-        except asyncio.CancelledError:
-            raise  # stop(): the job stays listed as unfinished
-        except Exception:
-            self._running.pop(jid, None)
-            self.staleness.on_reject()
-            self._record_dropped([job.item])
-            self._on_failure(job.item, traceback.format_exc())
-        else:
-            self._running.pop(jid, None)
-            if accept:
-                self.staleness.on_accept()
-                self._counters["accepted"] += 1
-                self._output.put(td, job.item)
-            else:
-                self.staleness.on_reject()
-                self._counters["rejected"] += 1
-                self._record_dropped([job.item])
-        self._admit()
-
-    def _record_dropped(self, items: list[Any]) -> None:
-        if self.record_dropped:
-            self._dropped.extend(items)
-
-    def _on_failure(self, item: Any, tb: str) -> None:
-        self._counters["failed"] += 1
-        if self.config.on_workflow_error == "drop":
-            logger.warning("workflow failed on item %s; dropped (on_workflow_error='drop'):\n%s", _short(item), tb)
-        elif self._error is None:
-            logger.error("workflow failed on item %s:\n%s", _short(item), tb)
-            self._error = WorkflowError(item, tb)
+    def resubmit_pending(self, workflow: RolloutWorkflow, should_accept: ShouldAccept | None = None) -> int:
+        """Resubmit the unfinished items restored by ``load_state_dict``; returns how many."""
+        n = self._feed.pending
+        self._call(self._feed.drain, workflow, should_accept)
+        return n - self._feed.pending
 
     # -------------------------------------------------------------- results
     def wait(self, count: int, timeout: float | None = None, should_accept: ShouldAccept | None = None) -> TensorDict:
@@ -295,56 +195,17 @@ class RolloutController:
                 f"wait(count={count}) can never be satisfied: at most rollout.queue_size="
                 f"{self.config.queue_size} groups are ever queued"
             )
-        return self.run(self._wait_on_loop(count, timeout, should_accept))
+        return self.run(self._feed.wait(count, timeout, should_accept))
 
-    async def _wait_on_loop(self, count: int, timeout: float | None, should_accept: ShouldAccept | None) -> TensorDict:
-        deadline = None if timeout is None else time.monotonic() + timeout
-        self._unstash()  # groups are handed out in completion order
-        while True:
-            self._raise_error()
-            if should_accept is not None:
-                self._filter_output(should_accept)
-            if len(self._output) >= count:
-                return self._take(count)
-            if not self._running and not self._paused:
-                raise _stuck_error(count, len(self._output), len(self._input), self.staleness, self._counters)
-            remaining = None if deadline is None else deadline - time.monotonic()
-            if remaining is not None and remaining <= 0:
-                raise TimeoutError(
-                    f"wait({count}) timed out after {timeout}s with {len(self._output)} groups ready, "
-                    f"{len(self._running)} running, {len(self._input)} queued"
-                    + (" (controller is paused)" if self._paused else "")
-                )
-            await self._waiters.park(self._loop, count, remaining)
-
-    def _raise_error(self) -> None:
-        if self._error is not None:
-            err, self._error = self._error, None
-            raise err
-
-    def _filter_output(self, should_accept: ShouldAccept) -> None:
-        dropped = self._output.filter(should_accept)
-        if dropped:
-            self._record_dropped(dropped)
-            self.staleness.on_unaccept(len(dropped))
-            self._counters["accepted"] -= len(dropped)
-            self._counters["rejected"] += len(dropped)
-            self._admit()
-
-    def _take(self, count: int) -> TensorDict:
-        batch, self.last_batch_items = self._output.take(count, self.staleness.version)
-        self._counters["consumed"] += count
-        self._admit()
-        return batch
-
-    def rollout_batch(self, items: list[Any], workflow: RolloutWorkflow, should_accept: ShouldAccept | None = None) -> TensorDict:
+    def rollout_batch(self, items: list[JsonObject], workflow: RolloutWorkflow,
+                      should_accept: ShouldAccept | None = None) -> TensorDict:
         """Submit ``items`` and wait for all of them (evaluation, tests); the order of rows is completion order."""
         for item in items:
             self.submit(item, workflow, should_accept)
         return self.wait(len(items))
 
-    def prepare_batch(self, dataloader: Iterable, workflow: RolloutWorkflow, should_accept: ShouldAccept | None = None,
-                      poll_s: float = 0.05) -> TensorDict:
+    def prepare_batch(self, dataloader: ItemBatches, workflow: RolloutWorkflow,
+                      should_accept: ShouldAccept | None = None, poll_s: float = 0.05) -> TensorDict:
         """One training batch (``consumer_batch_size // world_size`` groups), keeping the pipeline full.
 
         Items are pulled from ``dataloader`` (lists of items, restarted for a new epoch)
@@ -357,18 +218,36 @@ class RolloutController:
         if should_accept is None and self.config.filter_equal_rewards:
             should_accept = reject_equal_rewards
         if should_accept is None:
-            stashed = self._output.take_stashed()
-            if stashed is not None:
-                batch, self.last_batch_items = stashed
+            batch = self._feed.take_stashed()
+            if batch is not None:
                 return batch
         return self.run(self._feed.prepare(dataloader, workflow, should_accept, poll_s))
+
+    @property
+    def last_batch_items(self) -> list[JsonObject]:
+        """The items of the last batch handed out (per-prompt accounting)."""
+        return self._feed.last_batch_items
+
+    @property
+    def record_dropped(self) -> bool:
+        """Whether items rejected or failed are kept for `take_dropped` (off by default)."""
+        return self._dropped.recording
+
+    @record_dropped.setter
+    def record_dropped(self, on: bool) -> None:
+        self._dropped.recording = on
+
+    def take_dropped(self) -> list[JsonObject]:
+        """Items rejected or failed since the last call (they will not be trained on); from
+        any thread, without waiting for the loop (`DroppedItems`)."""
+        return self._dropped.take()
 
     # --------------------------------------------------------------- admin
     def pause(self) -> None:
         """Stop admitting new episodes (running ones go on); used around weight updates."""
-        self._call(self._set_paused, True)
+        self._call(self._admission.set_paused, True)
 
-    def resume(self, prefetch: tuple[Iterable, RolloutWorkflow] | None = None) -> None:
+    def resume(self, prefetch: tuple[ItemBatches, RolloutWorkflow] | None = None) -> None:
         """Admit episodes again, without waiting for the loop (like `set_version`): the
         burst of launches it sets off is none of the trainer's business.
 
@@ -378,31 +257,19 @@ class RolloutController:
         """
         loop = self._loop
         if loop is None:
-            self._call(self._set_paused, False)  # raises ControllerStopped, as pause() does
+            self._call(self._admission.set_paused, False)  # raises ControllerStopped, as pause() does
         else:
-            self._paused = False  # seen at once by `paused`; the loop admits on its next turn
+            self._admission.paused = False  # seen at once by `paused`; the loop admits on its next turn
             loop.call_soon_threadsafe(self._resume_on_loop, prefetch)
 
-    def _resume_on_loop(self, prefetch: tuple[Iterable, RolloutWorkflow] | None) -> None:
-        if (prefetch is not None and self._error is None and not self.config.filter_equal_rewards
-                and not self._output.stashed and not len(self._feed) and len(self._output) >= self.batch_size):
-            self._output.stash(self.batch_size, self.staleness.version)
-            self._counters["consumed"] += self.batch_size
-            self._feed.top_up(*prefetch, None)  # as prepare_batch refills after a take
-        self._set_paused(False)
-
-    def _unstash(self) -> None:
-        """A batch taken ahead and not handed out goes back in front (on the loop)."""
-        self._counters["consumed"] -= self._output.unstash()
-
-    def _set_paused(self, paused: bool) -> None:
-        self._paused = paused
-        self._admit()
-        self._notify(force=True)  # waiters re-check the stuck and paused conditions
+    def _resume_on_loop(self, prefetch: tuple[ItemBatches, RolloutWorkflow] | None) -> None:
+        if prefetch is not None:
+            self._feed.take_ahead(*prefetch)
+        self._admission.set_paused(False)
 
     @property
     def paused(self) -> bool:
-        return self._paused
+        return self._admission.paused
 
     def set_version(self, version: int) -> None:
         """The trainer's policy version (raises the staleness limit by one batch per version).
@@ -412,7 +279,7 @@ class RolloutController:
         """
         if version < 0:
             raise ValueError(f"version must be >= 0, got {version}")
-        self._version = version
+        self._ledger.version = version
         if self._loop is None:
             self.staleness.set_version(version)
         else:
@@ -420,39 +287,52 @@ class RolloutController:
 
     def _set_version_on_loop(self, version: int) -> None:
         self.staleness.set_version(version)
-        self._admit()
+        self._admission.admit()
 
     def get_version(self) -> int:
         """The version last given to ``set_version`` (or restored by ``load_state_dict``)."""
-        return self._version
+        return self._ledger.version
 
     # --------------------------------------------------------------- stats
     def stats(self) -> dict[str, Any]:
         """Counters, queue depths, staleness histogram and workflow counters (reward errors...)."""
         def _snap() -> dict[str, Any]:
-            out: dict[str, Any] = dict(self._counters)
-            out.update(
-                running=len(self._running),
-                input_queue=len(self._input),
-                output_queue=len(self._output),
-                version=self.staleness.version,
-                capacity=self._capacity(),
-                paused=self._paused,
-                staleness_hist=dict(sorted(self._output.staleness_hist.items())),
-            )
-            for wf in self._workflows.values():
-                for k, v in wf.stats().items():
-                    out[f"workflow/{k}"] = out.get(f"workflow/{k}", 0) + v
-            return out
+            adm = self._admission
+            return {
+                **self._ledger.counts(),
+                "running": adm.running,
+                "input_queue": adm.queued,
+                "output_queue": len(self._ready),
+                "version": self.staleness.version,
+                "capacity": adm.capacity(),
+                "paused": adm.paused,
+                "staleness_hist": dict(sorted(self._ready.staleness_hist.items())),
+                **adm.workflow_stats(),
+            }
 
         return self._here_or_on_loop(_snap)
 
-    # ------------------------------------------------------------ recovery
-    def state_dict(self) -> dict[str, Any]:
-        """Version, counters, produced-but-unconsumed groups and unfinished items (to resubmit)."""
-        return self._here_or_on_loop(lambda: controller_state(self))
+    # ----------------------------------------------------------- checkpoint
+    def state_dict(self) -> ControllerState:
+        """What a checkpoint keeps: the staleness state and counters, the groups produced but not
+        trained on yet (ready, with a batch taken ahead put back in front), the items still
+        running or queued and those restored but not resubmitted (``pending_items``:
+        resubmitted after a restart, not counted as new submissions), the dataloader items
+        pulled but not queued, and the dropped items not yet handed to the trainer."""
+        def _state() -> ControllerState:
+            self._feed.unstash()  # not trained on yet: saved as ready
+            return {
+                "staleness": self.staleness.state_dict(),
+                "counters": self._ledger.counts(),
+                **self._ready.state_dict(),  # ready, staleness_hist
+                "pending_items": self._admission.unfinished_items() + self._ledger.restored_items(),
+                "unsubmitted_items": self._feed.leftover_items(),
+                "dropped_items": self._dropped.snapshot(),
+            }
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
+        return self._here_or_on_loop(_state)
+
+    def load_state_dict(self, state: ControllerState) -> None:
         """Restore a ``state_dict``; call before ``start()``.
 
         Ready groups go back to the output queue; unfinished items are
@@ -461,34 +341,8 @@ class RolloutController:
         """
         if self._thread is not None:
             raise RuntimeError("load_state_dict() must be called before start()")
-        restore_controller(self, state)
-
-    def take_dropped(self) -> list[Any]:
-        """Items rejected or failed since the last call (they will not be trained on); from
-        any thread, without waiting for the loop (`DroppedItems`)."""
-        return self._dropped.take()
-
-    def resubmit_pending(self, workflow: RolloutWorkflow, should_accept: ShouldAccept | None = None) -> int:
-        """Resubmit the unfinished items restored by ``load_state_dict``; returns how many."""
-        n = len(self._feed)
-        self._call(self._feed.drain, workflow, should_accept)
-        return n - len(self._feed)
-
-
-class InputQueueFull(RuntimeError):
-    """``submit`` found the bounded input queue full."""
-
-
-def _stuck_error(count: int, ready: int, queued: int, sm: StalenessManager, counters: dict[str, int]) -> RuntimeError:
-    """Why ``wait(count)`` would hang forever: nothing runs and nothing can be admitted."""
-    if queued:
-        return RuntimeError(
-            f"wait({count}) can never complete: {ready} groups ready, none running, "
-            f"{queued} queued but the staleness limit is reached (accepted={sm.accepted} >= "
-            f"(eta={sm.max_head_offpolicyness} + version={sm.version} + 1) * batch={sm.consumer_batch_size}); "
-            "call set_version() after every training step"
-        )
-    return RuntimeError(
-        f"wait({count}) can never complete: {ready} groups ready, none running or queued; "
-        f"submit more items (rejected so far: {counters['rejected']}, failed: {counters['failed']})"
-    )
+        self.staleness.load_state_dict(state["staleness"])
+        self._ledger.restore(state["counters"], self.staleness.version, state["pending_items"])
+        self._ready.load_state_dict(state)
+        self._feed.restore_leftover(state.get("unsubmitted_items", []))
+        self._dropped.restore(state.get("dropped_items", []))

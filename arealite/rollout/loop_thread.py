@@ -12,12 +12,14 @@ import asyncio
 import concurrent.futures
 import sys
 import threading
-from typing import Any, Callable, Coroutine
+from typing import Any, Callable, Coroutine, TypeVar
 
 import torch
 import uvloop
 
 from arealite.utils.heap import freeze_heap
+
+T = TypeVar("T")
 
 
 class ControllerStopped(RuntimeError):
@@ -72,7 +74,7 @@ class LoopThread:
             self.thread = None
             self.loop = None
 
-    def run(self, coro: Coroutine, timeout: float | None = None) -> Any:
+    def run(self, coro: Coroutine[Any, Any, T], timeout: float | None = None) -> T:
         """Run a coroutine on the loop from another thread and return its result."""
         if self.loop is None:
             coro.close()
@@ -92,10 +94,10 @@ class LoopThread:
             fut.cancel()
             raise
 
-    def call(self, fn: Callable[..., Any], *args: Any) -> Any:
+    def call(self, fn: Callable[..., T], *args: object) -> T:
         """Run a plain function on the loop thread (atomically with respect to the loop)."""
 
-        async def _wrap() -> Any:
+        async def _wrap() -> T:
             return fn(*args)
 
         return self.run(_wrap())

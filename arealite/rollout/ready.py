@@ -19,21 +19,31 @@ import asyncio
 import collections
 import threading
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Callable, TypedDict
 
+import torch
 from tensordict import TensorDict
 
 from arealite.rollout.staleness import trajectory_staleness
+from arealite.utils.json_types import JsonObject
 from arealite.workflow.base import concat_trajectories
+
+
+class ReadyState(TypedDict):
+    """What a checkpoint keeps of the waiting groups: each as a plain dict of tensors with its
+    item, and the staleness histogram of the batches taken."""
+
+    ready: list[tuple[dict[str, torch.Tensor], JsonObject]]
+    staleness_hist: dict[int, int]
 
 
 @dataclass
 class _Stash:
     """A batch taken ahead of its `prepare_batch`: its groups, the batch, items and staleness."""
 
-    groups: list[tuple[TensorDict, Any]]
+    groups: list[tuple[TensorDict, JsonObject]]
     batch: TensorDict
-    items: list[Any]
+    items: list[JsonObject]
     stale: list[int]
 
 
@@ -42,7 +52,7 @@ class ReadyGroups:
     and at most one batch taken ahead (the stash)."""
 
     def __init__(self) -> None:
-        self._groups: collections.deque[tuple[TensorDict, Any]] = collections.deque()
+        self._groups: collections.deque[tuple[TensorDict, JsonObject]] = collections.deque()
         self.staleness_hist: collections.Counter[int] = collections.Counter()
         self._stash: _Stash | None = None
         self._stash_lock = threading.Lock()  # take_stashed() runs on the trainer's thread
@@ -50,10 +60,10 @@ class ReadyGroups:
     def __len__(self) -> int:
         return len(self._groups)
 
-    def put(self, td: TensorDict, item: Any) -> None:
+    def put(self, td: TensorDict, item: JsonObject) -> None:
         self._groups.append((td, item))
 
-    def take(self, count: int, version: int) -> tuple[TensorDict, list[Any]]:
+    def take(self, count: int, version: int) -> tuple[TensorDict, list[JsonObject]]:
         """The oldest ``count`` groups as one right-padded batch, and their items."""
         s = self._pop(count, version)
         return s.batch, s.items
@@ -81,7 +91,7 @@ class ReadyGroups:
         with self._stash_lock:
             self._stash = s
 
-    def take_stashed(self) -> tuple[TensorDict, list[Any]] | None:
+    def take_stashed(self) -> tuple[TensorDict, list[JsonObject]] | None:
         """The stashed batch and its items (None when there is none); any thread."""
         with self._stash_lock:
             s, self._stash = self._stash, None
@@ -99,9 +109,9 @@ class ReadyGroups:
         self.staleness_hist = +self.staleness_hist  # drop the counts that went back to 0
         return len(s.groups)
 
-    def filter(self, should_accept: Callable[[TensorDict], bool]) -> list[Any]:
+    def filter(self, should_accept: Callable[[TensorDict], bool]) -> list[JsonObject]:
         """Drop the groups ``should_accept`` refuses; return their items."""
-        kept: collections.deque[tuple[TensorDict, Any]] = collections.deque()
+        kept: collections.deque[tuple[TensorDict, JsonObject]] = collections.deque()
         dropped = []
         for td, item in self._groups:
             if should_accept(td):
@@ -112,14 +122,14 @@ class ReadyGroups:
             self._groups = kept
         return dropped
 
-    def state_dict(self) -> dict[str, Any]:
+    def state_dict(self) -> ReadyState:
         """The waiting groups (as plain dicts) and the histogram."""
         return {
             "ready": [(td.to_dict(), item) for td, item in self._groups],
             "staleness_hist": dict(self.staleness_hist),
         }
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
+    def load_state_dict(self, state: ReadyState) -> None:
         self.staleness_hist = collections.Counter({int(k): int(v) for k, v in state["staleness_hist"].items()})
         self._groups = collections.deque(
             (TensorDict(d, batch_size=[d["input_ids"].shape[0]]), item) for d, item in state["ready"]

@@ -10,28 +10,42 @@ it in the trainer's own process (`LocalRollout`) or in a child process
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Iterator, Sequence
+from typing import Any, Protocol
 
-from tensordict import TensorDictBase
+from tensordict import TensorDict, TensorDictBase
 
 from arealite.api.contracts import InferenceClient, Runner, WeightUpdateAdmin
 from arealite.config.schema import RolloutConfig
 from arealite.reward.metrics import episode_scores
-from arealite.rollout.controller import RolloutController
+from arealite.rollout.controller import ControllerState, RolloutController
+from arealite.utils.json_types import JsonObject
 from arealite.workflow.base import RolloutWorkflow
 
 
-def episode_sums(run: Runner, client: InferenceClient, items: Sequence[dict[str, Any]],
+class ItemLoader(Protocol):
+    """This rank's dataloader as the rollout side uses it (an `arealite.utils.accounting.EpochTagged`
+    `StatefulDataLoader`): lists of items, epoch after epoch, and a checkpoint state."""
+
+    def __iter__(self) -> Iterator[list[JsonObject]]: ...
+
+    def state_dict(self) -> dict[str, int]: ...
+
+    def load_state_dict(self, state: dict[str, int]) -> None: ...
+
+    def epochs_handed_out(self) -> int: ...
+
+
+def episode_sums(run: Runner, client: InferenceClient, items: Sequence[JsonObject],
                  workflow: RolloutWorkflow, max_concurrency: int = 64, ks: Sequence[int] = ()) -> dict[str, float]:
     """Run `workflow` once on every item (outside the training queue and the staleness
     accounting); returns the sums of `arealite.reward.metrics.episode_scores` (rows with
     reward > 0.5, rows, reward, lengths, truncations, prompts, pass@k for ``ks``)."""
 
-    async def run_all() -> list:
+    async def run_all() -> list[TensorDict | None]:
         sem = asyncio.Semaphore(max_concurrency)
 
-        async def one(item):
+        async def one(item: JsonObject) -> TensorDict | None:
             async with sem:
                 return await workflow.arun_episode(client, item)
 
@@ -43,7 +57,7 @@ def episode_sums(run: Runner, client: InferenceClient, items: Sequence[dict[str,
 class LocalRollout:
     """Client, controller, dataloader and workflows of one rank, in this process."""
 
-    def __init__(self, client: InferenceClient, config: RolloutConfig, loader: Any, world_size: int,
+    def __init__(self, client: InferenceClient, config: RolloutConfig, loader: ItemLoader, world_size: int,
                  workflow: RolloutWorkflow, eval_workflow: RolloutWorkflow,
                  sampled_eval_workflow: RolloutWorkflow | None = None):
         self.client = client
@@ -61,11 +75,11 @@ class LocalRollout:
         return self.controller
 
     @property
-    def loader_state(self) -> Any:
+    def loader_state(self) -> ItemLoader:
         return self.loader
 
     @property
-    def last_batch_items(self) -> list[Any]:
+    def last_batch_items(self) -> list[JsonObject]:
         return self.controller.last_batch_items
 
     @property
@@ -83,7 +97,7 @@ class LocalRollout:
     def prepare_batch(self) -> TensorDictBase:
         return self.controller.prepare_batch(self.loader, self.workflow)
 
-    def take_dropped(self) -> list[Any]:
+    def take_dropped(self) -> list[JsonObject]:
         return self.controller.take_dropped()
 
     def pause(self) -> None:
@@ -116,14 +130,14 @@ class LocalRollout:
     def _read_stats(self) -> dict[str, dict[str, Any]]:
         return {"controller": self.controller.stats(), "client": self.client.stats()}
 
-    def unfinished_state(self) -> dict[str, Any]:
+    def unfinished_state(self) -> ControllerState:
         """The controller's state: what is in flight, ready or not yet submitted."""
         return self.controller.state_dict()
 
     def epochs_handed_out(self) -> int:
         return self.loader.epochs_handed_out()
 
-    def eval_sums(self, items: Sequence[dict[str, Any]], ks: Sequence[int] = ()) -> dict[str, float]:
+    def eval_sums(self, items: Sequence[JsonObject], ks: Sequence[int] = ()) -> dict[str, float]:
         """Greedy evaluation sums of ``items``; with ``ks``, the sampled evaluation's (pass@k)."""
         if ks:
             if self.sampled_eval_workflow is None:

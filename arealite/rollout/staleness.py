@@ -96,6 +96,10 @@ class StalenessManager:
             raise RuntimeError(f"cannot un-accept {n} groups, only {self.accepted} accepted")
         self.accepted -= n
 
+    def cancel_running(self) -> None:
+        """Every running group was cancelled (the controller stopped): none runs any more."""
+        self.running = 0
+
     def set_version(self, version: int) -> None:
         """The trainer's policy version moved (usually +1 after a weight update)."""
         if version < 0:

@@ -25,16 +25,24 @@ import subprocess
 import sys
 import time
 import traceback
-from multiprocessing.connection import Connection, Pipe
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Sequence
+from multiprocessing.connection import Connection, Pipe
+from typing import TYPE_CHECKING, Any
 
-from arealite.api.contracts import InferenceClient, Runner, WeightUpdateAdmin
+from arealite.api.contracts import InferenceClient, Runner, StateDict, WeightUpdateAdmin
 from arealite.config.schema import ArealiteConfig
 from arealite.rollout.loop_thread import LoopThread
+from arealite.utils.json_types import JsonObject
 from arealite.utils.procs import die_with_parent
 from arealite.utils.run import ENV_ROLLOUT_CPUS
 from arealite.workflow.base import RolloutWorkflow
+
+if TYPE_CHECKING:
+    from tensordict import TensorDictBase
+
+    from arealite.rollout.side import LocalRollout
+    from arealite.utils.accounting import EpochTagged
 
 logger = logging.getLogger("arealite.rollout")
 
@@ -52,29 +60,22 @@ class WorkerSpec:
 
     config: ArealiteConfig
     world_size: int
-    loader: Any
+    loader: EpochTagged
     workflow: RolloutWorkflow | None = None
     eval_workflow: RolloutWorkflow | None = None
 
 
-def _build_side(spec: WorkerSpec):
+def _build_side(spec: WorkerSpec) -> LocalRollout:
     from transformers import AutoTokenizer
 
-    from arealite.rollout.side import LocalRollout
-    from arealite.trainer.build import build_inference_client
-    from arealite.workflow.registry import build_workflow, samples_at_eval
+    from arealite.rollout.build import build_local_rollout
 
     cfg = spec.config
     tokenizer = AutoTokenizer.from_pretrained(cfg.actor.model_path)
-    client = build_inference_client(cfg, tokenizer)
-    workflow = spec.workflow or build_workflow(cfg, tokenizer)
-    eval_workflow = spec.eval_workflow or (build_workflow(cfg, tokenizer, evaluation=True)
-                                           if spec.workflow is None else workflow)
-    sampled = build_workflow(cfg, tokenizer, evaluation="sampled") if samples_at_eval(cfg, spec.workflow) else None
-    return LocalRollout(client, cfg.rollout, spec.loader, spec.world_size, workflow, eval_workflow, sampled)
+    return build_local_rollout(cfg, tokenizer, spec.loader, spec.world_size, spec.workflow, spec.eval_workflow)
 
 
-def _batch_with_extras(side: Any) -> tuple[Any, list[Any], list[Any]]:
+def _batch_with_extras(side: LocalRollout) -> tuple[TensorDictBase, list[JsonObject], list[JsonObject]]:
     """A batch, the items it came from and the items dropped since the last batch, in one
     round trip over the pipe (the trainer reads all three)."""
     batch = side.prepare_batch()
@@ -92,7 +93,7 @@ _CALLS = {"start", "prepare_batch", "take_dropped", "pause", "resume", "set_vers
           "loader.load_state_dict"}
 
 
-def _send(conn: Connection, obj: Any) -> None:
+def _send(conn: Connection, obj: object) -> None:
     # Plain pickle: multiprocessing's own would pass tensors as shared-memory handles, which
     # a process it did not start cannot open.
     conn.send_bytes(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL))
@@ -102,7 +103,7 @@ def _recv(conn: Connection) -> Any:
     return pickle.loads(conn.recv_bytes())
 
 
-def _child_main(conn: Any, spec: WorkerSpec) -> None:
+def _child_main(conn: Connection, spec: WorkerSpec) -> None:
     """The child: build the rollout side, then answer the trainer's calls until `stop`."""
     try:
         side = _build_side(spec)
@@ -213,10 +214,10 @@ class _Remote:
     def __init__(self, worker: "RolloutWorker", name: str):
         self._worker, self._name = worker, name
 
-    def state_dict(self) -> dict[str, Any]:
+    def state_dict(self) -> StateDict:
         return self._worker.call(f"{self._name}.state_dict")
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
+    def load_state_dict(self, state: StateDict) -> None:
         self._worker.call(f"{self._name}.load_state_dict", state)
 
 
@@ -239,10 +240,10 @@ class RolloutWorker:
         self._receive("start", start_timeout)
         self.controller_state = _Remote(self, "controller")
         self.loader_state = _Remote(self, "loader")
-        self.last_batch_items: list[Any] = []
+        self.last_batch_items: list[JsonObject] = []
         # The dropped items the child sent with the last batch, until `take_dropped`; once
         # another call has been made since that batch (`_fresh` false), the child may have newer.
-        self._pending_dropped: list[Any] = []
+        self._pending_dropped: list[JsonObject] = []
         self._fresh = False
         # The publisher's administration runs here, on a client of the trainer's own.
         self._admin_client = admin_client
@@ -251,7 +252,7 @@ class RolloutWorker:
         self._loop.run(admin_client.initialize())
 
     # ------------------------------------------------------------------ the pipe
-    def call(self, name: str, *args: Any, timeout: float | None = None) -> Any:
+    def call(self, name: str, *args: object, timeout: float | None = None) -> Any:
         """Call ``name`` on the child's `LocalRollout` and return its result (raises its error)."""
         if name not in _CALLS:
             raise ValueError(f"unknown rollout worker call {name!r}")
@@ -302,7 +303,7 @@ class RolloutWorker:
     def start(self, version: int) -> None:
         self.call("start", version)
 
-    def prepare_batch(self) -> Any:
+    def prepare_batch(self) -> TensorDictBase:
         t0 = time.monotonic()
         batch, self.last_batch_items, dropped = self.call("prepare_batch")
         self._pending_dropped.extend(dropped)
@@ -313,7 +314,7 @@ class RolloutWorker:
         self._last_batch_at = now
         return batch
 
-    def take_dropped(self) -> list[Any]:
+    def take_dropped(self) -> list[JsonObject]:
         """Items dropped since the last call: those sent with the last batch, and, once any
         other call has been made since that batch, the child's newer ones."""
         out, self._pending_dropped = self._pending_dropped, []
@@ -330,16 +331,16 @@ class RolloutWorker:
     def set_version(self, version: int) -> None:
         self.call("set_version", version)
 
-    def stats(self) -> dict[str, dict[str, Any]]:
+    def stats(self) -> dict[str, JsonObject]:
         return self.call("stats")
 
-    def unfinished_state(self) -> dict[str, Any]:
+    def unfinished_state(self) -> StateDict:
         return self.call("unfinished_state")
 
     def epochs_handed_out(self) -> int:
         return self.call("epochs_handed_out")
 
-    def eval_sums(self, items: list[dict[str, Any]], ks: Sequence[int] = ()) -> dict[str, float]:
+    def eval_sums(self, items: Sequence[JsonObject], ks: Sequence[int] = ()) -> dict[str, float]:
         return self.call("eval_sums", list(items), list(ks))
 
     def stop(self, timeout: float = 30.0) -> None:

@@ -37,7 +37,7 @@ def main(argv: list[str] | None = None) -> None:
     # of torch/transformers so that launchers and tests see a prompt exit.
     logging.shutdown()
     sys.stdout.flush()
-    os._exit(0)
+    os._exit(0)  # private-ok: os._exit is public API (exit without cleanup after the server shut down)
 
 
 if __name__ == "__main__":

@@ -12,12 +12,12 @@ import asyncio
 import logging
 import time
 from pathlib import Path
-from typing import Any
 
 import torch
 from aiohttp import web
 
 from arealite.utils.heap import freeze_heap
+from arealite.utils.json_types import JsonObject
 
 from .args import ServerArgs
 from .body import RequestError, check_fields, error_response, json_body, off_loop, want
@@ -73,7 +73,6 @@ class EmbeddedServer:
         self.model = model
         self.tokenizer = tokenizer
         self.device = device
-        self.model_path = str(args.model_path)
         cfg = model.config
         self.vocab_size = int(model.get_input_embeddings().num_embeddings)
         self.context_length = int(args.context_length or getattr(cfg, "max_position_embeddings", 4096))
@@ -100,21 +99,27 @@ class EmbeddedServer:
         )
         self.behaviour = SGLangBehaviour.from_flags(
             strict=args.strict_sglang, release=args.sglang_version, readback=args.readback_architectures)
-        self.weights = WeightRoutes(self)
-        self.lora = LoraRoutes(self)
+        self.weights = WeightRoutes(model, self.state, self.runner, behaviour=self.behaviour, device=device,
+                                    timeout_s=args.weight_sync_timeout_s, model_path=str(args.model_path))
+        self.lora = LoraRoutes(model, self.runner)
         # Cleared by pause_generation, set by continue_generation: SGLang's tokenizer manager
         # holds new requests here (``is_pause``) before it resolves their LoRA adapter.
         self.unpaused = asyncio.Event()
         self.unpaused.set()
+
+    @property
+    def model_path(self) -> str:
+        """The checkpoint the served weights came from (the last disk update's, once there was one)."""
+        return self.weights.model_path
 
     # -- helpers ----------------------------------------------------------
 
     def encode(self, text: str) -> list[int]:
         return list(self.tokenizer.encode(text))
 
-    def format_output(self, seq: Sequence) -> dict[str, Any]:
+    def format_output(self, seq: Sequence) -> JsonObject:
         sp = seq.inp.sampling
-        meta: dict[str, Any] = {
+        meta: JsonObject = {
             "id": seq.inp.rid,
             "finish_reason": seq.finish_reason,
             "prompt_tokens": len(seq.inp.input_ids),
@@ -130,7 +135,7 @@ class EmbeddedServer:
             if seq.input_logprobs is not None:
                 ids = seq.inp.input_ids[seq.inp.logprob_start_len:]
                 meta["input_token_logprobs"] = [[lp, t, None] for lp, t in zip(seq.input_logprobs, ids)]
-        out: dict[str, Any] = {}
+        out: JsonObject = {}
         if self.tokenizer is not None:
             ids = seq.output_ids
             fr = seq.finish_reason or {}
@@ -227,7 +232,7 @@ class EmbeddedServer:
 
     async def openapi(self, request: web.Request) -> web.Response:
         """The routes served, in the shape FastAPI gives ``/openapi.json`` (clients detect features)."""
-        paths: dict[str, dict[str, Any]] = {}
+        paths: dict[str, JsonObject] = {}
         for route in request.app.router.routes():
             path = route.resource.canonical if route.resource is not None else None
             if path is None or route.method in ("HEAD", "*"):

@@ -9,9 +9,11 @@ from __future__ import annotations
 import asyncio
 import json
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Callable, TypeVar
+from typing import Callable, TypeVar
 
 from aiohttp import web
+
+from arealite.utils.json_types import JsonObject, JsonValue
 
 from .limits import LIMITS_KEY, OFFLOAD_BYTES, Limits, short
 from .sampling import RequestError
@@ -30,7 +32,7 @@ def error_response(message: str, status: int = 400) -> web.Response:
     return web.json_response({"error": {"message": message, "code": status}}, status=status)
 
 
-def check_fields(body: dict, required: set[str], optional: set[str], route: str) -> None:
+def check_fields(body: JsonObject, required: set[str], optional: set[str], route: str) -> None:
     """Every ``required`` field is present and no field is outside ``required | optional``."""
     missing = sorted(required - set(body))
     if missing:
@@ -40,7 +42,8 @@ def check_fields(body: dict, required: set[str], optional: set[str], route: str)
         raise RequestError(f"{route}: unknown field(s) {short(unknown)}; known: {sorted(required | optional)}")
 
 
-def want(body: dict, key: str, types: type | tuple[type, ...], route: str, default: Any = None) -> Any:
+def want(body: JsonObject, key: str, types: type[T] | tuple[type[T], ...], route: str,
+         default: T | None = None) -> T | None:
     """``body[key]`` checked against ``types`` (a bool is not an int here); ``default`` when absent or null."""
     v = body.get(key, default)
     if v is None:
@@ -50,7 +53,7 @@ def want(body: dict, key: str, types: type | tuple[type, ...], route: str, defau
     return v
 
 
-async def json_body(request: web.Request, allow_empty: bool = False) -> dict:
+async def json_body(request: web.Request, allow_empty: bool = False) -> JsonObject:
     """The request's body, a JSON object (``{}`` for an empty body when ``allow_empty``).
 
     The body is read within the body timeout and the body cap (aiohttp's
@@ -73,7 +76,7 @@ async def json_body(request: web.Request, allow_empty: bool = False) -> dict:
     return body
 
 
-def _decode(raw: bytes) -> Any:
+def _decode(raw: bytes) -> JsonValue:
     try:
         return json.loads(raw)
     except RecursionError:
@@ -82,7 +85,7 @@ def _decode(raw: bytes) -> Any:
         raise RequestError(f"the request body is not valid JSON: {short(str(e), 200)}") from None
 
 
-async def off_loop(fn: Callable[..., T], *args: Any) -> T:
+async def off_loop(fn: Callable[..., T], *args: object) -> T:
     """``fn(*args)`` on the parse threads, so that the event loop keeps serving meanwhile."""
     global _PARSE_POOL
     if _PARSE_POOL is None:

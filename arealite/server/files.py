@@ -16,9 +16,9 @@ import json
 import os
 import stat
 from pathlib import Path, PurePosixPath
-from typing import Any
-
 import torch
+
+from arealite.utils.json_types import JsonValue
 
 from .limits import short
 
@@ -58,7 +58,7 @@ def open_regular(path: str | os.PathLike, what: str) -> int:
     return fd
 
 
-def read_json_file(path: str | os.PathLike, what: str, max_bytes: int = MAX_JSON_BYTES) -> Any:
+def read_json_file(path: str | os.PathLike, what: str, max_bytes: int = MAX_JSON_BYTES) -> JsonValue:
     """The parsed JSON of a small regular file; `UnsafeFile` naming it on any problem."""
     check_regular(path, what, max_bytes)
     fd = open_regular(path, what)

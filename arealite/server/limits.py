@@ -13,7 +13,6 @@ import logging
 import reprlib
 import traceback
 from dataclasses import dataclass, field
-from typing import Any
 
 from aiohttp import web
 
@@ -64,7 +63,7 @@ _quote.maxlist = _quote.maxtuple = _quote.maxset = _quote.maxdict = 6
 _quote.maxlevel = 3
 
 
-def short(value: Any, limit: int = 100) -> str:
+def short(value: object, limit: int = 100) -> str:
     """A bounded, one-line quotation of a user value for an error message.
 
     ``reprlib`` stops early in large containers and deep nesting, so quoting a

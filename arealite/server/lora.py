@@ -26,19 +26,20 @@ import math
 import os
 import threading
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Awaitable, Callable
 
 import torch
 from aiohttp import web
 
 from arealite.lora.files import read_adapter_dir
+from arealite.utils.json_types import JsonObject
 
 from .body import RequestError, check_fields, json_body, want
 from .files import MAX_JSON_BYTES, UnsafeFile, check_regular
 from .limits import short
 
 if TYPE_CHECKING:
-    from .app import EmbeddedServer
+    from .runner import ModelRunner
 
 logger = logging.getLogger("arealite.server")
 
@@ -174,15 +175,16 @@ class LoraSet:
 
 
 class LoraRoutes:
-    """SGLang's LoRA routes on one `EmbeddedServer`."""
+    """SGLang's LoRA routes on one served ``model``, whose forwards ``runner`` runs."""
 
-    def __init__(self, server: "EmbeddedServer"):
-        self.server = server
-        self.lora = LoraSet(server.model)
-        server.runner.lora = self.lora
+    def __init__(self, model: torch.nn.Module, runner: ModelRunner):
+        self.model = model
+        self.runner = runner
+        self.lora = LoraSet(model)
+        runner.lora = self.lora
         self._lock = asyncio.Lock()
 
-    def routes(self) -> dict[str, Any]:
+    def routes(self) -> dict[str, Callable[[web.Request], Awaitable[web.Response]]]:
         return {"/load_lora_adapter": self.load, "/unload_lora_adapter": self.unload}
 
     def _answer(self, error: str | None) -> web.Response:
@@ -199,9 +201,9 @@ class LoraRoutes:
             raise RequestError(f"{route}: lora_name {short(name)} must be 1..256 printable characters")
         try:
             # Read without the lock: a slow or hostile path must not hold up other loads and unloads.
-            adapter = await asyncio.to_thread(_read_adapter, name, path, self.server.model)
+            adapter = await asyncio.to_thread(_read_adapter, name, path, self.model)
             async with self._lock:
-                await self.server.runner.call(lambda: self.lora.add(adapter))
+                await self.runner.call(lambda: self.lora.add(adapter))
         except ValueError as e:
             logger.warning("%s(%s, %s) refused: %s", route, name, path, e)
             return self._answer(str(e))
@@ -216,16 +218,16 @@ class LoraRoutes:
         name = want(body, "lora_name", str, route)
         async with self._lock:
             try:
-                await self.server.runner.call(lambda: self.lora.remove(name))
+                await self.runner.call(lambda: self.lora.remove(name))
             except ValueError as e:
                 return self._answer(str(e))
         return self._answer(None)
 
-    def lora_names(self, body: dict, n: int) -> list[str | None]:
+    def lora_names(self, body: JsonObject, n: int) -> list[str | None]:
         """The adapter names a ``/generate`` body asks for, one per prompt (None: the base)."""
         v = body.get("lora_path")
         if v is None:
-            names: list[Any] = [None] * n
+            names: list[str | None] = [None] * n
         elif isinstance(v, str):
             names = [v] * n
         elif isinstance(v, list) and len(v) == n and all(x is None or isinstance(x, str) for x in v):

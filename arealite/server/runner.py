@@ -23,15 +23,19 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Callable, TypeVar
 
 import torch
 import torch.nn.functional as F
+
+from arealite.utils.json_types import JsonObject
 
 from .prompt_cache import PromptCache, cached_row, stack_cached
 from .sampling import BatchSamplingState, GenerateInput, sample_next
 
 logger = logging.getLogger("arealite.server")
+
+T = TypeVar("T")
 
 
 @dataclass
@@ -49,7 +53,7 @@ class Sequence:
     """Per generated token, ``[logprob, id, None]`` of the most likely tokens (``top_logprobs_num``)."""
     input_logprobs: list[float | None] | None = None
     """SGLang's ``input_token_logprobs`` values from ``logprob_start_len`` (None: not asked)."""
-    finish_reason: dict[str, Any] | None = None
+    finish_reason: JsonObject | None = None
     cached_tokens: int = 0
     """Prompt tokens not computed for this sequence: shared with another of its prefill."""
     weight_version: str = ""
@@ -57,7 +61,7 @@ class Sequence:
     end_time: float = 0.0
 
 
-def _deliver(fut: asyncio.Future, value: Any = None, error: BaseException | None = None) -> None:
+def _deliver(fut: asyncio.Future, value: object = None, error: BaseException | None = None) -> None:
     # Runs on the event loop: the request may have been cancelled meanwhile.
     if fut.done():
         return
@@ -126,7 +130,7 @@ class ModelRunner:
 
         self._cv = threading.Condition()
         self._waiting: deque[Sequence] = deque()
-        self._commands: deque[tuple[Callable[[], Any], asyncio.Future, asyncio.AbstractEventLoop]] = deque()
+        self._commands: deque[tuple[Callable[[], object], asyncio.Future, asyncio.AbstractEventLoop]] = deque()
         self._stop = False
         # Admission stops while paused (pause_generation) or inside a
         # begin/end_weight_update bracket; "in_place" pausing also freezes
@@ -178,7 +182,7 @@ class ModelRunner:
             self._queue_command(lambda: self._abort(lambda s: s is seq, "the client disconnected", waiting=True))
             raise
 
-    def _queue_command(self, fn: Callable[[], Any]) -> None:
+    def _queue_command(self, fn: Callable[[], object]) -> None:
         """Queue ``fn`` for the model thread without waiting for it."""
         loop = asyncio.get_running_loop()
         with self._cv:
@@ -186,7 +190,7 @@ class ModelRunner:
                 self._commands.append((fn, loop.create_future(), loop))
                 self._cv.notify()
 
-    async def call(self, fn: Callable[[], Any]) -> Any:
+    async def call(self, fn: Callable[[], T]) -> T:
         """Run ``fn()`` on the model thread between two steps and return its result."""
         loop = asyncio.get_running_loop()
         fut = loop.create_future()
@@ -297,7 +301,7 @@ class ModelRunner:
         self._running = []
         self._cache = self._mask = self._positions = self._next = self._sampling = None
 
-    def _finish(self, seq: Sequence, reason: dict[str, Any]) -> None:
+    def _finish(self, seq: Sequence, reason: JsonObject) -> None:
         seq.finish_reason = reason
         seq.weight_version = self.weight_version
         seq.end_time = time.perf_counter()

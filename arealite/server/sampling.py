@@ -11,9 +11,11 @@ from __future__ import annotations
 import math
 import uuid
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Callable, TypeGuard
 
 import torch
+
+from arealite.utils.json_types import JsonObject, JsonValue
 
 from .limits import CHARS_PER_TOKEN, short
 
@@ -58,7 +60,7 @@ class GenerateInput:
     """First prompt position whose log-prob is returned (``input_token_logprobs``); -1: none."""
     top_logprobs_num: int = 0
     """Most likely tokens reported at each generated position (``output_top_logprobs``)."""
-    lora: Any = None
+    lora: object = None
     """The LoRA adapter the sequence runs with (``lora_path``; `arealite.server.lora`); None: the base."""
 
 
@@ -67,17 +69,17 @@ class GenerateInput:
 # --------------------------------------------------------------------------
 
 
-def _is_int(v: Any) -> bool:
+def _is_int(v: JsonValue) -> TypeGuard[int]:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
-def _is_number(v: Any) -> bool:
+def _is_number(v: JsonValue) -> TypeGuard[int | float]:
     if isinstance(v, int) and not isinstance(v, bool):
         return abs(v) < 2 ** 1000  # math.isfinite(10**400) raises OverflowError
     return isinstance(v, float) and math.isfinite(v)
 
 
-def _want_int(name: str, v: Any, lo: int | None = None) -> int:
+def _want_int(name: str, v: JsonValue, lo: int | None = None) -> int:
     if not _is_int(v):
         raise RequestError(f"{name} must be an integer, got {short(v)}")
     if lo is not None and v < lo:
@@ -85,13 +87,13 @@ def _want_int(name: str, v: Any, lo: int | None = None) -> int:
     return v
 
 
-def _want_number(name: str, v: Any) -> float:
+def _want_number(name: str, v: JsonValue) -> float:
     if not _is_number(v):
         raise RequestError(f"{name} must be a finite number, got {short(v)}")
     return float(v)
 
 
-def _want_bool(name: str, v: Any) -> bool:
+def _want_bool(name: str, v: JsonValue) -> bool:
     if not isinstance(v, bool):
         raise RequestError(f"{name} must be true or false, got {short(v)}")
     return v
@@ -99,7 +101,7 @@ def _want_bool(name: str, v: Any) -> bool:
 
 # Keys SGLang 0.5.23 knows in sampling_params that this server does not
 # implement, with the test for "neutral value" (equal to not setting it).
-_UNSUPPORTED_SAMPLING: dict[str, Callable[[Any], bool]] = {
+_UNSUPPORTED_SAMPLING: dict[str, Callable[[JsonValue], bool]] = {
     "stop": lambda v: v is None or v == "" or v == [],
     "stop_regex": lambda v: v is None or v == "" or v == [],
     "frequency_penalty": lambda v: v is None or (_is_number(v) and v == 0),
@@ -123,7 +125,7 @@ _SUPPORTED_SAMPLING = {
 
 # Top-level /generate keys SGLang knows that this server does not implement
 # (accepted only at their neutral value).
-_UNSUPPORTED_TOP: dict[str, Callable[[Any], bool]] = {
+_UNSUPPORTED_TOP: dict[str, Callable[[JsonValue], bool]] = {
     "stream": lambda v: v is None or v is False,
     "token_ids_logprob": lambda v: v is None,
     "return_text_in_logprobs": lambda v: v is None or v is False,
@@ -149,7 +151,7 @@ _SUPPORTED_TOP = {"text", "input_ids", "sampling_params", "rid", "return_logprob
 # ``sglang.api.v1.GenerateRequest``). Keys it does not declare are ignored there, not
 # refused (``GenerateRequest`` says "unknown keys ignored"), and SGLang's router adds
 # some of its own (``model``, ``background``, ``no_logs``, ...): they are ignored here too.
-_IGNORED_TOP_NEUTRAL: dict[str, Callable[[Any], bool]] = {
+_IGNORED_TOP_NEUTRAL: dict[str, Callable[[JsonValue], bool]] = {
     "return_prompt_token_ids": lambda v: v is None or v is False,
     "routed_experts_start_len": lambda v: v is None or v == 0,
     "return_sampling_mask": lambda v: v is None or v is False,
@@ -161,7 +163,7 @@ _IGNORED_TOP_NEUTRAL: dict[str, Callable[[Any], bool]] = {
 }
 
 
-def parse_sampling_params(sp: Any, vocab_size: int, where: str = "sampling_params") -> SamplingConfig:
+def parse_sampling_params(sp: JsonValue, vocab_size: int, where: str = "sampling_params") -> SamplingConfig:
     """Validate one ``sampling_params`` object."""
     if sp is None:
         return SamplingConfig()
@@ -222,7 +224,7 @@ def parse_sampling_params(sp: Any, vocab_size: int, where: str = "sampling_param
     return out
 
 
-def _check_ids(name: str, ids: Any, vocab_size: int) -> list[int]:
+def _check_ids(name: str, ids: JsonValue, vocab_size: int) -> list[int]:
     if not isinstance(ids, list) or not ids:
         raise RequestError(f"{name} must be a non-empty list of token ids")
     for t in ids:
@@ -233,7 +235,7 @@ def _check_ids(name: str, ids: Any, vocab_size: int) -> list[int]:
     return ids
 
 
-def _check_top_level(body: dict) -> None:
+def _check_top_level(body: JsonObject) -> None:
     """Refuse a known feature this server lacks; ignore keys SGLang does not know (as it does)."""
     for key, v in body.items():
         check = _UNSUPPORTED_TOP.get(key) or _IGNORED_TOP_NEUTRAL.get(key)
@@ -242,7 +244,7 @@ def _check_top_level(body: dict) -> None:
                                "(leave it unset)")
 
 
-def _prompts(body: dict, vocab_size: int, encode: Callable[[str], list[int]] | None,
+def _prompts(body: JsonObject, vocab_size: int, encode: Callable[[str], list[int]] | None,
              caps: "RequestCaps") -> tuple[list[list[int]], bool]:
     """The token ids of every prompt (``text`` encoded, or ``input_ids``) and whether it is a batch.
 
@@ -317,7 +319,7 @@ class RequestCaps:
             self.check_tokens(total // CHARS_PER_TOKEN, "the texts")
 
 
-def _rids(rid: Any, batch: bool, n: int) -> list[str]:
+def _rids(rid: JsonValue, batch: bool, n: int) -> list[str]:
     """One request id per sequence: the given ones, or fresh ones."""
     if batch:
         if rid is None:
@@ -333,7 +335,7 @@ def _rids(rid: Any, batch: bool, n: int) -> list[str]:
 MAX_TOP_LOGPROBS = 64
 
 
-def _top_logprobs_num(v: Any, return_logprob: bool) -> int:
+def _top_logprobs_num(v: JsonValue, return_logprob: bool) -> int:
     """SGLang reports top log-probs only with ``return_logprob`` (0 otherwise)."""
     if v is None:
         return 0
@@ -342,7 +344,7 @@ def _top_logprobs_num(v: Any, return_logprob: bool) -> int:
     return v if return_logprob else 0
 
 
-def _logprob_start(v: Any, return_logprob: bool, prompt_len: int) -> int:
+def _logprob_start(v: JsonValue, return_logprob: bool, prompt_len: int) -> int:
     """``logprob_start_len``: -1 (or unset) returns no prompt log-probs; else a prompt position."""
     if v is None or v == -1 or not return_logprob:
         return -1
@@ -366,7 +368,7 @@ def _fit_context(sc: SamplingConfig, explicit: bool, prompt_len: int, context_le
 
 
 def parse_generate(
-    body: Any,
+    body: JsonValue,
     *,
     vocab_size: int,
     context_length: int,
@@ -385,7 +387,7 @@ def parse_generate(
     prompts, batch = _prompts(body, vocab_size, encode, caps)
     n = len(prompts)
 
-    def per_item(key: str, value: Any, is_item: Callable[[Any], bool]) -> list[Any]:
+    def per_item(key: str, value: JsonValue, is_item: Callable[[JsonValue], bool]) -> list[JsonValue]:
         if batch and isinstance(value, list) and not is_item(value):
             if len(value) != n:
                 raise RequestError(f"{key}: a batch of {n} needs {n} values, got {len(value)}")

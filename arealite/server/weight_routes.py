@@ -14,7 +14,7 @@ import logging
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import TYPE_CHECKING, Any, Awaitable, Callable
+from typing import TYPE_CHECKING, Awaitable, Callable
 
 import torch
 from aiohttp import web
@@ -23,7 +23,7 @@ from .body import RequestError, check_fields, json_body, want
 from .files import UnsafeFile, check_regular
 from .limits import short
 from .shm_alias import AliasedFiles, alias_problem, alias_weights, own_weights
-from .strict import NO_SESSION, OUTSIDE_SESSION, READBACK_FAILED, SESSION_OPEN
+from .strict import NO_SESSION, OUTSIDE_SESSION, READBACK_FAILED, SESSION_OPEN, SGLangBehaviour
 from .weights import (
     ShmWeightFile,
     WeightUpdateError,
@@ -39,7 +39,7 @@ from .weights import (
 )
 
 if TYPE_CHECKING:
-    from .app import EmbeddedServer
+    from .runner import ModelRunner
 
 logger = logging.getLogger("arealite.server")
 
@@ -51,23 +51,29 @@ MAX_NAME_CHARS = 256
 
 
 class WeightRoutes:
-    """The weight-update handlers of one `EmbeddedServer`, and the state they keep
-    (process groups joined, the mapped shared-memory file)."""
+    """The weight-update handlers of one served model, and the state they keep (process
+    groups joined, the mapped shared-memory file, the checkpoint last loaded from disk).
 
-    def __init__(self, server: "EmbeddedServer"):
-        self._server = server
-        self.args = server.args
-        self.device = server.device
-        self.runner = server.runner
-        self.state = server.state
+    ``state``: the model's tensors by name (``weights.model_state``); ``runner`` runs the
+    copies into them between decode steps; ``timeout_s`` bounds group joins and receives."""
+
+    def __init__(self, model: torch.nn.Module, state: dict[str, torch.Tensor], runner: ModelRunner, *,
+                 behaviour: SGLangBehaviour, device: torch.device, timeout_s: float, model_path: str):
+        self.model = model
+        self.device = device
+        self.runner = runner
+        self.state = state
+        self.timeout_s = timeout_s
+        #: The checkpoint the weights came from: the served one, then each disk update's.
+        self.model_path = model_path
         self.groups: dict[str, WeightUpdateGroup] = {}
         self.group_locks: dict[str, asyncio.Lock] = {}
         # The trainer's shared-memory weight file, mapped once and kept while it stays the same.
         self.shm_files = AliasedFiles()
         self.shm_lock = asyncio.Lock()
-        self.behaviour = server.behaviour
+        self.behaviour = behaviour
         self.session_open = False  # SGLang's weight-update session (see arealite.server.strict)
-        self.architectures = list(getattr(server.model.config, "architectures", None) or [])
+        self.architectures = list(getattr(model.config, "architectures", None) or [])
         # Strict mode: SGLang's scheduler runs weight operations one at a time, so a receive
         # blocked in a broken group holds up every later one (destroy, join, begin/end).
         self.scheduler = asyncio.Lock() if self.behaviour.strict else None
@@ -75,7 +81,7 @@ class WeightRoutes:
         # threads of their own, so that disk loads and the other routes never wait behind them.
         self._group_pool = ThreadPoolExecutor(4, thread_name_prefix="arealite-group")
         self._pending_joins = 0
-        self.total_bytes = sum(t.numel() * t.element_size() for t in server.state.values())
+        self.total_bytes = sum(t.numel() * t.element_size() for t in state.values())
 
     def routes(self) -> dict[str, Callable[[web.Request], Awaitable[web.Response]]]:
         """POST path -> handler."""
@@ -126,7 +132,7 @@ class WeightRoutes:
             return web.json_response({"success": False, "message": problem, "num_paused_requests": 0}, status=400)
 
         await self._load(lambda: copy_into_model(self.state, tensors), version)
-        self._server.model_path = path
+        self.model_path = path
         msg = f"loaded {len(tensors)} tensors from {path} in {time.perf_counter() - t0:.2f}s"
         logger.info("update_weights_from_disk: %s (weight_version %s)", msg, self.runner.weight_version)
         return web.json_response({"success": True, "message": msg, "num_paused_requests": 0})
@@ -164,7 +170,7 @@ class WeightRoutes:
                 shm = await asyncio.to_thread(self._map_shm, path)
                 problem = check_shm_layout(self.state, names, dtypes, shapes, offsets, shm.size)
                 if alias and not problem:
-                    problem = alias_problem(self._server.model, names, self.device)
+                    problem = alias_problem(self.model, names, self.device)
             except WeightUpdateError as e:
                 problem = str(e)
             if problem:
@@ -178,7 +184,7 @@ class WeightRoutes:
                         self.state[name].copy_(shm.tensor(off, dt, shape))
 
             def swap() -> None:
-                alias_weights(self._server.model, self.state, shm, names, dtypes, shapes, offsets)
+                alias_weights(self.model, self.state, shm, names, dtypes, shapes, offsets)
                 self.shm_files.serving = shm.key
 
             await self._load(swap if alias else copy, version, copies=not alias)
@@ -186,14 +192,14 @@ class WeightRoutes:
         logger.debug("%s: %s", route, msg)
         return web.json_response({"success": True, "message": msg})
 
-    async def _load(self, copy: Callable[[], None], version: Any, copies: bool = True) -> None:
+    async def _load(self, copy: Callable[[], None], version: str | None, copies: bool = True) -> None:
         """Run `copy` (new tensors into the model) on the runner's thread, between two
         decode steps, and take on `version` with it (None keeps the current one). A copy into
         parameters that point into a mapped file gives them their own storage first."""
 
         def load() -> None:
             if copies and self.shm_files.serving is not None:
-                own_weights(self._server.model, self.state)
+                own_weights(self.model, self.state)
                 self.shm_files.serving = None
             copy()
             if version is not None:
@@ -232,7 +238,7 @@ class WeightRoutes:
                 f"{MAX_PENDING_JOINS} group joins are already waiting for their rendezvous; retry later")},
                 status=429)
         self._pending_joins += 1
-        timeout = self.args.weight_sync_timeout_s
+        timeout = self.timeout_s
         try:
             group = await _join_in_thread(lambda: WeightUpdateGroup(
                 master_address=addr, master_port=port, rank=rank, world_size=world, group_name=name,

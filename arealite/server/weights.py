@@ -256,9 +256,7 @@ class WeightUpdateGroup:
         if backend == "gloo":
             self.pg = torch.distributed.ProcessGroupGloo(prefix, rank, world_size, timeout)
         elif backend == "nccl":
-            opts = torch.distributed.ProcessGroupNCCL.Options()
-            opts._timeout = timeout
-            self.pg = torch.distributed.ProcessGroupNCCL(prefix, rank, world_size, opts)
+            self.pg = torch.distributed.ProcessGroupNCCL(prefix, rank, world_size, timeout)
         else:  # checked by the route; kept for direct callers
             raise WeightUpdateError(f"backend {backend!r} is not supported (gloo or nccl)")
 

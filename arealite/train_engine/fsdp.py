@@ -28,13 +28,13 @@ from __future__ import annotations
 import logging
 import math
 import os
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
 
 import torch
 import torch.distributed as dist
 
-from arealite.api.contracts import LossFn, LossWeightFn, PostHook
+from arealite.api.contracts import LossFn, LossWeightFn, MicroBatchStats, PostHook, TrainBatch
 from arealite.config.schema import ActorConfig
 from arealite.train_engine.fsdp_checkpoint import (
     export_hf_dir,
@@ -167,7 +167,7 @@ class FSDPEngine:
             raise RuntimeError("this FSDPEngine is frozen (a reference model): it cannot train")
 
     @staticmethod
-    def _as_dict(batch: Any) -> dict[str, torch.Tensor]:
+    def _as_dict(batch: TrainBatch) -> dict[str, torch.Tensor]:
         """The batch's tensors as a flat dict; non-tensor entries are not per-token data and are left out."""
         keys = list(batch.keys())
         data = {k: batch[k] for k in keys if isinstance(batch[k], torch.Tensor)}
@@ -227,7 +227,7 @@ class FSDPEngine:
 
     # ------------------------------------------------------------------ train
 
-    def train_batch(self, batch: Any, loss_fn: LossFn, loss_weight_fn: LossWeightFn) -> dict[str, float]:
+    def train_batch(self, batch: TrainBatch, loss_fn: LossFn, loss_weight_fn: LossWeightFn) -> dict[str, float]:
         """One optimizer step on ``batch`` (a right-padded ``[B, L]`` TensorDict or dict).
 
         ``loss_fn(logits [T, V], mb)`` is the mean loss of one packed
@@ -322,7 +322,7 @@ class FSDPEngine:
     def _reduce_stats(self, stat_sums: dict[str, list[float]]) -> dict[str, float]:
         """Weighted mean of loss-function stats over micro-batches and ranks (``*_max``: the maximum)."""
         if self.world_size > 1:
-            gathered: list[Any] = [None] * self.world_size
+            gathered: list[dict[str, list[float]]] = [{}] * self.world_size  # filled by the collective
             dist.all_gather_object(gathered, stat_sums)
         else:
             gathered = [stat_sums]
@@ -341,7 +341,7 @@ class FSDPEngine:
     # ---------------------------------------------------------------- forward
 
     @torch.no_grad()
-    def forward(self, batch: Any, post_hook: PostHook, out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    def forward(self, batch: TrainBatch, post_hook: PostHook, out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """Per-token values ``[B, L]`` without a graph (e.g. log-probs of the taken tokens).
 
         ``post_hook(logits [T, V], mb) -> [T]`` scores ``labels``; the value of
@@ -431,7 +431,7 @@ class FSDPEngine:
         yield from buckets_of(full_weights(), bucket_bytes)
 
 
-def _checked_loss(loss: Any) -> torch.Tensor:
+def _checked_loss(loss: object) -> torch.Tensor:
     if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
         raise TypeError(
             f"loss_fn must return a 0-dim tensor (the micro-batch mean loss), got "
@@ -440,7 +440,7 @@ def _checked_loss(loss: Any) -> torch.Tensor:
     return loss
 
 
-def _add_stats(stat_sums: dict[str, list[float]], stats: dict[str, Any], w: float) -> None:
+def _add_stats(stat_sums: dict[str, list[float]], stats: MicroBatchStats, w: float) -> None:
     """Accumulate a micro-batch's stats: ``[weighted sum, weight]``, or ``[max, 1]`` for ``*_max`` keys."""
     for k, v in stats.items():
         v = float(v.detach() if isinstance(v, torch.Tensor) else v)
@@ -453,7 +453,7 @@ def _add_stats(stat_sums: dict[str, list[float]], stats: dict[str, Any], w: floa
         acc[1] += w
 
 
-def _as_weight(w: Any) -> float:
+def _as_weight(w: float | torch.Tensor) -> float:
     """A micro-batch loss weight as a float; must be finite and >= 0."""
     value = float(w.detach().item()) if isinstance(w, torch.Tensor) else float(w)
     if not math.isfinite(value) or value < 0:

@@ -14,17 +14,22 @@ from __future__ import annotations
 import random
 import shutil
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, TypedDict
 
 import torch
 import torch.distributed as dist
+
+from arealite.api.contracts import StateDict
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
 
 # Files of a model directory that are weights; everything else (config,
 # tokenizer, chat template, generation config) is copied by export_hf_dir.
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".safetensors.index.json", ".bin.index.json")
 
 
-def _model_and_optim_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> dict[str, Any]:
+def _model_and_optim_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> StateDict:
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
 
     if optimizer is None:
@@ -34,7 +39,7 @@ def _model_and_optim_state(model: torch.nn.Module, optimizer: torch.optim.Optimi
 
 
 def save_sharded(
-    path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, rank: int, extra: dict[str, Any]
+    path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, rank: int, extra: StateDict
 ) -> None:
     """Write model (and optimizer) with DCP, and ``extra`` to this rank's ``engine_rank<r>.pt``."""
     import torch.distributed.checkpoint as dcp
@@ -49,7 +54,7 @@ def save_sharded(
 
 def load_sharded(
     path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, rank: int
-) -> dict[str, Any]:
+) -> StateDict:
     """Restore what ``save_sharded`` wrote into ``model`` (and ``optimizer``); return the ``extra`` it saved
     for this rank (rank 0's when the checkpoint had fewer ranks)."""
     import torch.distributed.checkpoint as dcp
@@ -70,7 +75,15 @@ def load_sharded(
     return torch.load(extra_file, weights_only=True, map_location="cpu")
 
 
-def rng_state(device: torch.device) -> dict[str, Any]:
+class RngState(TypedDict):
+    """This process's random number generators' states, as a checkpoint keeps them."""
+
+    rng_torch: torch.Tensor
+    rng_cuda: torch.Tensor | None  # None unless computing on CUDA
+    rng_python: tuple[object, ...]  # `random.getstate()`
+
+
+def rng_state(device: torch.device) -> RngState:
     """This process's RNG states (torch, CUDA when computing there, python)."""
     return {
         "rng_torch": torch.get_rng_state(),
@@ -79,7 +92,7 @@ def rng_state(device: torch.device) -> dict[str, Any]:
     }
 
 
-def restore_rng(state: dict[str, Any], device: torch.device) -> None:
+def restore_rng(state: RngState, device: torch.device) -> None:
     """Set the RNG states ``rng_state`` returned."""
     torch.set_rng_state(state["rng_torch"])
     random.setstate(state["rng_python"])
@@ -87,14 +100,15 @@ def restore_rng(state: dict[str, Any], device: torch.device) -> None:
         torch.cuda.set_rng_state(state["rng_cuda"])
 
 
-def tied_duplicate_names(hf_config: Any) -> set[str]:
+def tied_duplicate_names(hf_config: PretrainedConfig) -> set[str]:
     """State-dict names that alias another parameter and are absent from HF safetensors files."""
     if getattr(hf_config, "tie_word_embeddings", False):
         return {"lm_head.weight"}
     return set()
 
 
-def export_hf_dir(path: Path, model: torch.nn.Module, rank: int, source_dir: Path, hf_config: Any) -> None:
+def export_hf_dir(path: Path, model: torch.nn.Module, rank: int, source_dir: Path,
+                  hf_config: PretrainedConfig) -> None:
     """Gather the full weights and write, from rank 0, a HF directory at ``path``: safetensors,
     ``hf_config``, and the non-weight files of ``source_dir`` (tokenizer, templates)."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
@@ -106,7 +120,8 @@ def export_hf_dir(path: Path, model: torch.nn.Module, rank: int, source_dir: Pat
     dist.barrier()
 
 
-def write_hf_dir(path: Path, tensors: dict[str, torch.Tensor], source_dir: Path, hf_config: Any) -> None:
+def write_hf_dir(path: Path, tensors: dict[str, torch.Tensor], source_dir: Path,
+                 hf_config: PretrainedConfig) -> None:
     """Write a HF directory at ``path``: ``tensors`` (full, HF names) as safetensors, ``hf_config``
     and the non-weight files of ``source_dir`` (tokenizer, templates). One process calls it."""
     from safetensors.torch import save_file

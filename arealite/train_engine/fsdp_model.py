@@ -10,14 +10,22 @@ from __future__ import annotations
 
 import copy
 import logging
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import TYPE_CHECKING
 
 import torch
 
 from arealite.config.schema import ActorConfig, OptimizerConfig
 from arealite.train_engine.lr_schedule import build_lr_scheduler
 from arealite.train_engine.packing import register_varlen_attention
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+    from transformers import PretrainedConfig
+
+#: Makes the Hugging Face module to train from its directory and config.
+ModelBuilder = Callable[[Path, "PretrainedConfig"], torch.nn.Module]
 
 logger = logging.getLogger("arealite.train_engine.fsdp")
 
@@ -29,7 +37,7 @@ def compute_dtype(name: str, device_type: str) -> torch.dtype:
     return {"float32": torch.float32, "bfloat16": torch.bfloat16}[name]
 
 
-def without_dropout(hf_config: Any) -> Any:
+def without_dropout(hf_config: PretrainedConfig) -> PretrainedConfig:
     """A copy of a HF model config with every dropout probability set to 0.
 
     Architectures name them differently (``attention_dropout``, ``hidden_dropout``,
@@ -67,7 +75,7 @@ def _enable_checkpointing(model: torch.nn.Module) -> None:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kw)
 
 
-def causal_lm(path: Path, hf_config: Any) -> torch.nn.Module:
+def causal_lm(path: Path, hf_config: PretrainedConfig) -> torch.nn.Module:
     """The Hugging Face causal LM at ``path`` (fp32, dropout off, packed-sequence attention)."""
     from transformers import AutoModelForCausalLM
 
@@ -78,9 +86,9 @@ def causal_lm(path: Path, hf_config: Any) -> torch.nn.Module:
 
 
 def load_sharded_model(
-    config: ActorConfig, mesh: Any, dtype: torch.dtype, device_type: str, frozen: bool,
-    build: Callable[[Path, Any], torch.nn.Module] = causal_lm,
-) -> tuple[torch.nn.Module, Any, int]:
+    config: ActorConfig, mesh: DeviceMesh, dtype: torch.dtype, device_type: str, frozen: bool,
+    build: ModelBuilder = causal_lm,
+) -> tuple[torch.nn.Module, PretrainedConfig, int]:
     """Load ``config.model_path`` with ``build`` and shard it over ``mesh``; returns
     ``(model, hf_config, n_layers)``.
 
@@ -101,7 +109,7 @@ def load_sharded_model(
 
     world_size = mesh.size()
     # With one rank a shard is the whole tensor: re-gathering it for backward is pure copying.
-    kwargs: dict[str, Any] = {"mesh": mesh, "reshard_after_forward": world_size > 1}
+    kwargs: dict[str, object] = {"mesh": mesh, "reshard_after_forward": world_size > 1}
     if dtype != torch.float32:
         # Low-precision compute, fp32 gradient reduction: the sum over ranks keeps its precision.
         kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
@@ -124,7 +132,7 @@ def load_sharded_model(
 
 def build_optimizer(
     model: torch.nn.Module, opt: OptimizerConfig, total_steps: int | None
-) -> tuple[torch.optim.Optimizer, Any]:
+) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LambdaLR]:
     """AdamW on ``model``'s trainable parameters (all of them, or a LoRA model's adapters) and its
     LR schedule (``total_steps`` overrides ``opt.total_steps``)."""
     optimizer = torch.optim.AdamW(

@@ -1,29 +1,32 @@
-"""Builders of the run's parts from config: data, train engines, actor, inference client.
+"""Builders of the run's parts from config: data, train engines, critic, actor, rollout side.
 
 Each returns an object typed by its contract (`arealite.api.contracts`); `RLTrainer`
-wires them together. A second backend is one more branch here and one module.
+wires them together. A second backend is one more branch here and one module. The
+rollout side's own parts (inference client, workflows) are built by `arealite.rollout.build`,
+in whichever process runs them.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-from typing import TYPE_CHECKING, Any
-
+from typing import TYPE_CHECKING
 
 from arealite.algo.actor import PPOActor
-from arealite.api.contracts import InferenceClient, RolloutSide, TrainEngine
+from arealite.api.contracts import RolloutSide, TrainEngine
 from arealite.config.schema import ArealiteConfig
 from arealite.data.dataset import StatefulDataLoader, load_items
 from arealite.data.validate import validate_datasets
+from arealite.rollout.build import build_inference_client, build_local_rollout
+from arealite.rollout.worker import RolloutWorker, WorkerSpec, runs_in_a_worker
 from arealite.utils import accounting
-from arealite.utils.run import server_addrs, server_api_key
-from arealite.utils.tokenizer import vocab_bound
+from arealite.utils.json_types import JsonObject
 from arealite.workflow.base import RolloutWorkflow
-from arealite.workflow.registry import build_workflow, samples_at_eval
 
 if TYPE_CHECKING:
-    from arealite.critic import Critic
+    from transformers import PreTrainedTokenizerBase
+
+    from arealite.critic import Critic, WithCritic
 
 logger = logging.getLogger("arealite.trainer")
 
@@ -33,7 +36,7 @@ def rank_and_world() -> tuple[int, int]:
     return int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
 
 
-def load_data(cfg: ArealiteConfig, tokenizer: Any) -> tuple[list[dict], list[dict]]:
+def load_data(cfg: ArealiteConfig, tokenizer: PreTrainedTokenizerBase) -> tuple[list[JsonObject], list[JsonObject]]:
     """Training and held-out items, every bad prompt named before anything starts."""
     d = cfg.data
     train = load_items(d.train_path, d.prompt_key, d.answer_key)
@@ -43,7 +46,8 @@ def load_data(cfg: ArealiteConfig, tokenizer: Any) -> tuple[list[dict], list[dic
     return train, held_out
 
 
-def probe_prompt(cfg: ArealiteConfig, tokenizer: Any, items: list[dict]) -> list[int] | None:
+def probe_prompt(cfg: ArealiteConfig, tokenizer: PreTrainedTokenizerBase | None,
+                 items: list[JsonObject]) -> list[int] | None:
     """The first training prompt's tokens: what the weight publisher's log-prob probe scores."""
     prompt = items[0].get(cfg.data.prompt_key) if items else None
     if tokenizer is None or prompt is None:
@@ -53,7 +57,7 @@ def probe_prompt(cfg: ArealiteConfig, tokenizer: Any, items: list[dict]) -> list
     return list(tokenizer.encode(str(prompt)))
 
 
-def make_loader(cfg: ArealiteConfig, items: list[dict], rank: int, world: int) -> accounting.EpochTagged:
+def make_loader(cfg: ArealiteConfig, items: list[JsonObject], rank: int, world: int) -> accounting.EpochTagged:
     """This rank's share of every batch of prompts; items remember their epoch (accounting)."""
     loader = StatefulDataLoader(items, cfg.rollout.consumer_batch_size // world, shuffle=cfg.data.shuffle,
                                 seed=cfg.experiment.seed, rank=rank, world_size=world)
@@ -75,7 +79,7 @@ def build_train_engines(cfg: ArealiteConfig, total_steps: int) -> tuple[TrainEng
     return actor, ref
 
 
-def build_critic(cfg: ArealiteConfig, total_steps: int) -> "Critic | None":
+def build_critic(cfg: ArealiteConfig, total_steps: int) -> Critic | None:
     """PPO's value model on its own engine (`critic.enabled`), or None."""
     if not cfg.critic.enabled:
         return None
@@ -89,7 +93,7 @@ def build_critic(cfg: ArealiteConfig, total_steps: int) -> "Critic | None":
     return Critic(engine, c.value_clip, cfg.algorithm.n_minibatches)
 
 
-def checkpointed_engines(actor: TrainEngine, critic: "Critic | None") -> Any:
+def checkpointed_engines(actor: TrainEngine, critic: Critic | None) -> TrainEngine | WithCritic:
     """What the checkpointer saves: the actor's engine, with the critic's beside it when there is one."""
     if critic is None:
         return actor
@@ -105,35 +109,19 @@ def build_actor(cfg: ArealiteConfig, engine: TrainEngine, ref_engine: TrainEngin
                     max_new_tokens=cfg.generation.max_new_tokens)
 
 
-def build_inference_client(cfg: ArealiteConfig, tokenizer: Any) -> InferenceClient:
-    """The inference client of `launch.server_backend`'s servers (`arealite.inference_client.backends`)."""
-    from arealite.inference_client.backends import client_class
-
-    return client_class(cfg.launch.server_backend)(
-        server_addrs(cfg), cfg.rollout, api_key=server_api_key(cfg), eos_token_ids=[tokenizer.eos_token_id],
-        vocab_size=vocab_bound(cfg.actor.model_path, tokenizer),
-        lora_adapter=cfg.actor.lora.served_name if cfg.actor.lora is not None else None)
-
-
-def build_rollout(cfg: ArealiteConfig, tokenizer: Any, loader: Any, world: int,
-                  workflow: RolloutWorkflow | None, eval_workflow: RolloutWorkflow | None) -> RolloutSide:
+def build_rollout(cfg: ArealiteConfig, tokenizer: PreTrainedTokenizerBase, loader: accounting.EpochTagged,
+                  world: int, workflow: RolloutWorkflow | None,
+                  eval_workflow: RolloutWorkflow | None) -> RolloutSide:
     """This rank's rollout side (`rollout.worker`): a child process, or this process.
 
     ``workflow`` None: built from ``rollout.workflow`` (and its greedy copy for evaluation);
     a given workflow without an ``eval_workflow`` also evaluates.
     """
-    from arealite.rollout.worker import RolloutWorker, WorkerSpec, runs_in_a_worker
-
     why_not = runs_in_a_worker(workflow, eval_workflow) if cfg.rollout.worker == "process" else None
     if why_not:
         logger.warning("the rollout runs in a thread of the trainer process (rollout.worker=thread): %s",
                        why_not)
     if cfg.rollout.worker == "thread" or why_not:
-        from arealite.rollout.side import LocalRollout
-
-        wf = workflow or build_workflow(cfg, tokenizer)
-        ev = eval_workflow or (build_workflow(cfg, tokenizer, evaluation=True) if workflow is None else wf)
-        sampled = build_workflow(cfg, tokenizer, evaluation="sampled") if samples_at_eval(cfg, workflow) else None
-        return LocalRollout(build_inference_client(cfg, tokenizer), cfg.rollout, loader, world, wf, ev, sampled)
+        return build_local_rollout(cfg, tokenizer, loader, world, workflow, eval_workflow)
     spec = WorkerSpec(cfg, world, loader, workflow, eval_workflow)
     return RolloutWorker(spec, admin_client=build_inference_client(cfg, tokenizer))

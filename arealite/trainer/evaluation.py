@@ -10,7 +10,6 @@ ranks' sums are added up here (`arealite.reward.metrics`).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -18,11 +17,12 @@ import torch.distributed as dist
 from arealite.algo.returns import collective_device
 from arealite.api.contracts import RolloutSide
 from arealite.reward.metrics import eval_ks
+from arealite.utils.json_types import JsonObject
 
 __all__ = ["evaluate"]
 
 
-def _summed(rollout: RolloutSide, items: Sequence[dict[str, Any]], ks: Sequence[int]) -> dict[str, float]:
+def _summed(rollout: RolloutSide, items: Sequence[JsonObject], ks: Sequence[int]) -> dict[str, float]:
     """``eval_sums`` of this rank's share of ``items``, summed over ranks (a collective)."""
     rank = dist.get_rank() if dist.is_initialized() else 0
     world = dist.get_world_size() if dist.is_initialized() else 1
@@ -31,7 +31,7 @@ def _summed(rollout: RolloutSide, items: Sequence[dict[str, Any]], ks: Sequence[
     if dist.is_initialized() and world > 1:
         # Every rank has the same keys (the same ks), even with an empty share.
         keys = sorted(sums) if mine else None
-        gathered: list[Any] = [None] * world
+        gathered: list[list[str] | None] = [None] * world
         dist.all_gather_object(gathered, keys)
         keys = next(k for k in gathered if k is not None)
         t = torch.tensor([float(sums.get(k, 0.0)) for k in keys], dtype=torch.float64, device=collective_device())
@@ -44,7 +44,7 @@ def _ratio(a: float, b: float) -> float:
     return a / b if b else 0.0
 
 
-def evaluate(rollout: RolloutSide, items: Sequence[dict[str, Any]], n_samples: int = 1) -> dict[str, float]:
+def evaluate(rollout: RolloutSide, items: Sequence[JsonObject], n_samples: int = 1) -> dict[str, float]:
     """Held-out figures over every rank's share of ``items`` (collective when several ranks train).
 
     Greedy: ``eval/accuracy`` (share of answers with reward > 0.5), ``eval/reward_mean``,

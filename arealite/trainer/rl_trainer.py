@@ -19,12 +19,15 @@ from __future__ import annotations
 
 import faulthandler
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 from transformers import AutoTokenizer
 
+from arealite.algo.actor import PPOActor
+from arealite.api.contracts import RolloutSide, TrainEngine
+from arealite.check import check_names
 from arealite.config.schema import ArealiteConfig
 from arealite.trainer import build
 from arealite.trainer.evaluation import evaluate
@@ -33,10 +36,19 @@ from arealite.trainer.step_stats import StepStats, reduce_stats
 from arealite.utils import accounting
 from arealite.utils.checkpoint import Checkpointer, fault_point
 from arealite.utils.heap import freeze_heap
+from arealite.utils.json_types import JsonObject
 from arealite.utils.progress import Progress
 from arealite.utils.run import run_dir
 from arealite.utils.stats_logger import StatsLogger, plot_reward_curve
+from arealite.weight_sync import make_publisher
+from arealite.weight_sync.publisher import WeightPublisher
 from arealite.workflow.base import RolloutWorkflow
+from arealite.workflow.registry import samples_at_eval
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+    from arealite.critic import Critic, WithCritic
 
 logger = logging.getLogger("arealite.trainer")
 
@@ -50,7 +62,43 @@ class RLTrainer:
     With ``rollout.worker: process`` (the default) both are pickled to the rank's rollout
     worker process.
     ``hooks``: `TrainerHook` instances called at the loop's fixed points.
+
+    What is built from config is built by `train` (`_setup`, `_resume`), not here.
     """
+
+    # config and run: what was asked for, which rank this is, where the run writes
+    config: ArealiteConfig
+    rank: int
+    world: int
+    out_dir: Path
+    total_steps: int
+    # data: the tokenizer, the prompts, this rank's loader of training prompts
+    tokenizer: PreTrainedTokenizerBase
+    train_items: list[JsonObject]
+    eval_items: list[JsonObject]
+    loader: accounting.EpochTagged
+    # engines and actor: what trains (the reference and the critic when the loss needs them)
+    actor_engine: TrainEngine
+    ref_engine: TrainEngine | None
+    critic: Critic | None
+    actor: PPOActor
+    # rollout side: the workflows given (None: from config) and what runs them
+    workflow: RolloutWorkflow | None
+    eval_workflow: RolloutWorkflow | None
+    rollout: RolloutSide
+    # publishing and checkpoints: new weights to the servers, run state to disk
+    publisher: WeightPublisher
+    checkpointer: Checkpointer
+    _checkpointed: TrainEngine | WithCritic
+    # stats and progress: steps done, the stats file, the bar, how evaluation samples
+    step: int
+    stats_logger: StatsLogger
+    progress: Progress
+    _eval_greedy: bool
+    _eval_samples: int
+    # hooks and teardown: the user's hooks; what was opened, closed newest first
+    hooks: list[TrainerHook]
+    _closers: list[Callable[[], object]]
 
     def __init__(self, config: ArealiteConfig, workflow: RolloutWorkflow | None = None,
                  eval_workflow: RolloutWorkflow | None = None, hooks: Sequence[TrainerHook] = ()):
@@ -58,6 +106,9 @@ class RLTrainer:
             if wf is not None and not callable(getattr(wf, "arun_episode", None)):
                 raise TypeError(f"RLTrainer {name} is a {type(wf).__name__}, which has no "
                                 "`async arun_episode(client, item)`: pass a RolloutWorkflow")
+        # A config built in code has not been through `load_run_config`: a bad name fails here,
+        # not after the engines have loaded.
+        check_names(config, workflow_from_config=workflow is None)
         self.config = config
         self.hooks = list(hooks)
         self.workflow = workflow
@@ -65,10 +116,15 @@ class RLTrainer:
         self.rank, self.world = build.rank_and_world()
         self.out_dir: Path = run_dir(config)
         self.step = 0
-        self._closers: list[Any] = []
+        self._closers = []
+
+    @property
+    def version(self) -> int:
+        """The policy version the inference servers hold: one more per step done."""
+        return self.step
 
     # ------------------------------------------------------------------ the loop
-    def train(self) -> dict[str, Any]:
+    def train(self) -> JsonObject:
         """Run (or resume) the whole training; returns the final record (evaluations included)."""
         if not faulthandler.is_enabled():  # a crash in native code leaves every thread's stack in the log
             faulthandler.enable()
@@ -139,7 +195,7 @@ class RLTrainer:
             self._closers.append(self.critic.engine.destroy)
         # What a checkpoint saves and restores: the actor's engine, and the critic's beside it.
         self._checkpointed = build.checkpointed_engines(self.actor_engine, self.critic)
-        self._eval_samples = cfg.evaluation.n_samples if build.samples_at_eval(cfg, self.workflow) else 1
+        self._eval_samples = cfg.evaluation.n_samples if samples_at_eval(cfg, self.workflow) else 1
         self.actor = build.build_actor(cfg, self.actor_engine, self.ref_engine)
         self.rollout = build.build_rollout(cfg, self.tokenizer, self.loader, self.world,
                                            self.workflow, self.eval_workflow)
@@ -148,13 +204,11 @@ class RLTrainer:
     def _resume(self) -> int:
         """Restore the latest checkpoint (per `recover.mode`), start the rollout side, and
         bring the servers to the resumed version; returns the step to start from."""
-        from arealite.weight_sync import make_publisher
-
         cfg = self.config
         start = self.checkpointer.maybe_resume(self._checkpointed, self.rollout.controller_state,
                                                self.rollout.loader_state)
         self.rollout.start(start)
-        self.publisher = make_publisher(cfg, self.rollout, self.actor_engine, self.rollout,
+        self.publisher = make_publisher(cfg, self.rollout, self.actor_engine,
                                         probe_prompt=build.probe_prompt(cfg, self.tokenizer, self.train_items))
         self.publisher.init()
         self._closers.append(self.publisher.close)
@@ -185,7 +239,7 @@ class RLTrainer:
             print(f"[arealite] held-out {self._eval_name} {label}: {out['eval/accuracy']:.1%}", flush=True)
         return out
 
-    def _finish(self, before: dict[str, float]) -> dict[str, Any]:
+    def _finish(self, before: dict[str, float]) -> JsonObject:
         """Close the accounting, evaluate, plot and export; returns the final record."""
         cfg, total = self.config, self.total_steps
         end = accounting.unfinished_fields(self.rollout.unfinished_state())
@@ -219,6 +273,6 @@ class RLTrainer:
             except Exception:  # teardown goes on: the remaining parts must still be closed
                 logger.exception("teardown: %s failed", getattr(close, "__qualname__", close))
 
-    def _call(self, event: str, *args: Any) -> None:
+    def _call(self, event: str, *args: object) -> None:
         for hook in self.hooks:
             getattr(hook, event)(self, *args)

@@ -12,12 +12,16 @@ from __future__ import annotations
 import collections
 import time
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch.distributed as dist
 
 from arealite.rollout.staleness import trajectory_staleness
 from arealite.utils import accounting
+from arealite.utils.json_types import JsonObject, JsonValue
+
+if TYPE_CHECKING:
+    from tensordict import TensorDictBase
 
 #: Client counters that add up over ranks (each rank has its own client).
 CLIENT_COUNTS = ("requests", "retries", "timeouts", "connection_errors", "http_5xx", "malformed",
@@ -29,7 +33,7 @@ class StepStats:
 
     def __init__(self, version: int):
         self.version = version
-        self.values: dict[str, Any] = {}
+        self.values: JsonObject = {}
         self._t0 = self._last = time.perf_counter()
 
     def lap(self, name: str) -> float:
@@ -40,13 +44,13 @@ class StepStats:
         self._last = now
         return dt
 
-    def add(self, prefix: str, values: Mapping[str, Any]) -> None:
+    def add(self, prefix: str, values: Mapping[str, JsonValue]) -> None:
         """Add numeric `values` under ``<prefix>/`` (non-numbers are skipped)."""
         for k, v in values.items():
             if isinstance(v, (int, float)) and not isinstance(v, bool):
                 self.values[f"{prefix}/{k}"] = float(v)
 
-    def add_batch(self, batch: Any) -> None:
+    def add_batch(self, batch: TensorDictBase) -> None:
         """Reward, length and staleness figures of this rank's training batch."""
         self.values.update(batch_stats(batch, self.version))
 
@@ -58,16 +62,17 @@ class StepStats:
                 key = f"train/{k}"
                 self.values[key] = self.values.get(key, 0.0) + v / n
 
-    def add_accounting(self, items: Sequence[Any], dropped: Sequence[Any]) -> None:
+    def add_accounting(self, items: Sequence[JsonObject], dropped: Sequence[JsonObject]) -> None:
         """Which prompts this step trained on and which were rejected or failed."""
         self.values.update(accounting.step_fields(items, dropped))
 
-    def add_rollout_side(self, controller_stats: Mapping[str, Any], client_stats: Mapping[str, Any]) -> None:
+    def add_rollout_side(self, controller_stats: Mapping[str, JsonValue],
+                         client_stats: Mapping[str, JsonValue]) -> None:
         """The controller's queue and staleness counters and the client's failure counters."""
         self.add("controller", controller_stats)
         self.add("client", {k: client_stats[k] for k in (*CLIENT_COUNTS, "n_healthy") if k in client_stats})
 
-    def finish(self) -> dict[str, Any]:
+    def finish(self) -> JsonObject:
         """Merge over ranks (collective) and add the derived figures; returns the record."""
         v = self.values
         v["time/step_s"] = time.perf_counter() - self._t0
@@ -80,7 +85,7 @@ class StepStats:
         return out
 
 
-def batch_stats(batch, version: int) -> dict[str, float]:
+def batch_stats(batch: TensorDictBase, version: int) -> dict[str, float]:
     """Reward, length and staleness figures of one training batch (this rank's rows)."""
     rewards = batch["rewards"].float()
     lm = batch["loss_mask"].bool()
@@ -102,16 +107,16 @@ def batch_stats(batch, version: int) -> dict[str, float]:
     return out
 
 
-def reduce_stats(stats: Mapping[str, float], sum_keys: Sequence[str] = ()) -> dict[str, float]:
+def reduce_stats(stats: Mapping[str, JsonValue], sum_keys: Sequence[str] = ()) -> JsonObject:
     """Merge every rank's stats (a collective): ``*_max`` keys take the max, ``sum_keys``,
     counts and histogram buckets the sum, lists are concatenated in rank order, the rest
     is averaged. Ranks may hold different keys (histogram buckets differ)."""
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return dict(stats)
-    gathered: list[dict] = [None] * dist.get_world_size()  # type: ignore[list-item]
+    gathered: list[JsonObject] = [{}] * dist.get_world_size()  # filled by the collective
     dist.all_gather_object(gathered, dict(stats))
     keys = sorted({k for g in gathered for k in g})
-    out: dict[str, float] = {}
+    out: JsonObject = {}
     for k in keys:
         lists = [g[k] for g in gathered if isinstance(g.get(k), list)]
         if lists:  # per-rank lists (e.g. prompt ids): concatenated in rank order

@@ -19,7 +19,9 @@ import collections
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable, Iterator
+from typing import Any, Iterable, Iterator, Mapping
+
+from arealite.utils.json_types import JsonObject
 
 IDS, EPOCHS = "rollout/prompt_ids", "rollout/prompt_epochs"
 DROPPED_IDS, DROPPED_EPOCHS = "rollout/dropped_prompt_ids", "rollout/dropped_prompt_epochs"
@@ -36,7 +38,7 @@ class EpochItem(dict):
     survives pickling (checkpoints) with the item.
     """
 
-    def __init__(self, item: dict, epoch: int):
+    def __init__(self, item: JsonObject, epoch: int):
         super().__init__(item)
         self.epoch = epoch
 
@@ -44,7 +46,7 @@ class EpochItem(dict):
 _EPOCH_KEY = "__arealite_epoch_item__"
 
 
-def epoch_items_to_plain(obj: Any) -> Any:
+def epoch_items_to_plain(obj: object) -> Any:
     """``obj`` with every `EpochItem` inside dicts, lists and tuples written as a plain dict
     (``{_EPOCH_KEY: epoch, "item": {...}}``), so that a checkpoint holds only plain data and
     loads with ``torch.load(weights_only=True)``. `epoch_items_from_plain` undoes it."""
@@ -57,7 +59,7 @@ def epoch_items_to_plain(obj: Any) -> Any:
     return obj
 
 
-def epoch_items_from_plain(obj: Any) -> Any:
+def epoch_items_from_plain(obj: object) -> Any:
     if isinstance(obj, dict):
         if _EPOCH_KEY in obj and set(obj) == {_EPOCH_KEY, "item"}:
             return EpochItem(epoch_items_from_plain(obj["item"]), int(obj[_EPOCH_KEY]))
@@ -67,7 +69,7 @@ def epoch_items_from_plain(obj: Any) -> Any:
     return obj
 
 
-def item_epoch(item: Any) -> int:
+def item_epoch(item: Mapping[str, object]) -> int:
     return int(getattr(item, "epoch", -1))
 
 
@@ -96,7 +98,7 @@ class EpochTagged:
         return self.loader.epoch + (1 if self.loader.index >= len(self.loader) else 0)
 
 
-def step_fields(items: Iterable[Any], dropped: Iterable[Any]) -> dict[str, list[int]]:
+def step_fields(items: Iterable[JsonObject], dropped: Iterable[JsonObject]) -> dict[str, list[int]]:
     """The accounting fields of one step's stats record (this rank's share)."""
     items, dropped = list(items), list(dropped)
     return {

@@ -47,7 +47,7 @@ def import_callable(spec: str, what: str = "function") -> Any:
 _F = TypeVar("_F", bound=Callable)
 
 
-def register_into(registry: dict[str, Any], name: str, what: str) -> Callable[[_F], _F]:
+def register_into(registry: dict[str, _F], name: str, what: str) -> Callable[[_F], _F]:
     """A decorator that adds a function or class to ``registry`` under ``name`` (one name,
     one object): how built-ins that config names by a short name are declared."""
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 import sys
 import time
-from typing import Any, Mapping
+from typing import Mapping
 
 _SHOWN = (
     ("rollout/reward_mean", "reward", "{:.3f}"),
@@ -38,7 +38,7 @@ class Progress:
             self._bar = tqdm(total=total, initial=initial, desc="RL steps", unit="step",
                              dynamic_ncols=True, file=sys.stderr, mininterval=0.5)
 
-    def _fields(self, stats: Mapping[str, Any]) -> dict[str, str]:
+    def _fields(self, stats: Mapping[str, object]) -> dict[str, str]:
         if "eval/accuracy" in stats:
             self._last_eval = float(stats["eval/accuracy"])
         shown = {}
@@ -48,7 +48,7 @@ class Progress:
                 shown[label] = fmt.format(v)
         return shown
 
-    def update(self, step: int, stats: Mapping[str, Any]) -> None:
+    def update(self, step: int, stats: Mapping[str, object]) -> None:
         if not self.enabled:
             return
         shown = self._fields(stats)

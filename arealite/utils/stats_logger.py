@@ -11,14 +11,15 @@ import logging
 import math
 import time
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Mapping
 
 from arealite.config.schema import StatsConfig
+from arealite.utils.json_types import JsonObject
 
 logger = logging.getLogger("arealite.stats")
 
 
-def _to_float(v: Any) -> Any:
+def _to_float(v: object) -> object:
     """Plain JSON-able numbers from tensors, numpy scalars and the like."""
     if hasattr(v, "item") and callable(v.item):
         try:
@@ -32,9 +33,9 @@ def _to_float(v: Any) -> Any:
     return v
 
 
-def flatten(d: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+def flatten(d: Mapping[str, object], prefix: str = "") -> dict[str, object]:
     """``{"a": {"b": 1}}`` -> ``{"a/b": 1}``."""
-    out: dict[str, Any] = {}
+    out: dict[str, object] = {}
     for k, v in d.items():
         key = f"{prefix}{k}"
         if isinstance(v, Mapping):
@@ -44,7 +45,7 @@ def flatten(d: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
     return out
 
 
-def _masked(full_config: Mapping) -> dict[str, Any]:
+def _masked(full_config: Mapping[str, object]) -> JsonObject:
     """A copy of the config with secret values (server.api_key) replaced by ``***``: W&B uploads it."""
     from arealite.config.loader import SECRET_FIELDS
 
@@ -103,7 +104,7 @@ class StatsLogger:
                 config=_masked(full_config or {}), resume="allow",
             )
 
-    def log(self, step: int, stats: Mapping[str, Any]) -> dict[str, Any]:
+    def log(self, step: int, stats: Mapping[str, object]) -> dict[str, object]:
         """Record the stats of one step; returns the flat record that was written."""
         record = {"step": int(step), "time": time.time(), **flatten(_to_float(dict(stats)))}
         if self.rank != 0:
@@ -131,7 +132,7 @@ class StatsLogger:
             self._wandb = None
 
 
-def read_stats(path: str | Path) -> list[dict[str, Any]]:
+def read_stats(path: str | Path) -> list[JsonObject]:
     """All records of a stats.jsonl file (a torn last line from a crash is skipped)."""
     out = []
     p = Path(path)

@@ -10,7 +10,11 @@ tokenizer on the whole vocabulary when built) or the Rust tokenizer directly.
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import TYPE_CHECKING, Iterable
+
+if TYPE_CHECKING:
+    from tokenizers import Tokenizer
+    from transformers import PreTrainedTokenizerBase
 
 logger = logging.getLogger("arealite.utils.tokenizer")
 
@@ -35,7 +39,7 @@ class _ByteLevelTable:
     subpart in both Python's ``errors="replace"`` and Rust's ``from_utf8_lossy``.
     """
 
-    def __init__(self, backend: Any):
+    def __init__(self, backend: Tokenizer):
         chars = _byte_chars()
         vocab = backend.get_vocab(with_added_tokens=True)
         special = {i for i, t in backend.get_added_tokens_decoder().items() if t.special}
@@ -55,17 +59,17 @@ class _ByteLevelTable:
                 if ours != backend.decode(chunk, skip_special_tokens=skip):
                     raise ValueError("byte-level table disagrees with the tokenizer's decode")
 
-    def __call__(self, ids: Any, skip_special_tokens: bool) -> str:
+    def __call__(self, ids: Iterable[int], skip_special_tokens: bool) -> str:
         # KeyError (unknown or negative id) propagates: the caller falls back to Rust.
         return b"".join(map((self.plain if skip_special_tokens else self.full).__getitem__, ids)).decode(
             "utf-8", "replace")
 
 
 # tokenizer id -> (tokenizer, table or None). Holding the tokenizer keeps its id from being reused.
-_TABLES: dict[int, tuple[Any, _ByteLevelTable | None]] = {}
+_TABLES: dict[int, tuple[PreTrainedTokenizerBase, _ByteLevelTable | None]] = {}
 
 
-def _table(tokenizer: Any, backend: Any) -> _ByteLevelTable | None:
+def _table(tokenizer: PreTrainedTokenizerBase, backend: Tokenizer) -> _ByteLevelTable | None:
     entry = _TABLES.get(id(tokenizer))
     if entry is not None and entry[0] is tokenizer:
         return entry[1]
@@ -79,7 +83,7 @@ def _table(tokenizer: Any, backend: Any) -> _ByteLevelTable | None:
     return table
 
 
-def _rust(tokenizer: Any) -> Any:
+def _rust(tokenizer: PreTrainedTokenizerBase) -> Tokenizer | None:
     # The Rust tokenizer gives the same text as transformers' decode unless that cleans up spaces.
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if backend is None or getattr(tokenizer, "clean_up_tokenization_spaces", False):
@@ -87,14 +91,14 @@ def _rust(tokenizer: Any) -> Any:
     return backend
 
 
-def prepare_decode(tokenizer: Any) -> None:
+def prepare_decode(tokenizer: PreTrainedTokenizerBase) -> None:
     """Build ``decode``'s lookup table now (a workflow's constructor), not on the event loop later."""
     backend = _rust(tokenizer)
     if backend is not None:
         _table(tokenizer, backend)
 
 
-def decode(tokenizer: Any, ids: list[int], skip_special_tokens: bool = True) -> str:
+def decode(tokenizer: PreTrainedTokenizerBase, ids: list[int], skip_special_tokens: bool = True) -> str:
     """``tokenizer.decode``, through a lookup table or the Rust tokenizer when that gives the same text.
 
     transformers' ``decode`` walks the id list in Python first, which costs more
@@ -112,7 +116,7 @@ def decode(tokenizer: Any, ids: list[int], skip_special_tokens: bool = True) -> 
     return backend.decode(ids, skip_special_tokens=skip_special_tokens)
 
 
-def decode_many(tokenizer: Any, seqs: list[list[int]], skip_special_tokens: bool = True) -> list[str]:
+def decode_many(tokenizer: PreTrainedTokenizerBase, seqs: list[list[int]], skip_special_tokens: bool = True) -> list[str]:
     """``decode`` of several sequences.
 
     One by one, not with the Rust ``decode_batch``: that releases the GIL and
@@ -122,7 +126,7 @@ def decode_many(tokenizer: Any, seqs: list[list[int]], skip_special_tokens: bool
     return [decode(tokenizer, s, skip_special_tokens) for s in seqs]
 
 
-def vocab_bound(model_path: str, tokenizer: Any) -> int:
+def vocab_bound(model_path: str, tokenizer: PreTrainedTokenizerBase) -> int:
     """One above the largest token id the model at ``model_path`` can emit: its embedding rows
     (``config.vocab_size``, often padded beyond the tokenizer), or the tokenizer's size if larger."""
     from transformers import AutoConfig

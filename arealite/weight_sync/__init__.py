@@ -1,12 +1,12 @@
 """Weight sync: new trainer weights reach every inference server after each step.
 
-    publisher = make_publisher(cfg, client, train_engine, controller)
+    publisher = make_publisher(cfg, rollout, train_engine)
     publisher.init()                      # once, on every trainer rank
     timings = publisher.publish(v)        # after each training step, on every trainer rank
     publisher.close()
 
-`publish` pauses the controller and the servers, moves the weights, verifies them,
-sets version ``v`` on the train engine, the controller and the client, and resumes
+`publish` pauses the rollout side and the servers, moves the weights, verifies them,
+sets version ``v`` on the train engine and the rollout side, and resumes
 (`publisher.WeightPublisher`). `weight_sync.method` picks the transfer
 (`make_transfer`): ``distributed`` (broadcast over a gloo/NCCL group; see
 `distributed.py`), ``disk`` (safetensors directory; see `disk.py`) or ``shm`` (one
@@ -24,13 +24,12 @@ from pathlib import Path
 import torch
 
 from arealite.api.contracts import (
-    InferenceClient,
-    Pausable,
     Runner,
     TrainEngine,
     WeightSource,
     WeightTransfer,
     WeightUpdateAdmin,
+    WeightUpdateTarget,
     require,
 )
 from arealite.weight_sync.base import (
@@ -61,7 +60,6 @@ __all__ = [
     "WeightSyncError",
     "Verifiers",
     "WeightVerifier",
-    "admin_of",
     "compare_readback",
     "make_publisher",
     "make_verifier",
@@ -83,13 +81,6 @@ def server_weight_dtype(config) -> torch.dtype | None:
     if config.launch.server_backend == "sglang":
         return torch.bfloat16
     return None
-
-
-def admin_of(client: InferenceClient | WeightUpdateAdmin) -> WeightUpdateAdmin:
-    """The servers' administration of a client: its ``admin``, or the client itself."""
-    admin = getattr(client, "admin", client)
-    require(admin, WeightUpdateAdmin, "the inference client's admin")
-    return admin
 
 
 def make_transfer(config, admin: WeightUpdateAdmin, run: Runner,
@@ -116,7 +107,7 @@ def make_transfer(config, admin: WeightUpdateAdmin, run: Runner,
 def make_lora_transfer(config, admin: WeightUpdateAdmin, run: Runner, engine) -> LoraTransfer:
     """The adapter push of a LoRA run: a PEFT directory per version under ``weight_sync.disk_dir``
     (or the run directory), loaded under ``actor.lora.served_name``, the name every client of
-    the run sends (`arealite.trainer.build.build_inference_client`)."""
+    the run sends (`arealite.rollout.build.build_inference_client`)."""
     exp, ws = config.experiment, config.weight_sync
     root = Path(ws.disk_dir or Path(exp.output_root) / exp.name / exp.trial / "weight_sync") / "lora"
     return LoraTransfer(ws, admin, run, root, engine.adapter_config(), server_dtype=server_weight_dtype(config),
@@ -161,20 +152,19 @@ def _vocab_size(engine: TrainEngine) -> int:
     return int(getattr(cfg, "vocab_size", 0) or 256)
 
 
-def make_publisher(config, client: InferenceClient, train_engine: TrainEngine, controller: Pausable, *,
-                   run: Runner | None = None, source: WeightSource | None = None,
-                   probe_prompt: list[int] | None = None) -> WeightPublisher:
-    """The publisher of a run: `train_engine`'s weights to `client`'s servers.
+def make_publisher(config, rollout: WeightUpdateTarget, train_engine: TrainEngine, *,
+                   source: WeightSource | None = None, probe_prompt: list[int] | None = None) -> WeightPublisher:
+    """The publisher of a run: `train_engine`'s weights to the servers of `rollout`.
 
-    `config` is the whole `ArealiteConfig`; `client` an initialized inference client
-    whose ``admin`` administers its servers (``SGLangClient``); `controller` the
-    rollout controller (paused around each update; its ``run`` runs admin coroutines on
-    the client's loop unless `run` is given). The train engine, the controller and the
-    client get the new version. `source` overrides what is read (default: the engine);
+    `config` is the whole `ArealiteConfig`; `rollout` the rollout side (`RolloutSide`),
+    whose ``admin`` administers the servers and whose ``run`` runs those calls on its
+    client's loop; it is paused around each update. The train engine and the rollout side
+    get the new version. `source` overrides what is read (default: the engine);
     `probe_prompt` gives the log-prob probe real tokens (e.g. the first training prompt).
     """
-    admin = admin_of(client)
-    run = run if run is not None else controller.run
+    require(rollout, WeightUpdateTarget, "the rollout side of a weight publisher")
+    admin, run = rollout.admin, rollout.run
+    require(admin, WeightUpdateAdmin, "the rollout side's admin")
     model_path = getattr(getattr(train_engine, "config", None), "model_path", None)
     if config.actor.lora is not None:  # only the adapter travels (`lora.LoraTransfer`)
         transfer = make_lora_transfer(config, admin, run, train_engine)
@@ -183,10 +173,4 @@ def make_publisher(config, client: InferenceClient, train_engine: TrainEngine, c
         transfer = make_transfer(config, admin, run, model_path)
     verifier = make_verifier(config, admin, transfer, train_engine, probe_prompt)
     return WeightPublisher(transfer, source if source is not None else train_engine, admin, run,
-                           parties=_distinct([train_engine, controller, client]), controller=controller,
-                           verifier=verifier)
-
-
-def _distinct(parties: list) -> list:
-    """Each party once (a rollout side may be both the controller and the client)."""
-    return list({id(p): p for p in parties}.values())
+                           parties=[train_engine], controller=rollout, verifier=verifier)

@@ -19,13 +19,14 @@ import logging
 import random
 import time
 from collections.abc import Callable, Coroutine, Iterator
-from typing import Any
+from typing import Protocol, TypeVar
 
 import torch
 import torch.distributed as dist
 
 from arealite.api.contracts import Runner, WeightSource, WeightUpdateAdmin
 from arealite.utils.buckets import buckets_of  # noqa: F401  (re-exported)
+from arealite.utils.json_types import JsonObject, JsonValue
 
 logger = logging.getLogger("arealite.weight_sync")
 
@@ -34,8 +35,14 @@ logger = logging.getLogger("arealite.weight_sync")
 #: at a cost that stays small next to the push (100 rows of a 2-D weight were most of it).
 VERIFY_TRUNCATE = 4
 
-#: Runs one admin call, surviving dead servers: ``call(make_coro, what)`` (see `call_dropping_dead`).
-AdminCall = Callable[[Callable[[], Coroutine[Any, Any, Any]], str], Any]
+T = TypeVar("T")
+
+
+class AdminCall(Protocol):
+    """Runs one admin call, surviving dead servers: ``call(make_coro, what)`` (see
+    `call_dropping_dead`); returns the call's answer."""
+
+    def __call__(self, make_coro: Callable[[], Coroutine[object, object, T]], what: str) -> T: ...
 
 
 class WeightSyncError(RuntimeError):
@@ -126,7 +133,7 @@ def rank0_failed(version: int | None) -> WeightSyncError:
 
 
 def call_dropping_dead(run: Runner, admin: WeightUpdateAdmin,
-                       make_coro: Callable[[], Coroutine[Any, Any, Any]], version: int, what: str) -> Any:
+                       make_coro: Callable[[], Coroutine[object, object, T]], version: int, what: str) -> T:
     """Run the admin call ``make_coro()`` on the servers in rotation, surviving dead ones.
 
     When it fails, the failing servers are probed: those that are gone leave the
@@ -201,7 +208,7 @@ def _head(t: torch.Tensor) -> torch.Tensor:
     return head.detach().reshape(-1).to(device="cpu", dtype=torch.float32).clone()
 
 
-def _flatten_values(values: Any) -> list[float]:
+def _flatten_values(values: JsonValue) -> list[float]:
     out: list[float] = []
     stack = [values]
     # Iterative flatten: a nested list of any depth (SGLang returns rows of a 2-D weight).
@@ -221,7 +228,7 @@ def tolerance_for(dtype: torch.dtype | None) -> tuple[float, float]:
     return 1e-5, 1e-6
 
 
-def compare_readback(expected: dict[str, torch.Tensor], answers: dict[str, dict[str, Any]],
+def compare_readback(expected: dict[str, torch.Tensor], answers: dict[str, JsonObject],
                      version: int, dtype: torch.dtype | None = None) -> None:
     """Check `get_weights_by_name` answers (`{tensor: {server: values}}`) against `expected`.
 

@@ -35,7 +35,8 @@ import concurrent.futures as cf
 import sys
 import threading
 import uuid
-from typing import Any, Callable, Literal
+from collections.abc import Callable, Coroutine
+from typing import Literal, TypeVar
 
 import torch
 
@@ -54,10 +55,12 @@ from arealite.weight_sync.group import Layout, UpdateGroup
 
 _LOCAL_HOSTS = {"127.0.0.1", "localhost", "::1"}
 
+T = TypeVar("T")
 
-def in_thread(fn: Callable[[], Any], name: str) -> cf.Future:
+
+def in_thread(fn: Callable[[], T], name: str) -> cf.Future[T]:
     """Run `fn` in a daemon thread; a collective stuck on a dead peer must not block exit."""
-    fut: cf.Future = cf.Future()
+    fut: cf.Future[T] = cf.Future()
 
     def body():
         if not fut.set_running_or_notify_cancel():
@@ -189,7 +192,7 @@ class DistributedTransfer:
 
     # -- one update ----------------------------------------------------------------------
 
-    def _admin(self, make_coro: Callable[[], Any], version: int, what: str) -> Any:
+    def _admin(self, make_coro: Callable[[], Coroutine[object, object, T]], version: int, what: str) -> T:
         return call_dropping_dead(self.run, self.admin, make_coro, version, what)
 
     def _wait_both(self, http: cf.Future, bcast: cf.Future, timeout: float, version: int | None,

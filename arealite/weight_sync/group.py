@@ -56,9 +56,7 @@ class UpdateGroup:
             pg = dist.ProcessGroupGloo(prefix, 0, world_size, timeout)
             device = torch.device("cpu")
         elif backend == "nccl":
-            opts = dist.ProcessGroupNCCL.Options()
-            opts._timeout = timeout
-            pg = dist.ProcessGroupNCCL(prefix, 0, world_size, opts)
+            pg = dist.ProcessGroupNCCL(prefix, 0, world_size, timeout)
             device = torch.device("cuda", torch.cuda.current_device())
         else:
             raise ValueError(f"weight_sync.backend={backend!r}: expected gloo or nccl")

@@ -28,15 +28,19 @@ from __future__ import annotations
 
 import shutil
 import uuid
+from collections.abc import Callable, Coroutine, Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import TypeVar
 
 import torch
 
 from arealite.api.contracts import Runner, WeightUpdateAdmin, require
 from arealite.lora.engine import LoraFSDPEngine
 from arealite.lora.files import write_adapter_dir
+from arealite.utils.json_types import JsonObject
 from arealite.weight_sync.base import Timer, bucket_bytes_of, call_dropping_dead, logger
+
+T = TypeVar("T")
 
 __all__ = ["AdapterSource", "LoraTransfer"]
 
@@ -60,7 +64,7 @@ class LoraTransfer:
     serve it under (every request's ``lora_path``)."""
 
     def __init__(self, config, admin: WeightUpdateAdmin, run: Runner, root: str | Path,
-                 adapter_config: dict[str, Any], *, server_dtype: torch.dtype | None = None,
+                 adapter_config: JsonObject, *, server_dtype: torch.dtype | None = None,
                  name: str = "policy"):
         require(admin, WeightUpdateAdmin, "the servers' admin of a LoRA weight push")
         for route in ("load_lora_adapter", "unload_lora_adapter", "update_weight_version"):
@@ -125,7 +129,7 @@ class LoraTransfer:
                     path.name, n_tensors, n_bytes / 2**20)
         return dict(timer.timings, bytes=float(n_bytes), n_tensors=float(n_tensors))
 
-    def _call(self, make_coro, version: int, what: str) -> Any:
+    def _call(self, make_coro: Callable[[], Coroutine[object, object, T]], version: int, what: str) -> T:
         return call_dropping_dead(self.run, self.admin, make_coro, version, what)
 
     def _discard_staged(self) -> None:

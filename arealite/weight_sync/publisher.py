@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Coroutine, Iterator, Sequence
-from typing import Any
+from typing import TypeVar
 
 import torch
 
@@ -58,6 +58,8 @@ from arealite.weight_sync.base import (
 from arealite.weight_sync.verify import WeightVerifier
 
 logger = logging.getLogger("arealite.weight_sync")
+
+T = TypeVar("T")
 
 __all__ = ["WeightPublisher"]
 
@@ -257,7 +259,7 @@ class WeightPublisher:
 
     # ----------------------------------------------------------- overridable
 
-    def call(self, make_coro: Callable[[], Coroutine[Any, Any, Any]], version: int, what: str) -> Any:
+    def call(self, make_coro: Callable[[], Coroutine[object, object, T]], version: int, what: str) -> T:
         """Run an admin call on the servers in rotation; the ones that are gone are dropped."""
         return call_dropping_dead(self.run, self.admin, make_coro, version, what)
 

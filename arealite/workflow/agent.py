@@ -25,23 +25,35 @@ from __future__ import annotations
 import asyncio
 import inspect
 import math
-from typing import Any, Awaitable, Callable
+from typing import TYPE_CHECKING, Awaitable, Callable
 
 import torch
 from tensordict import TensorDict
 
 from arealite.agent.trajectory import call_returns, episode_rows
+from arealite.api.contracts import InferenceClient
 from arealite.config.agent import AgentConfig
 from arealite.config.schema import GenerationConfig
 from arealite.utils.imports import import_callable
-from arealite.api.contracts import InferenceClient
+from arealite.utils.json_types import JsonObject
 from arealite.workflow.base import RolloutWorkflow, new_group_id, pad_and_stack
 from arealite.workflow.registry import builtin_workflow
+
+if TYPE_CHECKING:
+    import httpx
+    from openai import AsyncOpenAI
+    from transformers import PreTrainedTokenizerBase
+
+    from arealite.agent.endpoint import AgentEndpoint
+    from arealite.agent.session import LLMCall, Session
+    from arealite.config.schema import ArealiteConfig
 
 __all__ = ["AgentError", "AgentWorkflow"]
 
 #: ``async def run(client: openai.AsyncOpenAI, item: dict) -> float | dict``
-AgentFn = Callable[[Any, dict[str, Any]], Awaitable[Any]]
+AgentFn = Callable[["AsyncOpenAI", JsonObject], Awaitable[object]]
+#: What one episode left: its calls, the episode reward and the per-call rewards by response id.
+Episode = tuple[list["LLMCall"], float, dict[str, float]]
 _ROWS = ("conversation", "call")
 
 
@@ -49,7 +61,7 @@ class AgentError(RuntimeError):
     """The user's agent raised, returned something that is not a reward, or timed out."""
 
 
-def parse_result(out: Any) -> tuple[float, dict[str, float]]:
+def parse_result(out: object) -> tuple[float, dict[str, float]]:
     """The agent's return value as (episode reward, per-call rewards by response id)."""
     if isinstance(out, (bool, int, float)):
         reward, calls = float(out), {}
@@ -79,7 +91,7 @@ class AgentWorkflow(RolloutWorkflow):
     (``turn_discount``). ``timeout_s``: wall clock of one episode.
     """
 
-    def __init__(self, run: AgentFn | str, *, tokenizer: Any, generation: GenerationConfig,
+    def __init__(self, run: AgentFn | str, *, tokenizer: PreTrainedTokenizerBase, generation: GenerationConfig,
                  agent: AgentConfig | None = None, rows: str = "conversation", stepwise: bool = True,
                  turn_discount: float = 1.0, timeout_s: float = 600.0):
         if isinstance(run, str):
@@ -96,19 +108,20 @@ class AgentWorkflow(RolloutWorkflow):
         self.agent = agent or AgentConfig()
         self.rows, self.stepwise, self.turn_discount, self.timeout_s = rows, stepwise, turn_discount, timeout_s
         self.counters = {"episodes": 0, "agent_errors": 0, "agent_timeouts": 0, "episodes_without_calls": 0}
-        self._ep: Any = None  # the endpoint on the current event loop
-        self._http: Any = None
+        self._ep: AgentEndpoint | None = None  # the endpoint on the current event loop
+        self._http: httpx.AsyncClient | None = None
         self._starting: asyncio.Task | None = None  # the endpoint's start, while under way
 
     @classmethod
-    def from_config(cls, cfg: Any, tokenizer: Any, *, run: str, rows: str = "conversation", stepwise: bool = True,
-                    turn_discount: float = 1.0, timeout_s: float = 600.0) -> "AgentWorkflow":
+    def from_config(cls, cfg: ArealiteConfig, tokenizer: PreTrainedTokenizerBase, *, run: str,
+                    rows: str = "conversation", stepwise: bool = True, turn_discount: float = 1.0,
+                    timeout_s: float = 600.0) -> AgentWorkflow:
         """The run's workflow: ``generation`` and the ``agent`` section from the config, the rest
         from ``rollout.workflow_kwargs``."""
         return cls(run, tokenizer=tokenizer, generation=cfg.generation, agent=cfg.agent, rows=rows,
                    stepwise=stepwise, turn_discount=turn_discount, timeout_s=timeout_s)
 
-    def __getstate__(self) -> dict[str, Any]:  # the endpoint belongs to one process's loop
+    def __getstate__(self) -> dict[str, object]:  # the endpoint belongs to one process's loop
         return {**self.__dict__, "_ep": None, "_http": None, "_starting": None}
 
     def stats(self) -> dict[str, int]:
@@ -118,7 +131,7 @@ class AgentWorkflow(RolloutWorkflow):
         return out
 
     # ------------------------------------------------------------ the endpoint
-    async def endpoint(self) -> Any:
+    async def endpoint(self) -> AgentEndpoint:
         """The endpoint on the running loop, started on first use (and again on a new loop).
 
         Episodes of a batch ask for it at once: the first starts it and the others wait for
@@ -136,7 +149,7 @@ class AgentWorkflow(RolloutWorkflow):
             if starting.done() and self._starting is starting:
                 self._starting = None  # a failed start is tried again by the next episode
 
-    async def _start_endpoint(self) -> Any:
+    async def _start_endpoint(self) -> AgentEndpoint:
         import openai
 
         from arealite.agent.endpoint import AgentEndpoint
@@ -148,7 +161,7 @@ class AgentWorkflow(RolloutWorkflow):
         self._ep, self._http = ep, http
         return ep
 
-    def _client(self, ep: Any, session: Any) -> Any:
+    def _client(self, ep: AgentEndpoint, session: Session) -> AsyncOpenAI:
         import openai
 
         # No retries: a retried call would be generated (and recorded) twice.
@@ -156,7 +169,7 @@ class AgentWorkflow(RolloutWorkflow):
                                   timeout=self.timeout_s, http_client=self._http)
 
     # ------------------------------------------------------------ episodes
-    async def _episode(self, ep: Any, client: InferenceClient, item: dict[str, Any], gid: int) -> tuple:
+    async def _episode(self, ep: AgentEndpoint, client: InferenceClient, item: JsonObject, gid: int) -> Episode:
         session = ep.open_session(client, f"agent-g{gid}")
         self.counters["episodes"] += 1
         name = getattr(self.run, "__qualname__", repr(self.run))
@@ -186,7 +199,7 @@ class AgentWorkflow(RolloutWorkflow):
             call.reward = call_rewards.get(call.id)
         return session.calls, reward, call_rewards
 
-    async def arun_episode(self, client: InferenceClient, item: dict[str, Any]) -> TensorDict | None:
+    async def arun_episode(self, client: InferenceClient, item: JsonObject) -> TensorDict | None:
         ep = await self.endpoint()
         gid = new_group_id()
         tasks = [asyncio.ensure_future(self._episode(ep, client, item, gid)) for _ in range(self.generation.n_samples)]
@@ -199,7 +212,7 @@ class AgentWorkflow(RolloutWorkflow):
             raise
         return self._group(episodes, gid, item)
 
-    def _group(self, episodes: list[tuple], gid: int, item: dict[str, Any]) -> TensorDict | None:
+    def _group(self, episodes: list[Episode], gid: int, item: JsonObject) -> TensorDict | None:
         rows, per_row = [], {"rewards": [], "traj_id": [], "step_id": [], "truncated": [], "n_calls": []}
         for calls, reward, call_rewards in episodes:
             if not calls:

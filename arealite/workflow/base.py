@@ -10,7 +10,8 @@ through ``arealite.reward.pool.RewardRunner``.
 
 The builders below turn token pieces into that TensorDict: ``trajectory_row``
 and ``pad_and_stack`` for any conversation, ``group_from_outputs`` for the
-common single-turn group (n samples of one prompt), ``concat_trajectories``
+common single-turn group (n samples of one prompt; the same result, built by
+the hot-path code in ``arealite.workflow.fast_group``), ``concat_trajectories``
 to join groups of different lengths.
 """
 
@@ -18,16 +19,14 @@ from __future__ import annotations
 
 import itertools
 import os
-from array import array
-from typing import Any, Sequence
+from typing import Sequence
 
 import torch
 from tensordict import TensorDict
 
 from arealite.api.contracts import InferenceClient
-from arealite.api.types import mark_well_formed
-
-
+from arealite.utils.json_types import JsonObject
+from arealite.workflow.fast_group import single_turn_group
 
 
 class RolloutWorkflow:
@@ -46,7 +45,7 @@ class RolloutWorkflow:
     ``arealite.workflow.registry``; docs/write_a_workflow.md walks through one).
     """
 
-    async def arun_episode(self, client: InferenceClient, item: dict[str, Any]) -> TensorDict | None:
+    async def arun_episode(self, client: InferenceClient, item: JsonObject) -> TensorDict | None:
         """Turn one dataset item into a TensorDict of trajectories, or ``None`` to reject it."""
         raise NotImplementedError
 
@@ -66,11 +65,6 @@ def new_group_id() -> int:
     return next(_GROUP_IDS)
 
 
-def _int64(values: Sequence[int]) -> torch.Tensor:
-    # array -> frombuffer is ~10x faster than torch.tensor(list) for a few hundred ints.
-    return torch.frombuffer(array("q", values), dtype=torch.int64) if len(values) else torch.empty(0, dtype=torch.int64)
-
-
 def trajectory_row(
     prompt_ids: Sequence[int],
     pieces: Sequence[tuple[Sequence[int], Sequence[float] | None, Sequence[int] | None]] = (),
@@ -81,34 +75,32 @@ def trajectory_row(
     output) get ``loss_mask`` False, logprob 0 and version -1; generated pieces
     ``(ids, logprobs, versions)`` get ``loss_mask`` True and their own values.
     """
-    ids = array("q", prompt_ids)
-    generated: list[tuple[int, int, Sequence[float], Sequence[int]]] = []
+    ids = list(prompt_ids)
+    loss_mask = [False] * len(ids)
+    logprobs = [0.0] * len(ids)
+    versions = [-1] * len(ids)
     for p_ids, p_lp, p_ver in pieces:
-        start = len(ids)
+        n = len(p_ids)
         ids.extend(p_ids)
-        if p_lp is not None:
-            n = len(ids) - start
-            if len(p_lp) != n or p_ver is None or len(p_ver) != n:
-                raise ValueError(
-                    f"generated piece has {n} tokens but {len(p_lp)} logprobs and "
-                    f"{None if p_ver is None else len(p_ver)} versions; the client must return one of each per token"
-                )
-            if n:
-                generated.append((start, len(ids), p_lp, p_ver))
-    L = len(ids)
-    loss_mask = torch.zeros(L, dtype=torch.bool)
-    logprobs = torch.zeros(L, dtype=torch.float32)
-    versions = torch.full((L,), -1, dtype=torch.int64)
-    for a, b, lp, ver in generated:
-        loss_mask[a:b] = True
-        logprobs[a:b] = torch.frombuffer(array("f", lp), dtype=torch.float32)
-        versions[a:b] = _int64(ver)
+        if p_lp is None:  # context: not trained on
+            loss_mask += [False] * n
+            logprobs += [0.0] * n
+            versions += [-1] * n
+            continue
+        if len(p_lp) != n or p_ver is None or len(p_ver) != n:
+            raise ValueError(
+                f"generated piece has {n} tokens but {len(p_lp)} logprobs and "
+                f"{None if p_ver is None else len(p_ver)} versions; the client must return one of each per token"
+            )
+        loss_mask += [True] * n
+        logprobs.extend(p_lp)
+        versions.extend(p_ver)
     return {
-        "input_ids": _int64(ids),
-        "attention_mask": torch.ones(L, dtype=torch.bool),
-        "loss_mask": loss_mask,
-        "logprobs": logprobs,
-        "versions": versions,
+        "input_ids": torch.tensor(ids, dtype=torch.int64),
+        "attention_mask": torch.ones(len(ids), dtype=torch.bool),
+        "loss_mask": torch.tensor(loss_mask, dtype=torch.bool),
+        "logprobs": torch.tensor(logprobs, dtype=torch.float32),
+        "versions": torch.tensor(versions, dtype=torch.int64),
     }
 
 
@@ -144,14 +136,6 @@ def pad_and_stack(rows: Sequence[dict[str, torch.Tensor]], per_row: dict[str, to
     return TensorDict(out, batch_size=[len(rows)])
 
 
-def _piece_check(n: int, lps: Sequence[float] | None, vers: Sequence[int] | None) -> None:
-    if lps is None or len(lps) != n or vers is None or len(vers) != n:
-        raise ValueError(
-            f"generated piece has {n} tokens but {None if lps is None else len(lps)} logprobs and "
-            f"{None if vers is None else len(vers)} versions; the client must return one of each per token"
-        )
-
-
 def group_from_outputs(
     prompt_ids: Sequence[int],
     outputs: Sequence[tuple[Sequence[int], Sequence[float], Sequence[int]]],
@@ -159,102 +143,12 @@ def group_from_outputs(
 ) -> TensorDict:
     """The ``[n, L]`` trajectory of n single-turn samples ``prompt + output_i`` (right-padded).
 
-    ``outputs[i]`` is ``(ids, logprobs, versions)`` of sample i. Same result as
-    ``pad_and_stack`` over ``trajectory_row``s, but every tensor is built in one
-    go from flat Python buffers: several times cheaper on the per-group hot path.
+    ``outputs[i]`` is ``(ids, logprobs, versions)`` of sample i. The result is
+    ``pad_and_stack([trajectory_row(prompt_ids, [o]) for o in outputs], per_row)``;
+    as this runs once per group on the rollout hot path, it is built by the
+    faster ``arealite.workflow.fast_group`` (same tensors, fewer steps).
     """
-    n, P = len(outputs), len(prompt_ids)
-    if n == 1:
-        return _single(prompt_ids, P, outputs[0], per_row)
-    if n == 0:
-        raise ValueError("group_from_outputs needs at least one output")
-    lens = [len(o[0]) for o in outputs]
-    G = max(lens)
-    L = P + G
-    prompt = array("q", prompt_ids)
-    ids, vers, lps = array("q"), array("q"), array("f")
-    prompt_vers, prompt_lps = array("q", [-1]) * P, array("f", bytes(4 * P))
-    loss = bytearray()
-    for (o_ids, o_lps, o_vers), g in zip(outputs, lens):
-        _piece_check(g, o_lps, o_vers)
-        pad = G - g
-        ids += prompt
-        ids.extend(o_ids)
-        vers += prompt_vers
-        vers.extend(o_vers)
-        lps += prompt_lps
-        lps.extend(o_lps)
-        loss += b"\0" * P + b"\1" * g + b"\0" * pad
-        if pad:
-            ids.extend(bytes(pad))  # zeros
-            vers.extend([-1] * pad)
-            lps.extend(bytes(pad))
-    if L == 0:
-        raise ValueError("group_from_outputs: empty prompt and empty outputs give no tokens")
-    shape = (n, L)
-    if G == min(lens):
-        attention = torch.ones(shape, dtype=torch.bool)
-    else:
-        attention = torch.frombuffer(
-            bytearray(b"".join(b"\1" * (P + g) + b"\0" * (G - g) for g in lens)), dtype=torch.bool
-        ).view(shape)
-    return _tensordict(
-        torch.frombuffer(ids, dtype=torch.int64).view(shape),
-        attention,
-        torch.frombuffer(loss, dtype=torch.bool).view(shape),
-        torch.frombuffer(lps, dtype=torch.float32).view(shape),
-        torch.frombuffer(vers, dtype=torch.int64).view(shape),
-        per_row,
-        n,
-    )
-
-
-def _single(
-    prompt_ids: Sequence[int],
-    P: int,
-    output: tuple[Sequence[int], Sequence[float], Sequence[int]],
-    per_row: dict[str, torch.Tensor],
-) -> TensorDict:
-    # One sample (the common evaluation and n=1 case): no padding, no per-sample loop.
-    o_ids, o_lps, o_vers = output
-    g = len(o_ids)
-    _piece_check(g, o_lps, o_vers)
-    L = P + g
-    if L == 0:
-        raise ValueError("group_from_outputs: empty prompt and empty outputs give no tokens")
-    ids = array("q", prompt_ids)
-    ids.extend(o_ids)
-    vers = _MINUS_ONE * P
-    vers.extend(o_vers)
-    lps = array("f", bytes(4 * P))
-    lps.extend(o_lps)
-    return _tensordict(
-        torch.frombuffer(ids, dtype=torch.int64)[None],
-        torch.frombuffer(bytearray(_ONE * L), dtype=torch.bool)[None],
-        torch.frombuffer(bytearray(P) + _ONE * g, dtype=torch.bool)[None],
-        torch.frombuffer(lps, dtype=torch.float32)[None],
-        torch.frombuffer(vers, dtype=torch.int64)[None],
-        per_row,
-        1,
-    )
-
-
-_MINUS_ONE = array("q", [-1])
-_ONE = b"\1"
-# The checked TensorDict constructor costs ~4 us more; these tensors are consistent by construction.
-_NEW_TENSORDICT = getattr(TensorDict, "_new_unsafe", None)
-
-
-def _tensordict(input_ids: torch.Tensor, attention_mask: torch.Tensor, loss_mask: torch.Tensor,
-                logprobs: torch.Tensor, versions: torch.Tensor, per_row: dict[str, torch.Tensor], n: int) -> TensorDict:
-    """The group's TensorDict, vouched for as well-formed per token (``mark_well_formed``)."""
-    tensors = {"input_ids": input_ids, "attention_mask": attention_mask, "loss_mask": loss_mask,
-               "logprobs": logprobs, "versions": versions, **per_row}
-    if _NEW_TENSORDICT is not None:
-        td = _NEW_TENSORDICT(tensors, batch_size=torch.Size([n]))
-    else:
-        td = TensorDict(tensors, batch_size=[n])
-    return mark_well_formed(td, (input_ids, attention_mask, loss_mask, logprobs, versions))
+    return single_turn_group(prompt_ids, outputs, per_row)
 
 
 def concat_trajectories(tds: Sequence[TensorDict]) -> TensorDict:
@@ -300,7 +194,7 @@ def reject_equal_rewards(td: TensorDict) -> bool:
     return bool(r.numel() > 1 and not torch.all(r == r[0]))
 
 
-def __getattr__(name: str) -> Any:
+def __getattr__(name: str) -> object:
     # The reward thread pool used to live here; old imports keep working.
     if name in ("RewardRunner", "RewardError"):
         from arealite.reward import pool

@@ -10,12 +10,16 @@ kept as token ids).
 from __future__ import annotations
 
 import logging
-from typing import Any, Callable, Sequence
+from typing import TYPE_CHECKING, Callable, Sequence
 
 from arealite.api.types import SamplingParams
 from arealite.config.schema import GenerationConfig, RolloutConfig
 from arealite.reward.pool import RewardError, RewardRunner
+from arealite.utils.json_types import JsonObject
 from arealite.utils.tokenizer import decode
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 logger = logging.getLogger("arealite.workflow")
 
@@ -26,7 +30,7 @@ RewardFn = Callable[..., float]
 _RESERVED = ("prompt", "completion", "prompt_ids", "completion_ids")
 
 
-def sampling_from_config(generation: GenerationConfig, tokenizer: Any = None) -> SamplingParams:
+def sampling_from_config(generation: GenerationConfig, tokenizer: PreTrainedTokenizerBase | None = None) -> SamplingParams:
     """The per-request ``SamplingParams`` of a ``GenerationConfig`` (EOS always stops)."""
     stop = list(generation.stop_token_ids)
     eos = getattr(tokenizer, "eos_token_id", None)
@@ -43,7 +47,8 @@ def sampling_from_config(generation: GenerationConfig, tokenizer: Any = None) ->
     )
 
 
-def encode_prompt(tokenizer: Any, item: dict[str, Any], prompt_key: str, apply_chat_template: bool) -> tuple[str, list[int]]:
+def encode_prompt(tokenizer: PreTrainedTokenizerBase, item: JsonObject, prompt_key: str,
+                  apply_chat_template: bool) -> tuple[str, list[int]]:
     """Prompt text and token ids of an item.
 
     A ``messages`` list (``[{role, content}, ...]``) always goes through the chat
@@ -73,7 +78,7 @@ def encode_prompt(tokenizer: Any, item: dict[str, Any], prompt_key: str, apply_c
 _SENTINEL = "\u2063AREALITE_SENTINEL\u2063"
 
 
-def user_turn_piece(tokenizer: Any, text: str, after: Sequence[int] = ()) -> list[int]:
+def user_turn_piece(tokenizer: PreTrainedTokenizerBase, text: str, after: Sequence[int] = ()) -> list[int]:
     """Token ids that close the assistant turn, add a user turn ``text`` and open the next assistant turn.
 
     Cut from the tokenizer's chat template (a rendered conversation, after a
@@ -97,7 +102,7 @@ def user_turn_piece(tokenizer: Any, text: str, after: Sequence[int] = ()) -> lis
     return piece
 
 
-def item_fields(item: dict[str, Any]) -> dict[str, Any]:
+def item_fields(item: JsonObject) -> JsonObject:
     """The item's fields forwarded to reward functions as keyword arguments."""
     return {k: v for k, v in item.items() if k not in _RESERVED and k != "input_ids"}
 
@@ -118,7 +123,7 @@ class RewardScorer:
         self.errors = 0
 
     async def __call__(self, prompt: str, completion: str, prompt_ids: list[int], completion_ids: list[int],
-                       fields: dict[str, Any]) -> float | None:
+                       fields: JsonObject) -> float | None:
         """``reward_fn(prompt, completion, prompt_ids, completion_ids, **fields)``, or the error policy's value."""
         try:
             return await self.runner(self.reward_fn, prompt, completion, prompt_ids, completion_ids, **fields)

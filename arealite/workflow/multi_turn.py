@@ -22,18 +22,19 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Awaitable, Callable
+from typing import TYPE_CHECKING, Awaitable, Callable
 
 import torch
 from tensordict import TensorDict
 
+from arealite.api.contracts import InferenceClient
 from arealite.api.types import Completion, GenerationRequest
 from arealite.config.schema import GenerationConfig, RolloutConfig
 from arealite.reward import load_reward_fn
 from arealite.reward.pool import RewardError
 from arealite.utils.imports import import_callable
+from arealite.utils.json_types import JsonObject
 from arealite.utils.tokenizer import decode
-from arealite.api.contracts import InferenceClient
 from arealite.workflow.base import RolloutWorkflow, new_group_id, pad_and_stack, trajectory_row
 from arealite.workflow.common import (
     RewardFn,
@@ -46,6 +47,8 @@ from arealite.workflow.common import (
 from arealite.workflow.registry import builtin_workflow
 
 if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
     from arealite.config.schema import ArealiteConfig
 
 
@@ -58,8 +61,12 @@ class StepResult:
     feedback: str | None = None  # the next user turn when not done
 
 
+#: One piece of a conversation: ``(ids, logprobs, versions)``, logprobs and versions ``None``
+#: for the pieces the model did not generate.
+Piece = tuple[list[int], list[float] | None, list[int] | None]
+
 #: ``env(item, completion_text, completion_ids, turn) -> StepResult`` (a coroutine function).
-Environment = Callable[[dict[str, Any], str, list[int], int], Awaitable[StepResult]]
+Environment = Callable[[JsonObject, str, list[int], int], Awaitable[StepResult]]
 
 
 @builtin_workflow("multi_turn")
@@ -77,7 +84,7 @@ class MultiTurnWorkflow(RolloutWorkflow):
         self,
         reward_fn: RewardFn | None,
         generation: GenerationConfig,
-        tokenizer: Any,
+        tokenizer: PreTrainedTokenizerBase,
         rollout: RolloutConfig | None = None,
         *,
         max_turns: int = 3,
@@ -114,8 +121,8 @@ class MultiTurnWorkflow(RolloutWorkflow):
     @classmethod
     def from_config(
         cls,
-        cfg: "ArealiteConfig",
-        tokenizer: Any,
+        cfg: ArealiteConfig,
+        tokenizer: PreTrainedTokenizerBase,
         *,
         max_turns: int | None = None,
         turn_discount: float | None = None,
@@ -123,7 +130,7 @@ class MultiTurnWorkflow(RolloutWorkflow):
         success_reward: float | None = None,
         env: str | Environment | None = None,
         per_step: bool | None = None,
-    ) -> "MultiTurnWorkflow":
+    ) -> MultiTurnWorkflow:
         """The workflow of a run: ``generation``, ``rollout``, the reward function and prompt
         key from ``data``, and the keyword arguments (``rollout.workflow_kwargs``; one left
         out keeps the constructor's default). ``env`` may be ``module:function``."""
@@ -146,7 +153,7 @@ class MultiTurnWorkflow(RolloutWorkflow):
         return user_turn_piece(self.tokenizer, text)
 
     async def _default_env(
-        self, item: dict[str, Any], completion: str, completion_ids: list[int], turn: int, prompt_ids: list[int]
+        self, item: JsonObject, completion: str, completion_ids: list[int], turn: int, prompt_ids: list[int]
     ) -> StepResult:
         prompt = item.get(self.prompt_key, "")
         prompt = prompt if isinstance(prompt, str) else str(prompt)
@@ -157,9 +164,10 @@ class MultiTurnWorkflow(RolloutWorkflow):
         return StepResult(r, done, None if done else self.feedback)
 
     # -- one conversation ---------------------------------------------------
-    async def _conversation(self, client: InferenceClient, item: dict[str, Any], prompt_ids: list[int], affinity: str):
+    async def _conversation(self, client: InferenceClient, item: JsonObject, prompt_ids: list[int], affinity: str
+                            ) -> tuple[list[Piece], list[tuple[int, float]]]:
         ids = list(prompt_ids)
-        pieces: list[tuple[list[int], list[float] | None, list[int] | None]] = []
+        pieces: list[Piece] = []
         steps: list[tuple[int, float]] = []  # (index into pieces of the model turn, reward)
         for turn in range(self.max_turns):
             comp: Completion = await client.agenerate(
@@ -185,7 +193,7 @@ class MultiTurnWorkflow(RolloutWorkflow):
             ids.extend(piece)
         return pieces, steps
 
-    async def arun_episode(self, client: InferenceClient, item: dict[str, Any]) -> TensorDict | None:
+    async def arun_episode(self, client: InferenceClient, item: JsonObject) -> TensorDict | None:
         _, prompt_ids = encode_prompt(self.tokenizer, item, self.prompt_key, apply_chat_template=True)
         gid = new_group_id()
         try:

@@ -21,11 +21,16 @@ from __future__ import annotations
 import importlib
 import inspect
 import pkgutil
-from typing import TYPE_CHECKING, Any, Callable, TypeVar
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Callable, TypeVar
 
+from arealite.config.problems import ConfigProblem
 from arealite.utils.imports import import_callable, is_import_spec, register_into
+from arealite.utils.json_types import JsonValue
 
 if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
     from arealite.config.schema import ArealiteConfig
     from arealite.workflow.base import RolloutWorkflow
 
@@ -77,7 +82,7 @@ def _signature(cls: type) -> tuple[inspect.Signature, set[str]]:
     return inspect.signature(cls), set(INJECTED)
 
 
-def workflow_kwargs_problems(cls: type, kwargs: dict[str, Any]) -> list[tuple[str, str]]:
+def workflow_kwargs_problems(cls: type, kwargs: Mapping[str, JsonValue]) -> list[tuple[str, str]]:
     """(key, reason) for every ``rollout.workflow_kwargs`` entry the class cannot take,
     and for every required parameter nobody provides."""
     sig, injected = _signature(cls)
@@ -98,24 +103,36 @@ def workflow_kwargs_problems(cls: type, kwargs: dict[str, Any]) -> list[tuple[st
     return out
 
 
-def eval_config(cfg: "ArealiteConfig", sampled: bool = False) -> "ArealiteConfig":
+def workflow_problems(cfg: ArealiteConfig) -> list[ConfigProblem]:
+    """`rollout.workflow` names a built-in or importable workflow class, and
+    `rollout.workflow_kwargs` fits its constructor (a config check, run before anything starts)."""
+    try:
+        cls = resolve_workflow_class(cfg.rollout.workflow)
+    except ValueError as e:
+        return [ConfigProblem("rollout.workflow", str(e), cfg.rollout.workflow)]
+    return [ConfigProblem(f"rollout.workflow_kwargs.{key}", why, cfg.rollout.workflow_kwargs.get(key))
+            for key, why in workflow_kwargs_problems(cls, cfg.rollout.workflow_kwargs)]
+
+
+def eval_config(cfg: ArealiteConfig, sampled: bool = False) -> ArealiteConfig:
     """`cfg` with evaluation's generation: greedy and one sample per prompt, or (``sampled``)
     `evaluation.n_samples` answers at `evaluation.temperature` (for pass@k)."""
     ev = cfg.evaluation
-    update: dict[str, Any] = {"n_samples": 1, "greedy": True}
+    update: dict[str, int | float | bool] = {"n_samples": 1, "greedy": True}
     if sampled:
         update = {"n_samples": ev.n_samples, "greedy": False, "temperature": ev.temperature}
     update["max_new_tokens"] = ev.max_new_tokens or cfg.generation.max_new_tokens
     return cfg.model_copy(update={"generation": cfg.generation.model_copy(update=update)})
 
 
-def samples_at_eval(cfg: "ArealiteConfig", workflow: Any = None) -> bool:
+def samples_at_eval(cfg: ArealiteConfig, workflow: RolloutWorkflow | None = None) -> bool:
     """Whether the run evaluates sampled answers too: `evaluation.n_samples` > 1 and the
     workflows are built from config (a workflow object given in code is evaluated as is)."""
     return cfg.evaluation.n_samples > 1 and workflow is None
 
 
-def build_workflow(cfg: "ArealiteConfig", tokenizer: Any, *, evaluation: bool | str = False) -> "RolloutWorkflow":
+def build_workflow(cfg: ArealiteConfig, tokenizer: PreTrainedTokenizerBase, *,
+                   evaluation: bool | str = False) -> RolloutWorkflow:
     """Build ``rollout.workflow`` with ``rollout.workflow_kwargs``; ``evaluation`` True gives the
     greedy evaluation copy, ``"sampled"`` the pass@k copy (`eval_config`)."""
     from arealite.reward import configure, load_reward_fn

@@ -14,16 +14,17 @@ import threading
 import uuid
 from array import array
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 from tensordict import TensorDict
 
 from arealite.api.types import Completion, GenerationRequest
 from arealite.config.schema import GenerationConfig, RolloutConfig
-from arealite.reward import load_reward_fn
-from arealite.utils.tokenizer import decode, decode_many, prepare_decode
 from arealite.api.contracts import InferenceClient
+from arealite.reward import load_reward_fn
+from arealite.utils.json_types import JsonObject
+from arealite.utils.tokenizer import decode, decode_many, prepare_decode
 from arealite.workflow.base import RolloutWorkflow, group_from_outputs, new_group_id
 from arealite.workflow.common import (
     RewardFn,
@@ -35,6 +36,8 @@ from arealite.workflow.common import (
 from arealite.workflow.registry import builtin_workflow
 
 if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
     from arealite.config.schema import ArealiteConfig
 
 _RID_PREFIX = uuid.uuid4().hex[:12]
@@ -48,7 +51,7 @@ class TextDumper:
         self.dir.mkdir(parents=True, exist_ok=True)
         self._lock = threading.Lock()
 
-    def write(self, version: int, records: list[dict[str, Any]]) -> None:
+    def write(self, version: int, records: list[JsonObject]) -> None:
         lines = "".join(json.dumps(r, ensure_ascii=False, default=str) + "\n" for r in records)
         with self._lock, open(self.dir / f"version_{version}.jsonl", "a", encoding="utf-8") as f:
             f.write(lines)
@@ -68,7 +71,7 @@ class RLVRWorkflow(RolloutWorkflow):
         self,
         reward_fn: RewardFn,
         generation: GenerationConfig,
-        tokenizer: Any,
+        tokenizer: PreTrainedTokenizerBase,
         rollout: RolloutConfig | None = None,
         *,
         prompt_key: str = "prompt",
@@ -89,7 +92,7 @@ class RLVRWorkflow(RolloutWorkflow):
         self.rejected_groups = 0
 
     @classmethod
-    def from_config(cls, cfg: "ArealiteConfig", tokenizer: Any) -> "RLVRWorkflow":
+    def from_config(cls, cfg: ArealiteConfig, tokenizer: PreTrainedTokenizerBase) -> RLVRWorkflow:
         """The workflow of a run: ``generation``, ``rollout``, and from ``data`` the reward
         function, prompt key and chat-template setting (it takes no ``workflow_kwargs``)."""
         return cls(load_reward_fn(cfg.data.reward_fn), cfg.generation, tokenizer, cfg.rollout,
@@ -98,8 +101,8 @@ class RLVRWorkflow(RolloutWorkflow):
     def stats(self) -> dict[str, int]:
         return {**self.scorer.stats(), "reward_rejected_groups": self.rejected_groups}
 
-    async def score(self, prompt: str, completion: str, prompt_ids: list[int], completion_ids: list[int], item: dict[str, Any],
-                    fields: dict[str, Any] | None = None) -> float | None:
+    async def score(self, prompt: str, completion: str, prompt_ids: list[int], completion_ids: list[int],
+                    item: JsonObject, fields: JsonObject | None = None) -> float | None:
         """Reward of one sample, or ``None`` if it failed and the policy is to reject.
 
         ``fields``: ``item_fields(item)``, when the caller already computed it for the group.
@@ -107,7 +110,7 @@ class RLVRWorkflow(RolloutWorkflow):
         return await self.scorer(prompt, completion, prompt_ids, completion_ids,
                                  item_fields(item) if fields is None else fields)
 
-    async def arun_episode(self, client: InferenceClient, item: dict[str, Any]) -> TensorDict | None:
+    async def arun_episode(self, client: InferenceClient, item: JsonObject) -> TensorDict | None:
         prompt, prompt_ids = encode_prompt(self.tokenizer, item, self.prompt_key, self.apply_chat_template)
         gid = new_group_id()
         group = f"group-{gid}"
@@ -147,8 +150,9 @@ class RLVRWorkflow(RolloutWorkflow):
             },
         )
 
-    def _dump(self, item: dict[str, Any], prompt: str, comps: list[Completion], texts: list[str], rewards: list[float | None]) -> None:
-        by_version: dict[int, list[dict[str, Any]]] = {}
+    def _dump(self, item: JsonObject, prompt: str, comps: list[Completion], texts: list[str],
+              rewards: list[float | None]) -> None:
+        by_version: dict[int, list[JsonObject]] = {}
         for c, t, r in zip(comps, texts, rewards):
             # A sample is filed under the newest version among its tokens.
             v = max(c.output_versions) if c.output_versions else -1
