@@ -151,8 +151,9 @@ def _write_count(per_token: tuple[torch.Tensor, ...]) -> int:
 
     The counts only grow, so an unchanged sum means none was written to. torch keeps
     them only in the private version counter autograd uses to catch in-place edits.
-    It is what lets a vouched group skip the per-token checks; that skip measured
-    (bench_workflow_cpu --quick, medians of 3 interleaved runs) FIGURE_VERSION.
+    It is what lets a vouched group skip the per-token checks, which saves 14-21 us of
+    loop CPU per trajectory (11-22%) on bench_workflow_cpu's RLVR run (with and without,
+    interleaved in one process, medians of 10 and of 30 rounds).
     """
     ids, am, lm, lp, ve = per_token
     return ids._version + am._version + lm._version + lp._version + ve._version  # private-ok: torch has no public one
@@ -205,7 +206,9 @@ def validate_trajectory(td: object, where: str = "trajectory") -> None:
         raise TrajectoryError(f"{where}: the TensorDict needs a batch dimension [B]")
     B = batch_size[0]
     L = None
-    found = dict(td.items())  # one pass: TensorDict.get costs ~0.5 us per key
+    # One pass: TensorDict.get costs ~0.5 us per key. (TensorDict's private key dict
+    # would save another ~0.6 us: not measurable on bench_workflow_cpu.)
+    found = dict(td.items())
     vouched = _still_vouched(td, found, B)
     keys: Iterable[str] = _PER_ROW if vouched else TRAJECTORY_KEYS
     for key in keys:

@@ -34,6 +34,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     show.add_argument("--show-secrets", action="store_true", help="print server.api_key instead of ***")
     sub.add_parser("schema", help="print the JSON schema")
     sub.add_parser("docs", help="print the Markdown config reference")
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["check"]:  # the full check needs the registries above config/
+        print("python -m arealite.config check moved: run `python -m arealite.check "
+              + " ".join(argv[1:]) + "` (it also checks the algorithm, reward and workflow names)",
+              file=sys.stderr)
+        return 2
     args = parser.parse_args(argv)
 
     if args.command == "schema":

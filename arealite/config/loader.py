@@ -20,9 +20,7 @@ from __future__ import annotations
 import argparse
 import copy
 import difflib
-import math
 import os
-import re
 import sys
 import types
 import typing
