@@ -132,13 +132,16 @@ def tiny_server(tiny_model_dir):
 class RecordingClient:
     """A real inference client that records every request's input ids and its completion."""
 
-    def __init__(self, engine):
-        self.engine, self.calls = engine, []
+    def __init__(self, client):
+        self.client, self.calls = client, []
+
+    async def initialize(self, timeout=300.0):
+        await self.client.initialize(timeout)
 
     async def agenerate(self, req):
-        c = await self.engine.agenerate(req)
+        c = await self.client.agenerate(req)
         self.calls.append((list(req.input_ids), c))
         return c
 
     async def aclose(self):
-        await self.engine.aclose()
+        await self.client.aclose()

@@ -74,10 +74,9 @@ def test_example_trajectories_are_template_plus_generated_tokens(on_repo_path, s
                                rollout=rc, reward_fn=math_reward, check_prompt=check_prompt)
     items = [{"prompt": "What is 2 + 3?", "answer": 5, "prompt_id": 0},
              {"prompt": "What is 7 - 4?", "answer": 3, "prompt_id": 1}]
-    ctl = RolloutController(SGLangClient([server.url], rc), rc).start(init_timeout=60)
+    rec = Recorder(SGLangClient([server.url], rc))  # workflows reach the client through the controller
+    ctl = RolloutController(rec, rc).start(init_timeout=60)
     try:
-        rec = Recorder(ctl.client)
-        ctl.client = rec  # workflows reach the client through the controller
         batch = ctl.rollout_batch(items, wf)
     finally:
         ctl.stop()

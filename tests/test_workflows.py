@@ -18,6 +18,7 @@ from arealite.config.schema import GenerationConfig, RolloutConfig
 from arealite.reward.math import math_reward
 from arealite.workflow.multi_turn import MultiTurnWorkflow, StepResult
 from arealite.workflow.rlvr import RLVRWorkflow
+from conftest import RecordingClient
 
 
 @pytest.fixture(scope="module")
@@ -329,28 +330,14 @@ def server(tiny_server):
     return tiny_server
 
 
-def make_controller(server, **cfg):
+def make_controller(server, wrap=None, **cfg):
+    """A started controller on `server`'s client (wrapped by `wrap`, e.g. a `Recorder`)."""
     from arealite.inference_client.sglang_client import SGLangClient
     from arealite.rollout.controller import RolloutController
 
     rc = RolloutConfig(**{"consumer_batch_size": 4, "max_head_offpolicyness": 1, **cfg})
-    return RolloutController(SGLangClient([server.url], rc), rc).start(init_timeout=60), rc
-
-
-class Recorder:
-    """Wraps the real client and records every (request, completion) pair."""
-
-    def __init__(self, engine):
-        self.engine = engine
-        self.calls = []
-
-    async def agenerate(self, req):
-        c = await self.engine.agenerate(req)
-        self.calls.append((list(req.input_ids), c))
-        return c
-
-    async def aclose(self):
-        await self.engine.aclose()
+    client = SGLangClient([server.url], rc)
+    return RolloutController(wrap(client) if wrap else client, rc).start(init_timeout=60), rc
 
 
 @pytest.mark.slow
@@ -383,10 +370,9 @@ def test_rlvr_end_to_end_through_controller(server, tiny_model_dir):
 @pytest.mark.slow
 def test_multi_turn_end_to_end_token_in_token_out(server, tiny_model_dir):
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
-    ctl, rc = make_controller(server, consumer_batch_size=2)
+    ctl, rc = make_controller(server, wrap=RecordingClient, consumer_batch_size=2)
     try:
-        rec = Recorder(ctl.client)
-        ctl.client = rec  # workflows reach the client through the controller
+        rec = ctl.client  # workflows reach the client through the controller
         never_right = lambda *a, **k: 0.0  # noqa: E731  every answer gets feedback
         wf = MultiTurnWorkflow(never_right, gcfg(1, max_new_tokens=5), tokenizer, rc, max_turns=3, feedback="again")
         batch = ctl.rollout_batch([{"prompt": "Say hi", "prompt_id": 0}, {"prompt": "Count", "prompt_id": 1}], wf)

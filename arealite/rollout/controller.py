@@ -81,7 +81,7 @@ class RolloutController:
                 f"rollout.consumer_batch_size={config.consumer_batch_size} is smaller than the "
                 f"{world_size} trainer ranks; each rank needs at least one group per step"
             )
-        self.client = client
+        self._client = client
         self.config = config
         self.world_size = world_size
         self.batch_size = config.consumer_batch_size // world_size
@@ -101,6 +101,11 @@ class RolloutController:
         self._feed = DataFeed(self._admission, self._ready, self.staleness, self._ledger, self._dropped,
                               self.batch_size)
 
+    @property
+    def client(self) -> InferenceClient:
+        """The inference client workflows generate with (fixed at construction)."""
+        return self._client
+
     # ------------------------------------------------------------ lifecycle
     def start(self, init_timeout: float = 300.0) -> "RolloutController":
         """Start the event loop thread; initialise the client on it (if it has ``initialize``)."""
@@ -108,7 +113,7 @@ class RolloutController:
             raise RuntimeError("controller already started")
         self._old_switch_interval = tune_process(self.config.gil_switch_interval_ms, self.config.freeze_gc)
         self._lt.start()
-        init = getattr(self.client, "initialize", None)
+        init = getattr(self._client, "initialize", None)
         if init is not None:
             try:
                 self.run(init(timeout=init_timeout), timeout=init_timeout + 30)
@@ -134,7 +139,7 @@ class RolloutController:
 
     async def _shutdown_on_loop(self) -> None:
         await self._admission.cancel_all()
-        close = getattr(self.client, "aclose", None)
+        close = getattr(self._client, "aclose", None)
         if close is not None:
             await close()
         await cancel_other_tasks()
