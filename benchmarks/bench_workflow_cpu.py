@@ -17,7 +17,6 @@ whole-process CPU (includes reward worker threads and the trainer thread).
 from __future__ import annotations
 
 import argparse
-import asyncio
 import gc
 import json
 import os

@@ -145,3 +145,30 @@ class RecordingClient:
 
     async def aclose(self):
         await self.client.aclose()
+
+
+class RolloutOf:
+    """A client and its started controller as the publisher sees a rollout side
+    (`WeightUpdateTarget`): the client's admin, the controller's loop; the controller is
+    paused around an update, and both get the version."""
+
+    def __init__(self, client, controller):
+        self.client, self.controller = client, controller
+
+    @property
+    def admin(self):
+        return self.client.admin
+
+    @property
+    def run(self):
+        return self.controller.run
+
+    def pause(self) -> None:
+        self.controller.pause()
+
+    def resume(self) -> None:
+        self.controller.resume()
+
+    def set_version(self, version: int) -> None:
+        self.controller.set_version(version)
+        self.client.set_version(version)

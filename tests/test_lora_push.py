@@ -18,7 +18,7 @@ from arealite.inference_client.sglang_client import SGLangClient
 from arealite.lora import LoraFSDPEngine
 from arealite.server.process import ServerProcess
 from arealite.weight_sync import LoraTransfer, make_publisher
-from tests.conftest import free_port
+from tests.conftest import RolloutOf, free_port
 from tests.test_fsdp import LENGTHS, label_logp, make_batch, n_tokens, token_mean_ce
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
@@ -49,32 +49,6 @@ def rollout(server):
     controller.run(admin_client.aclose())
     controller.stop()
 
-
-class RolloutOf:
-    """The publisher's view of the rollout side (`WeightUpdateTarget`): the administering
-    client's admin, the controller's loop; the controller is paused around a push, and the
-    controller and that client get the version."""
-
-    def __init__(self, client, controller):
-        self.client, self.controller = client, controller
-
-    @property
-    def admin(self):
-        return self.client.admin
-
-    @property
-    def run(self):
-        return self.controller.run
-
-    def pause(self) -> None:
-        self.controller.pause()
-
-    def resume(self) -> None:
-        self.controller.resume()
-
-    def set_version(self, version: int) -> None:
-        self.controller.set_version(version)
-        self.client.set_version(version)
 
 
 def config(tmp_path, model_dir) -> ArealiteConfig:

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import REPO, free_port, perturbed_weights, stop_process
+from conftest import REPO, RolloutOf, free_port, perturbed_weights, stop_process
 
 from arealite.api.types import GenerationRequest, SamplingParams
 from arealite.config.schema import ArealiteConfig, RolloutConfig
@@ -416,32 +416,6 @@ def rollout(server):
     yield client, controller
     controller.stop()
 
-
-class RolloutOf:
-    """A client and its started controller as the publisher sees a rollout side
-    (`WeightUpdateTarget`): the client's admin, the controller's loop; the controller is
-    paused around an update, and both get the version."""
-
-    def __init__(self, client, controller):
-        self.client, self.controller = client, controller
-
-    @property
-    def admin(self):
-        return self.client.admin
-
-    @property
-    def run(self):
-        return self.controller.run
-
-    def pause(self) -> None:
-        self.controller.pause()
-
-    def resume(self) -> None:
-        self.controller.resume()
-
-    def set_version(self, version: int) -> None:
-        self.controller.set_version(version)
-        self.client.set_version(version)
 
 
 def _config(tmp_path: Path, method: str, model_dir: Path) -> ArealiteConfig:

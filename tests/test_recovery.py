@@ -25,7 +25,7 @@ from arealite.config.schema import RecoverConfig, RolloutConfig, SaverConfig
 from arealite.data.dataset import StatefulDataLoader
 from arealite.server.process import ServerProcess
 from arealite.utils import accounting
-from arealite.utils.accounting import EpochItem, EpochTagged, prompt_accounting
+from arealite.utils.accounting import EpochTagged, prompt_accounting
 from arealite.utils.checkpoint import Checkpointer, complete_checkpoints, fault_point
 from arealite.utils.procs import trainer_workers
 from arealite.workflow.common import item_fields

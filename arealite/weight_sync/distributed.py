@@ -149,7 +149,7 @@ class DistributedTransfer:
         """Rendezvous rank 0 with every server in rotation under `self.group_name`."""
         timeout = self.config.timeout_s
         master_addr = self._master
-        port = free_port("0.0.0.0" if master_addr not in _LOCAL_HOSTS else master_addr)
+        port = free_port(master_addr)  # the store listens on master_addr alone
         store = UpdateGroup.host_store(master_addr, port, timeout)
         world_size = self.admin.weights_update_world_size()
         if world_size < 2:
