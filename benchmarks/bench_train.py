@@ -26,9 +26,23 @@ the speedup is the median over rounds of baseline time / engine time, a paired
 figure that load on a shared machine hits on both sides alike.
 
     python benchmarks/bench_train.py [--quick] [--model micro|small|base] [--threads N]
+                                     [--attn-impl auto|flex|sdpa_loop|varlen]
 
 The last line of output is one JSON object with every figure and the verdict
 against the goals (speedup >= 0.9 with uniform lengths, >= 1.3 with varying).
+``--attn-impl`` sets the engine's ``actor.attn_impl`` (default ``auto``: today's
+behaviour, the SDPA loop on the CPU).
+
+    python benchmarks/bench_train.py --attn [--quick] [--model ...] [--threads N]
+
+times the packed-attention implementations that run on this device against
+``sdpa_loop`` instead: the same HF model and weights loaded with each, the same
+packed micro-batches of long-tailed lengths (length = max_len * u^3, u uniform:
+many short answers, a few long), forward + backward of every micro-batch (and,
+separately, the forward without a graph, as log-prob recomputation runs), each
+impl in its own process, one at a time, the order rotating each round; the ratios ``attn_<impl>_over_sdpa_loop`` (time of
+``impl`` / time of ``sdpa_loop``, median over rounds of the paired ratio; > 1
+means slower) are in the last-line JSON.
 """
 
 from __future__ import annotations
@@ -48,7 +62,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from arealite.algo.actor import PPOActor  # noqa: E402
 from arealite.config.schema import ActorConfig, AlgorithmConfig  # noqa: E402
+from arealite.train_engine.attention import ATTN_IMPLS, register_attention, resolve_attn_impl  # noqa: E402
 from arealite.train_engine.fsdp import FSDPEngine  # noqa: E402
+from arealite.train_engine.packing import split_into_microbatches  # noqa: E402
+from arealite.train_engine.lm_head import ChunkedHead  # noqa: E402
 from arealite.models.tiny import build_tiny_model  # noqa: E402
 
 LR = 1e-5
@@ -109,7 +126,7 @@ class PlainLoop:
             mb = {"labels": ids[:, 1:]}
             for k in ("loss_mask", "logprobs", "advantages"):
                 mb[k] = batch[k][rows, 1:]
-            loss = self.loss_fn(logits[:, :-1], mb)
+            loss = self.loss_fn(ChunkedHead.from_logits(logits[:, :-1]), mb)
             w = float(mb["loss_mask"].sum())
             (loss * (w / total)).backward()
             loss_sum += loss.item() * w
@@ -119,8 +136,8 @@ class PlainLoop:
 
 
 def run_setting(name: str, model_dir: Path, vocab: int, B: int, L: int, mb_max_tokens: int, rounds: int,
-                varying: bool, seed: int) -> dict:
-    cfg = ActorConfig(model_path=str(model_dir), mb_max_tokens=mb_max_tokens)
+                varying: bool, seed: int, attn_impl: str = "auto") -> dict:
+    cfg = ActorConfig(model_path=str(model_dir), mb_max_tokens=mb_max_tokens, attn_impl=attn_impl)
     cfg.optimizer.lr = LR
     engine = FSDPEngine(cfg, device="cpu").initialize()
     actor = PPOActor(AlgorithmConfig(), engine, temperature=1.0)
@@ -174,9 +191,16 @@ def main(argv=None) -> None:
     p.add_argument("--quick", action="store_true", help="a short run (small batch, few rounds)")
     p.add_argument("--model", default="small", choices=["micro", "small", "base"])
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
+    p.add_argument("--attn-impl", default="auto", choices=list(ATTN_IMPLS), help="the engine's actor.attn_impl")
+    p.add_argument("--attn", action="store_true", help="time each packed-attention impl against sdpa_loop instead")
+    p.add_argument("--attn-child", nargs=3, metavar=("IMPL", "MODEL_DIR", "N,MAX_LEN,BUDGET"), help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.attn_child:
+        return attention_child(*args.attn_child)
+    if args.attn:
+        return attention_main(args)
     B, L, rounds, budget = (16, 128, 3, 1024) if args.quick else (32, 256, 7, 2048)
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -185,8 +209,10 @@ def main(argv=None) -> None:
 
         vocab = AutoConfig.from_pretrained(model_dir).vocab_size
         results = [
-            run_setting("uniform", model_dir, vocab, B, L, budget, rounds, varying=False, seed=0),
-            run_setting("varying", model_dir, vocab, B, L, budget, rounds, varying=True, seed=100),
+            run_setting("uniform", model_dir, vocab, B, L, budget, rounds, varying=False, seed=0,
+                        attn_impl=args.attn_impl),
+            run_setting("varying", model_dir, vocab, B, L, budget, rounds, varying=True, seed=100,
+                        attn_impl=args.attn_impl),
         ]
 
     print(f"PPOActor.ppo_update vs a plain PyTorch loop: model={args.model}, B={B}, max_len={L}, "
@@ -207,6 +233,7 @@ def main(argv=None) -> None:
         "mb_max_tokens": budget,
         "rounds": rounds,
         "threads": torch.get_num_threads(),
+        "attn_impl": args.attn_impl,
     }
     for r in results:
         s = r["setting"]
@@ -219,6 +246,123 @@ def main(argv=None) -> None:
         summary[f"{s}_plain_packing_efficiency"] = round(r["plain_packing_efficiency"], 3)
         summary[f"{s}_first_step_loss_gap"] = r["first_step_loss_gap"]
     summary["verdict"] = "goals met" if all(r["goal_met"] for r in results) else "goals not met"
+    print(json.dumps(summary))
+
+
+def long_tailed_lengths(n: int, max_len: int, seed: int) -> list[int]:
+    """RL answer lengths: ``max_len * u^3`` (u uniform), at least 8: many short, a few long."""
+    u = torch.rand(n, generator=torch.Generator().manual_seed(seed))
+    return [max(8, int(max_len * float(x) ** 3)) for x in u]
+
+
+def packed_microbatches(lengths: list[int], budget: int, vocab: int, seed: int) -> list[dict]:
+    """The engine's packing of ``lengths`` under ``budget``: model inputs of each micro-batch."""
+    g = torch.Generator().manual_seed(seed)
+    mbs = []
+    for rows in split_into_microbatches(lengths, budget):
+        lens = [lengths[i] for i in rows]
+        cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
+        mbs.append({"input_ids": torch.randint(5, vocab, (1, sum(lens)), generator=g),
+                    "position_ids": torch.cat([torch.arange(n) for n in lens])[None],
+                    "cu_seq_lens_q": cu, "use_cache": False})
+    return mbs
+
+
+ATTN_PASSES = ("train", "forward")
+
+
+def attention_child(impl: str, model_dir: str, mb_spec: str) -> None:
+    """``--attn-child``: one impl in its own process, timing a pass over the micro-batches each
+    time the parent writes ``train`` or ``forward`` on stdin (answers the seconds on stdout).
+
+    A process per impl: in one process the allocator state one impl leaves (flex's unfused CPU
+    kernel allocates [heads, T, T] tensors) slows the next one's backward several-fold.
+    """
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    n, max_len, budget = (int(x) for x in mb_spec.split(","))
+    mbs = packed_microbatches(long_tailed_lengths(n, max_len, seed=7), budget,
+                              AutoConfig.from_pretrained(model_dir).vocab_size, seed=1)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32,
+                                                 attn_implementation=register_attention(impl)).train()
+    for line in sys.stdin:
+        t0 = time.perf_counter()
+        if line.strip() == "train":
+            for mb in mbs:
+                model(**mb).logits.mean().backward()
+            model.zero_grad(set_to_none=True)
+        else:
+            with torch.no_grad():
+                for mb in mbs:
+                    model(**mb)
+        print(time.perf_counter() - t0, flush=True)
+
+
+def time_attention(model_dir: Path, impls: list[str], mb_spec: str, rounds: int,
+                   threads: int) -> dict[str, dict[str, list]]:
+    """Seconds per pass (forward + backward, and forward alone) of each impl, per round; each impl
+    in its own process (``attention_child``), one at a time, the order rotating every round."""
+    import subprocess
+
+    cmd = [sys.executable, __file__, "--threads", str(threads), "--attn-child"]
+    procs = {i: subprocess.Popen([*cmd, i, str(model_dir), mb_spec], stdin=subprocess.PIPE,
+                                 stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True) for i in impls}
+    times = {i: {kind: [] for kind in ATTN_PASSES} for i in impls}
+    try:
+        for r in range(rounds + 1):  # round 0 warms up and is not timed
+            for impl in impls[r % len(impls):] + impls[:r % len(impls)]:
+                for kind in ATTN_PASSES:
+                    procs[impl].stdin.write(kind + "\n")
+                    procs[impl].stdin.flush()
+                    dt = float(procs[impl].stdout.readline())
+                    if r > 0:
+                        times[impl][kind].append(dt)
+    finally:
+        for proc in procs.values():
+            proc.stdin.close()
+            proc.wait(timeout=60)
+    return times
+
+
+def attention_main(args) -> None:
+    """``--attn``: each packed-attention impl that runs here against ``sdpa_loop``."""
+    n, max_len, budget, rounds = (32, 512, 2048, 3) if args.quick else (64, 1024, 4096, 3)
+    runnable, refused = [], {}
+    for impl in ATTN_IMPLS[1:]:
+        try:
+            runnable.append(resolve_attn_impl(impl, "cpu", torch.float32))
+        except ValueError as e:
+            refused[impl] = str(e)
+    runnable.sort(key=lambda i: i != "sdpa_loop")  # the baseline first
+    lengths = long_tailed_lengths(n, max_len, seed=7)
+    n_mbs = len(split_into_microbatches(lengths, budget))
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir = build_tiny_model(Path(tmp) / "model", size=args.model, seed=0)
+        times = time_attention(model_dir, runnable, f"{n},{max_len},{budget}", rounds, torch.get_num_threads())
+    tokens = sum(lengths)
+    summary = {"benchmark": "bench_train", "mode": "attn", "model": args.model, "quick": args.quick,
+               "n_seqs": n, "max_len": max_len, "mb_max_tokens": budget, "n_mbs": n_mbs, "tokens": tokens,
+               "median_len": int(statistics.median(lengths)), "rounds": rounds, "threads": torch.get_num_threads(),
+               "device": "cpu", "attn_auto_resolves_to": resolve_attn_impl("auto", "cpu", torch.float32)}
+    print(f"packed attention on CPU: model={args.model}, {n} seqs of long-tailed lengths (median "
+          f"{summary['median_len']}, max {max(lengths)}), {n_mbs} micro-batches of <= {budget} tokens, "
+          f"{rounds} timed rounds (medians), {torch.get_num_threads()} threads")
+    print(f"{'impl':<10} {'train tok/s':>12} {'fwd tok/s':>10} {'train / sdpa_loop':>18} {'fwd / sdpa_loop':>16}")
+    base = times["sdpa_loop"]
+    for impl in runnable:
+        t = times[impl]
+        ratio = statistics.median(a / b for a, b in zip(t["train"], base["train"]))
+        fwd_ratio = statistics.median(a / b for a, b in zip(t["forward"], base["forward"]))
+        summary[f"attn_{impl}_train_tokens_per_s"] = round(tokens / statistics.median(t["train"]), 1)
+        summary[f"attn_{impl}_forward_tokens_per_s"] = round(tokens / statistics.median(t["forward"]), 1)
+        if impl != "sdpa_loop":
+            summary[f"attn_{impl}_over_sdpa_loop"] = round(ratio, 3)
+            summary[f"attn_{impl}_over_sdpa_loop_forward"] = round(fwd_ratio, 3)
+        print(f"{impl:<10} {summary[f'attn_{impl}_train_tokens_per_s']:>12.0f} "
+              f"{summary[f'attn_{impl}_forward_tokens_per_s']:>10.0f} {ratio:>18.2f} {fwd_ratio:>16.2f}")
+    for impl, why in refused.items():
+        print(f"{impl:<10} not run: {why}")
+        summary[f"attn_{impl}_over_sdpa_loop"] = None
     print(json.dumps(summary))
 
 

@@ -46,9 +46,10 @@ def global_batch(vocab: int, seed: int = 0) -> dict[str, torch.Tensor]:
     return {"input_ids": ids, "attention_mask": am, "loss_mask": loss_mask}
 
 
-def token_mean_ce(logits: torch.Tensor, mb: dict) -> torch.Tensor:
-    """Token-mean cross-entropy of ``labels`` over ``loss_mask``."""
-    logp = torch.log_softmax(logits, dim=-1).gather(-1, mb["labels"][:, None])[:, 0]
+def token_mean_ce(head, mb: dict) -> torch.Tensor:
+    """Token-mean cross-entropy of ``labels`` over ``loss_mask`` (the fused head: under FSDP2 its
+    weight is the root's gathered, tied embedding)."""
+    logp = head.logprobs(mb["labels"])
     mask = mb["loss_mask"].float()
     mb["_stats"] = {"mean_logp": (logp * mask).sum() / mask.sum().clamp(min=1)}
     return -(logp * mask).sum() / mask.sum().clamp(min=1)
@@ -58,8 +59,8 @@ def n_loss_tokens(mb: dict) -> torch.Tensor:
     return mb["loss_mask"].sum()
 
 
-def label_logprobs(logits: torch.Tensor, mb: dict) -> torch.Tensor:
-    return torch.log_softmax(logits, dim=-1).gather(-1, mb["labels"][:, None])[:, 0]
+def label_logprobs(head, mb: dict) -> torch.Tensor:
+    return torch.log_softmax(head.logits(), dim=-1).gather(-1, mb["labels"][:, None])[:, 0]
 
 
 def full_weights(engine: FSDPEngine) -> dict[str, torch.Tensor]:

@@ -27,6 +27,7 @@ from arealite.algo import (
     stepwise_advantages,
 )
 from arealite.config.schema import AlgorithmConfig
+from arealite.train_engine.lm_head import ChunkedHead
 
 
 class PlainEngine:
@@ -87,7 +88,7 @@ class PlainEngine:
     def forward(self, batch, post_hook):
         out = torch.zeros(batch["input_ids"].shape, dtype=torch.float32)
         for mb, rows, lengths in self._micro_batches(batch):
-            vals = post_hook(self._logits(mb), mb)
+            vals = post_hook(ChunkedHead.from_logits(self._logits(mb)), mb)
             s = 0
             for r in rows:
                 n = lengths[r]
@@ -102,7 +103,7 @@ class PlainEngine:
         self.opt.zero_grad(set_to_none=True)
         loss_sum, stats = 0.0, {}
         for (mb, _, _), w in zip(mbs, weights):
-            loss = loss_fn(self._logits(mb), mb)
+            loss = loss_fn(ChunkedHead.from_logits(self._logits(mb)), mb)
             (loss * (w / total)).backward()
             loss_sum += float(loss.detach()) * w / total
             for k, v in mb.get("_stats", {}).items():
@@ -338,11 +339,11 @@ def test_sft_loss_is_cross_entropy_and_training_reduces_it(micro_model_dir):
     mb, _, _ = next(engine._micro_batches(batch))
     logits = torch.randn(mb["labels"].shape[0], tok.vocab_size + 8)
     want = torch.nn.functional.cross_entropy(logits[mb["loss_mask"]], mb["labels"][mb["loss_mask"]])
-    assert math.isclose(float(sft_loss_fn(logits, mb)), float(want), rel_tol=1e-6)
+    assert math.isclose(float(sft_loss_fn(ChunkedHead.from_logits(logits), mb)), float(want), rel_tol=1e-6)
     assert sft_loss_weight(mb) == float(mb["loss_mask"].sum())
 
     def nll() -> float:
-        lp = engine.forward(batch, lambda lg, m: torch.log_softmax(lg, -1).gather(-1, m["labels"][:, None])[:, 0])
+        lp = engine.forward(batch, lambda lg, m: torch.log_softmax(lg.logits(), -1).gather(-1, m["labels"][:, None])[:, 0])
         return float(-(lp * batch["loss_mask"]).sum() / batch["loss_mask"].sum())
 
     start = nll()

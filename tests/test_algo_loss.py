@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from arealite.algo.loss import aggregate_loss, kl_penalty, loss_weight, ppo_actor_loss, ppo_policy_loss
+from arealite.train_engine.lm_head import ChunkedHead
 
 
 def ref_token_loss(lp, px, a, eps_lo, eps_hi, c_clip=None, bh=None, cap=None):
@@ -230,7 +231,8 @@ def test_ppo_actor_loss_composes_the_pieces(mode, kl_est):
     mb, logits = _mb()
     T_ = 0.9
     kw = dict(eps_clip=0.2, eps_clip_high=0.25, c_clip=3.0, behav_imp_weight_cap=4.0)
-    loss = ppo_actor_loss(logits, mb, temperature=T_, kl_coef=0.1, kl_estimator=kl_est, entropy_coef=0.01,
+    head = ChunkedHead.from_logits(logits)
+    loss = ppo_actor_loss(head, mb, temperature=T_, kl_coef=0.1, kl_estimator=kl_est, entropy_coef=0.01,
                           loss_agg_mode=mode, agg_constant=8.0, use_decoupled_loss=True, **kw)
     # Recompute token by token.
     logp_all = torch.log_softmax(logits / T_, -1)
@@ -265,7 +267,7 @@ def test_ppo_actor_loss_composes_the_pieces(mode, kl_est):
 def test_ppo_actor_loss_without_prox_uses_behaviour_and_no_weight():
     mb, logits = _mb(seed=1)
     del mb["prox_logp"]
-    loss = ppo_actor_loss(logits, mb, temperature=1.0, behav_imp_weight_cap=1.01)
+    loss = ppo_actor_loss(ChunkedHead.from_logits(logits), mb, temperature=1.0, behav_imp_weight_cap=1.01)
     logp = torch.log_softmax(logits, -1).gather(-1, mb["labels"][:, None]).squeeze(-1)
     tok, _ = ppo_policy_loss(logp, mb["logprobs"], mb["advantages"], mb["loss_mask"])
     assert math.isclose(float(loss), float(tok[mb["loss_mask"]].mean()), rel_tol=1e-5, abs_tol=1e-6)
@@ -278,7 +280,7 @@ def test_ppo_actor_loss_needs_ref_for_kl():
     mb, logits = _mb()
     del mb["ref_logp"]
     with pytest.raises(KeyError, match="ref_logp"):
-        ppo_actor_loss(logits, mb, temperature=1.0, kl_coef=0.1)
+        ppo_actor_loss(ChunkedHead.from_logits(logits), mb, temperature=1.0, kl_coef=0.1)
     del mb["advantages"]
     with pytest.raises(KeyError, match="compute_advantages"):
-        ppo_actor_loss(logits, mb, temperature=1.0)
+        ppo_actor_loss(ChunkedHead.from_logits(logits), mb, temperature=1.0)

@@ -10,6 +10,7 @@ import torch
 from arealite.algo.loss import ppo_actor_loss, ppo_policy_loss
 from arealite.algo.mismatch import mismatch_weights
 from arealite.config.schema import AlgorithmConfig, MismatchConfig
+from arealite.train_engine.lm_head import ChunkedHead
 
 
 def reference(prox, behav, mask, mode, level, upper, lower, lengths):
@@ -119,5 +120,5 @@ def test_the_ppo_loss_uses_the_tis_weight_and_logs_the_stats():
     labels = torch.randint(0, 7, (T,))
     mb = {"labels": labels, "loss_mask": mask, "logprobs": behav, "advantages": adv,
           "cu_seqlens": torch.tensor([0, 5, T])}
-    ppo_actor_loss(logits, mb, temperature=1.0, prox_from_forward=True)
+    ppo_actor_loss(ChunkedHead.from_logits(logits), mb, temperature=1.0, prox_from_forward=True)
     assert "mismatch_kl_k3" in mb["_stats"] and mb["_stats"]["mismatch_kl_k3"] >= 0

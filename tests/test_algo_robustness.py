@@ -7,6 +7,7 @@ import torch
 from arealite.algo.logprob import gather_logprobs_entropy, token_entropy
 from arealite.algo.loss import ppo_actor_loss, ppo_policy_loss
 from arealite.algo.ratio import clamped_exp
+from arealite.train_engine.lm_head import ChunkedHead
 
 
 def test_a_log_ratio_that_overflows_float32_gives_a_finite_loss_and_gradient():
@@ -55,6 +56,7 @@ def test_entropy_bonus_in_the_actor_loss_with_masked_vocabulary_is_finite():
     logits.requires_grad_(True)
     mb = {"labels": torch.randint(0, 5, (6,)), "loss_mask": torch.ones(6, dtype=torch.bool),
           "logprobs": torch.zeros(6), "advantages": torch.randn(6)}
-    loss = ppo_actor_loss(logits, mb, temperature=1.0, entropy_coef=0.01, prox_from_forward=True)
+    head = ChunkedHead.from_logits(logits)
+    loss = ppo_actor_loss(head, mb, temperature=1.0, entropy_coef=0.01, prox_from_forward=True)
     loss.backward()
     assert torch.isfinite(loss) and torch.isfinite(logits.grad).all()

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from arealite.algo.value import explained_variance, value_hook, value_loss
+from arealite.train_engine.lm_head import ChunkedHead
 
 
 def test_clipped_value_loss_hand_worked():
@@ -49,6 +50,6 @@ def test_explained_variance():
 
 
 def test_value_hook_takes_the_scalar_head():
-    assert value_hook(torch.tensor([[1.0], [2.0]]), {}).tolist() == [1.0, 2.0]
+    assert value_hook(ChunkedHead.from_logits(torch.tensor([[1.0], [2.0]])), {}).tolist() == [1.0, 2.0]
     with pytest.raises(ValueError, match=r"\[T, 1\]"):
-        value_hook(torch.zeros(2, 3), {})
+        value_hook(ChunkedHead.from_logits(torch.zeros(2, 3)), {})

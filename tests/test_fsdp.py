@@ -34,23 +34,25 @@ def make_batch(vocab: int, lengths: list[int], prompt_len: int = 2, seed: int = 
     }
 
 
-def label_logp(logits, mb):
-    return torch.log_softmax(logits, dim=-1).gather(-1, mb["labels"][:, None])[:, 0]
+def label_logp(head, mb):
+    """The fused path: the log-prob of each label from the hidden states, no [T, V] logits."""
+    return head.logprobs(mb["labels"])
 
 
-def token_mean_ce(logits, mb):
+def token_mean_ce(head, mb):
     mask = mb["loss_mask"].float()
-    return -(label_logp(logits, mb) * mask).sum() / mask.sum().clamp(min=1)
+    return -(label_logp(head, mb) * mask).sum() / mask.sum().clamp(min=1)
 
 
 def n_tokens(mb):
     return mb["loss_mask"].sum()
 
 
-def seq_mean_ce(logits, mb):
-    """Mean over sequences of each sequence's token-mean CE: weighted by sequences."""
+def seq_mean_ce(head, mb):
+    """Mean over sequences of each sequence's token-mean CE: weighted by sequences. Materialises
+    the logits (``head.logits()``): the other path of the contract."""
     mask = mb["loss_mask"].float()
-    tok = -label_logp(logits, mb) * mask
+    tok = torch.log_softmax(head.logits(), dim=-1).gather(-1, mb["labels"][:, None])[:, 0] * -mask
     cu = mb["cu_seqlens"].tolist()
     per_seq = [tok[a:b].sum() / mask[a:b].sum().clamp(min=1) for a, b in zip(cu[:-1], cu[1:])]
     return torch.stack(per_seq).mean()

@@ -7,13 +7,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from arealite.train_engine.packing import (
-    pack,
-    sequence_lengths,
-    split_into_microbatches,
-    unpack,
-    varlen_sdpa_attention,
-)
+from arealite.train_engine.packing import pack, sequence_lengths, split_into_microbatches, unpack
 
 
 @settings(max_examples=200, deadline=None)
@@ -112,31 +106,6 @@ def test_left_padding_and_bad_keys_are_rejected():
     batch["weird"] = torch.zeros(5)
     with pytest.raises(ValueError, match="'weird'"):
         pack(batch, [0], sequence_lengths(batch["attention_mask"]))
-
-
-def test_varlen_attention_equals_separate_sequences():
-    torch.manual_seed(0)
-    H, KV, D = 4, 2, 8
-
-    class Attn(torch.nn.Module):
-        training = False
-
-    lens = [5, 1, 3, 3, 3, 7]
-    q = torch.randn(1, H, sum(lens), D)
-    k, v = torch.randn(1, KV, sum(lens), D), torch.randn(1, KV, sum(lens), D)
-    cu = torch.tensor([0, 5, 6, 9, 12, 15, 22], dtype=torch.int32)
-    out, _ = varlen_sdpa_attention(Attn(), q, k, v, None, scaling=0.3, cu_seq_lens_q=cu)
-    assert out.shape == (1, 22, H, D)
-    for a, b in zip(cu[:-1].tolist(), cu[1:].tolist()):
-        # Reference: explicit causal softmax attention of this sequence alone, KV heads repeated.
-        kk, vv = k[:, :, a:b].repeat_interleave(H // KV, 1), v[:, :, a:b].repeat_interleave(H // KV, 1)
-        scores = q[:, :, a:b] @ kk.transpose(-1, -2) * 0.3
-        n = b - a
-        scores = scores.masked_fill(~torch.tril(torch.ones(n, n, dtype=torch.bool)), float("-inf"))
-        ref = (scores.softmax(-1) @ vv).transpose(1, 2)
-        assert torch.allclose(out[:, a:b], ref, atol=1e-6)
-    with pytest.raises(ValueError, match="ends at 21"):
-        varlen_sdpa_attention(Attn(), q, k, v, None, cu_seq_lens_q=torch.tensor([0, 21]))
 
 
 @settings(max_examples=60, deadline=None)

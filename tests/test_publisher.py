@@ -375,6 +375,8 @@ class Engine(StateDictSource):
     def forward(self, batch, post_hook, out_dtype=torch.float32):
         from transformers import AutoModelForCausalLM
 
+        from arealite.train_engine.lm_head import ChunkedHead
+
         model = AutoModelForCausalLM.from_pretrained(self.config.model_path, dtype=torch.float32)
         model.load_state_dict(dict(self.tensors), strict=False)
         model.tie_weights()
@@ -382,7 +384,7 @@ class Engine(StateDictSource):
         with torch.no_grad():
             logits = model(input_ids=ids).logits[0, :-1]
         out = torch.zeros(ids.shape, dtype=out_dtype)
-        out[0, 1:] = post_hook(logits, {"labels": ids[0, 1:]})
+        out[0, 1:] = post_hook(ChunkedHead.from_logits(logits), {"labels": ids[0, 1:]})
         self.probe_forwards += 1
         return out
 

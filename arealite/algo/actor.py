@@ -31,7 +31,6 @@ from arealite.algo.advantage import (
     stepwise_advantages,
     transform_rewards,
 )
-from arealite.algo.logprob import gather_logprobs
 from arealite.algo.loss import (
     bind_policy_loss,
     kl_penalty,
@@ -42,19 +41,15 @@ from arealite.algo.loss import (
 )
 from arealite.algo.overlong import exclude_rows, soft_overlong_penalty, truncated_rows
 from arealite.algo.returns import discounted_returns, gae, global_whiten, terminal_rewards
-from arealite.api.contracts import MicroBatch, TrainEngine
+from arealite.api.contracts import HeadOutput, MicroBatch, TrainEngine
 from arealite.config.algo_checks import raise_algorithm_problems
 from arealite.config.schema import AlgorithmConfig
 
 __all__ = ["PPOActor", "split_minibatches", "logprob_hook"]
 
-#: Rows of logits turned into float32 at once when recomputing log-probs.
-_LOGP_CHUNK = 1024
-
-
-def logprob_hook(logits: torch.Tensor, mb: MicroBatch, temperature: float) -> torch.Tensor:
+def logprob_hook(head: HeadOutput, mb: MicroBatch, temperature: float) -> torch.Tensor:
     """``engine.forward`` post-hook: the log-prob of each ``mb["labels"]`` token, ``[T]``."""
-    return gather_logprobs(logits, mb["labels"], temperature, chunk_size=_LOGP_CHUNK)
+    return head.logprobs(mb["labels"], temperature)
 
 
 def _weight_fn(mb: MicroBatch, mode: str) -> float:
@@ -262,7 +257,7 @@ class PPOActor:
 
     # --------------------------------------------------------------------- update
     def loss_fn(self):
-        """The ``(logits, mb) -> scalar`` loss for ``engine.train_batch``, bound to the config:
+        """The ``(head, mb) -> scalar`` loss for ``engine.train_batch``, bound to the config:
         ``algorithm.policy_loss`` plus the KL and entropy terms, aggregated."""
         cfg = self.config
         return functools.partial(

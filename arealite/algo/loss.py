@@ -34,11 +34,10 @@ from typing import TYPE_CHECKING, Callable, Literal, Optional
 
 import torch
 
-from arealite.algo.logprob import gather_logprobs_entropy, gather_logprobs_entropy_stat
 from arealite.algo.mismatch import behaviour_weight
 from arealite.algo.named import resolve_named
 from arealite.algo.ratio import clamped_exp, sequence_index
-from arealite.api.contracts import MicroBatch
+from arealite.api.contracts import HeadOutput, MicroBatch
 from arealite.config.problems import ConfigProblem
 from arealite.utils.imports import register_into
 
@@ -67,9 +66,6 @@ __all__ = [
 LossAggMode = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"]
 KLEstimator = Literal["k1", "k2", "k3"]
 _AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum")
-#: Rows of logits in float32 at once when no gradient flows through the entropy.
-_CHUNK = 1024
-
 #: A policy loss: ``fn(logp, prox_logp, advantages, loss_mask, behav_logp, config) -> (token_loss, stats)``.
 #:
 #: All tensors share one shape, ``[T]`` (the packed tokens of a micro-batch):
@@ -408,7 +404,7 @@ def _logged_stats(
 
 
 def ppo_actor_loss(
-    logits: torch.Tensor,
+    head: HeadOutput,
     mb: MicroBatch,
     *,
     temperature: float,
@@ -425,7 +421,10 @@ def ppo_actor_loss(
     prox_from_forward: bool = False,
     policy_loss: BoundPolicyLoss | None = None,
 ) -> torch.Tensor:
-    """The loss function given to ``engine.train_batch``: ``(logits [T, V], mb) -> scalar``.
+    """The loss function given to ``engine.train_batch``: ``(head, mb) -> scalar``.
+
+    ``head`` is the micro-batch's `HeadOutput`: the log-probs and entropies come from its
+    fused chunked head (no ``[T, V]`` logits are materialised, in the forward nor the backward).
 
     Reads the packed micro-batch keys ``labels``, ``loss_mask``, ``logprobs``
     (behaviour), ``advantages``, optional ``prox_logp`` and ``ref_logp`` (needed
@@ -448,11 +447,8 @@ def ppo_actor_loss(
     mask = mb["loss_mask"].bool()
     behav = mb["logprobs"]
     prox = mb.get("prox_logp")
-    if entropy_coef > 0:
-        logp, entropy = gather_logprobs_entropy(logits, mb["labels"], temperature)
-    else:
-        # Entropy only as a stat: the memory-lean paths, no [T, V] float32 activations kept.
-        logp, entropy = gather_logprobs_entropy_stat(logits, mb["labels"], temperature, chunk_size=_CHUNK)
+    # The entropy is a stat unless entropy_coef > 0; its gradient costs nothing when unused.
+    logp, entropy = head.logprobs_entropy(mb["labels"], temperature)
 
     if prox is None and prox_from_forward:
         prox = logp.detach()

@@ -15,19 +15,18 @@ from collections.abc import Sequence
 import torch
 from tensordict import TensorDict
 
-from arealite.algo.logprob import gather_logprobs
 from arealite.algo.loss import masked_mean
-from arealite.api.contracts import MicroBatch
+from arealite.api.contracts import HeadOutput, MicroBatch
 
 __all__ = ["sft_loss_fn", "sft_loss_weight", "build_sft_batch"]
 
 
-def sft_loss_fn(logits: torch.Tensor, mb: MicroBatch) -> torch.Tensor:
+def sft_loss_fn(head: HeadOutput, mb: MicroBatch) -> torch.Tensor:
     """Mean cross-entropy of ``mb["labels"]`` on ``mb["loss_mask"]`` tokens (a packed micro-batch)."""
     if "loss_mask" not in mb:
         raise KeyError("SFT micro-batch lacks 'loss_mask'; build the batch with build_sft_batch")
     mask = mb["loss_mask"].bool()
-    nll = -gather_logprobs(logits, mb["labels"], 1.0)
+    nll = -head.logprobs(mb["labels"], 1.0)
     loss = masked_mean(nll, mask)
     stats = dict(mb.get("_stats") or {})
     stats["sft_nll"] = float(loss.detach())

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import torch
 
-from arealite.api.contracts import MicroBatch
+from arealite.api.contracts import HeadOutput, MicroBatch
 
 __all__ = ["value_loss", "explained_variance", "value_hook"]
 
@@ -72,8 +72,9 @@ def explained_variance(values: torch.Tensor, returns: torch.Tensor, mask: torch.
     return float(1.0 - (g - v).var(unbiased=False) / var_g)
 
 
-def value_hook(out: torch.Tensor, mb: MicroBatch) -> torch.Tensor:
+def value_hook(head: HeadOutput, mb: MicroBatch) -> torch.Tensor:
     """``engine.forward`` post-hook of a value model: its ``[T, 1]`` head output as ``[T]`` values."""
+    out = head.logits()
     if out.dim() != 2 or out.shape[-1] != 1:
         raise ValueError(f"a value model outputs [T, 1] per token, got {tuple(out.shape)}")
     return out[:, 0].float()

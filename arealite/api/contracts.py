@@ -10,7 +10,8 @@ second backend is one new module that satisfies the same contract:
   update needs (pause/continue, load from disk, read back); `DistributedUpdateAdmin`
   adds the update group, `ShmUpdateAdmin` loading from shared memory.
   `arealite.inference_client.sglang_admin.SGLangAdmin` implements all three.
-- `TrainEngine`: trains (forward, backward, optimizer step) for any loss it is given,
+- `TrainEngine`: trains (forward, backward, optimizer step) for any loss it is given
+  (a loss sees the model's output as a `HeadOutput`),
   saves and loads checkpoints, exports weights. `FSDPEngine` is one. It does not know
   what GRPO is.
 - `WeightSource`: what a weight transfer reads from (a train engine, or a plain state dict).
@@ -50,13 +51,34 @@ MicroBatchStats = dict[str, Union[float, torch.Tensor]]
 #: A packed micro-batch as a loss function or hook sees it: its tensors by key (layout in
 #: docs/internals.md) and, under ``"_stats"``, the `MicroBatchStats` the loss logs.
 MicroBatch = dict[str, Union[torch.Tensor, MicroBatchStats]]
-#: A per-micro-batch loss: ``loss_fn(logits, micro_batch) -> 0-dim loss tensor``; stats it
-#: wants logged go in ``micro_batch["_stats"]``.
-LossFn = Callable[[torch.Tensor, MicroBatch], torch.Tensor]
+
+
+@runtime_checkable
+class HeadOutput(Protocol):
+    """The model's output for one packed micro-batch (``T`` tokens), as a loss or hook gets it.
+
+    A causal LM's logits ``[T, V]`` are not materialised unless asked for: ``logprobs`` and
+    ``logprobs_entropy`` score ``labels [T]`` under ``log_softmax(logits / temperature)`` in
+    float32, with gradients, from the last hidden states in chunks of rows
+    (`arealite.train_engine.lm_head.ChunkedHead`). ``logits()`` materialises the float32
+    output ``[T, V]`` (``[T, 1]`` for a value model) for a loss that needs all of it.
+    """
+
+    def logits(self) -> torch.Tensor: ...
+
+    def logprobs(self, labels: torch.Tensor, temperature: float = 1.0) -> torch.Tensor: ...
+
+    def logprobs_entropy(self, labels: torch.Tensor,
+                         temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+
+#: A per-micro-batch loss: ``loss_fn(head, micro_batch) -> 0-dim loss tensor``, ``head`` the
+#: micro-batch's `HeadOutput`; stats it wants logged go in ``micro_batch["_stats"]``.
+LossFn = Callable[[HeadOutput, MicroBatch], torch.Tensor]
 #: The weight of a micro-batch's loss in the step (e.g. its number of loss tokens).
 LossWeightFn = Callable[[MicroBatch], float]
-#: Turns a micro-batch's logits into the per-token values `TrainEngine.forward` returns.
-PostHook = Callable[[torch.Tensor, MicroBatch], torch.Tensor]
+#: Turns a micro-batch's `HeadOutput` into the per-token values ``[T]`` `TrainEngine.forward` returns.
+PostHook = Callable[[HeadOutput, MicroBatch], torch.Tensor]
 #: A checkpointed state (``torch.save``d as it is: tensors and plain Python data).
 StateDict = dict[str, object]
 
@@ -309,7 +331,7 @@ def require(obj: object, contract: type, what: str) -> None:
                     f" (missing: {', '.join(missing) or 'see the Protocol'})")
 
 
-__all__ = ["DistributedUpdateAdmin", "InferenceClient", "LossFn", "LossWeightFn", "MicroBatch", "MicroBatchStats",
-           "Pausable", "PostHook", "RolloutSide", "Runner", "ShmUpdateAdmin", "StateDict", "Stateful", "TrainBatch",
-           "TrainEngine", "Versioned", "WeightSource", "WeightTransfer", "WeightUpdateAdmin", "WeightUpdateTarget",
-           "require"]
+__all__ = ["DistributedUpdateAdmin", "HeadOutput", "InferenceClient", "LossFn", "LossWeightFn", "MicroBatch",
+           "MicroBatchStats", "Pausable", "PostHook", "RolloutSide", "Runner", "ShmUpdateAdmin", "StateDict",
+           "Stateful", "TrainBatch", "TrainEngine", "Versioned", "WeightSource", "WeightTransfer",
+           "WeightUpdateAdmin", "WeightUpdateTarget", "require"]

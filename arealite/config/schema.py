@@ -408,6 +408,13 @@ class ActorConfig(Section):
     """Optimizer and LR schedule."""
     mb_max_tokens: int = Field(8192, ge=1)
     """Token budget of one packed micro-batch."""
+    attn_impl: Literal["auto", "varlen", "flex", "sdpa_loop"] = "auto"
+    """Attention over the sequences of a packed micro-batch: `varlen` (torch's FlashAttention
+    varlen kernel, one kernel per layer; CUDA with bfloat16/float16 compute only), `flex` (flex
+    attention with a document-causal block mask: compiled on CUDA, torch's unfused reference
+    kernel on CPU), `sdpa_loop` (one SDPA call per run of equal-length sequences; runs anywhere),
+    `auto` = `varlen` where it can run, else `sdpa_loop` (faster than `flex` on CPU). A choice
+    that cannot run on the engine's device is refused at start (see docs/training.md)."""
     gradient_checkpointing: bool = False
     """Recompute activations in backward to save memory."""
     cpu_offload: bool = False
@@ -567,6 +574,8 @@ class CriticConfig(Section):
     """The critic's own optimizer and LR schedule."""
     mb_max_tokens: int = Field(8192, ge=1)
     """Token budget of one packed micro-batch."""
+    attn_impl: Literal["auto", "varlen", "flex", "sdpa_loop"] = "auto"
+    """Attention over packed sequences, as `actor.attn_impl`."""
     gradient_checkpointing: bool = False
     """Recompute activations in backward to save memory."""
     value_clip: float | None = Field(0.2, gt=0)

@@ -11,14 +11,14 @@ from tensordict import TensorDictBase
 from arealite.algo.actor import split_minibatches
 from arealite.algo.loss import masked_mean
 from arealite.algo.value import explained_variance, value_hook, value_loss
-from arealite.api.contracts import MicroBatch, TrainEngine
+from arealite.api.contracts import HeadOutput, MicroBatch, TrainEngine
 
 __all__ = ["Critic", "WithCritic", "critic_loss"]
 
 
-def critic_loss(values: torch.Tensor, mb: MicroBatch, value_clip: float | None) -> torch.Tensor:
+def critic_loss(head: HeadOutput, mb: MicroBatch, value_clip: float | None) -> torch.Tensor:
     """The loss given to ``engine.train_batch``: token-mean clipped value loss of a packed
-    micro-batch (``values [T, 1]`` from the value model; ``mb["values"]`` the old values,
+    micro-batch (``head.logits()`` the value model's ``[T, 1]`` values; ``mb["values"]`` the old values,
     ``mb["returns"]`` the targets, ``mb["loss_mask"]`` the trained tokens). Stats go to
     ``mb["_stats"]``."""
     for key in ("values", "returns", "loss_mask"):
@@ -26,7 +26,7 @@ def critic_loss(values: torch.Tensor, mb: MicroBatch, value_clip: float | None) 
             raise KeyError(f"critic micro-batch lacks '{key}' (has {sorted(mb)}); compute values and "
                            "advantages (GAE) before Critic.update")
     mask = mb["loss_mask"].bool()
-    token_loss, stats = value_loss(value_hook(values, mb), mb["values"], mb["returns"], mask, value_clip)
+    token_loss, stats = value_loss(value_hook(head, mb), mb["values"], mb["returns"], mask, value_clip)
     loss = masked_mean(token_loss, mask)
     prev = mb.get("_stats")
     out = dict(prev) if isinstance(prev, dict) else {}

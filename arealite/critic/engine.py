@@ -17,9 +17,9 @@ from typing import TYPE_CHECKING
 import torch
 
 from arealite.config.schema import ActorConfig
+from arealite.train_engine.attention import register_attention
 from arealite.train_engine.fsdp import FSDPEngine
 from arealite.train_engine.fsdp_model import without_dropout
-from arealite.train_engine.packing import register_varlen_attention
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
@@ -27,15 +27,18 @@ if TYPE_CHECKING:
 __all__ = ["ValueEngine", "value_model"]
 
 
-def value_model(path: Path, hf_config: PretrainedConfig) -> torch.nn.Module:
+def value_model(path: Path, hf_config: PretrainedConfig, attn_implementation: str | None = None) -> torch.nn.Module:
     """The backbone at ``path`` with a fresh scalar head (token classification, one label),
-    every dropout off so that training scores tokens as `forward` does."""
+    every dropout off so that training scores tokens as `forward` does; packed-sequence
+    attention ``attn_implementation`` (the engine passes what ``critic.attn_impl`` resolves to;
+    None = the SDPA loop)."""
     from transformers import AutoModelForTokenClassification
 
     model_config = without_dropout(hf_config)
     model_config.num_labels = 1
     model = AutoModelForTokenClassification.from_pretrained(
-        path, config=model_config, dtype=torch.float32, attn_implementation=register_varlen_attention(),
+        path, config=model_config, dtype=torch.float32,
+        attn_implementation=attn_implementation or register_attention("sdpa_loop"),
     )
     # The head's dropout defaults to 0.1 when the config's classifier/hidden dropout is 0 (a
     # falsy value): switch every dropout off.

@@ -31,12 +31,13 @@ ADAPTER = "default"
 INIT_SEED = 0
 
 
-def lora_causal_lm(path: Path, hf_config: PretrainedConfig, lora: LoraConfig) -> torch.nn.Module:
+def lora_causal_lm(path: Path, hf_config: PretrainedConfig, lora: LoraConfig,
+                   attn_implementation: str | None = None) -> torch.nn.Module:
     """The causal LM at ``path`` with LoRA adapters (B initialised to 0: it starts as the base)."""
     from peft import LoraConfig as PeftLoraConfig
     from peft import get_peft_model
 
-    model = causal_lm(path, hf_config)
+    model = causal_lm(path, hf_config, attn_implementation)
     check_target_modules(model, lora.target_modules)
     peft_cfg = PeftLoraConfig(r=lora.rank, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
                               target_modules=list(lora.target_modules), bias="none")

@@ -16,11 +16,19 @@ Layout of the data it is given and of the micro-batches it hands to loss
 functions (``mb``): see docs/internals.md and ``arealite.train_engine.packing``.
 
 Attention over packed sequences: the model runs with the attention function
-``packing.varlen_sdpa_attention`` (registered with transformers), which gets the
-sequence boundaries (``cu_seq_lens_q``) and runs causal SDPA per sequence, so no
-token attends across a boundary and no compute goes to cross-sequence blocks.
+``actor.attn_impl`` picks from ``arealite.train_engine.attention`` (registered with
+transformers), which gets the sequence boundaries (``cu_seq_lens_q``) and runs causal
+attention within each sequence, so no token attends across a boundary.
 (Position ids alone do not isolate packed sequences on the SDPA path of
 transformers 5, and a block-diagonal mask costs T x T per micro-batch.)
+
+Logits are never materialised on the way to a loss: the model runs to its last
+hidden states (its output head skipped, ``lm_head.capture_head``) and the loss
+gets a ``HeadOutput`` whose ``logprobs``/``logprobs_entropy`` apply the head in
+chunks of rows (``fused_logprob``); ``logits()`` materialises them on request.
+The root FSDP module (embeddings, final norm, output head) therefore keeps its
+parameters gathered from its forward to its backward, as FSDP2 does for a root
+by default.
 """
 
 from __future__ import annotations
@@ -34,7 +42,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from arealite.api.contracts import LossFn, LossWeightFn, MicroBatchStats, PostHook, TrainBatch
+from arealite.api.contracts import HeadOutput, LossFn, LossWeightFn, MicroBatchStats, PostHook, TrainBatch
 from arealite.config.schema import ActorConfig
 from arealite.train_engine.fsdp_checkpoint import (
     export_hf_dir,
@@ -45,6 +53,7 @@ from arealite.train_engine.fsdp_checkpoint import (
     tied_duplicate_names,
 )
 from arealite.train_engine.fsdp_model import build_optimizer, causal_lm, compute_dtype, load_sharded_model
+from arealite.train_engine.lm_head import ChunkedHead, capture_head, output_head
 from arealite.train_engine.packing import PackedIndex, pack, sequence_lengths, split_into_microbatches, unpack
 from arealite.utils.buckets import buckets_of
 from arealite.utils.dist import default_backend, init_default_group, resolve_device_type
@@ -83,6 +92,7 @@ class FSDPEngine:
         self._version = 0
         self._step = 0  # optimizer steps taken (skipped steps excluded)
         self._pad_id = 0
+        self._head_module: torch.nn.Module | None = None  # the output head the losses apply lazily
 
     # ------------------------------------------------------------------ setup
 
@@ -107,9 +117,14 @@ class FSDPEngine:
             )
         device_type = self._join_group()
         self.model, self.hf_config, n_layers = load_sharded_model(
-            self.config, self.mesh, self.dtype, device_type, self.frozen, build=self.build_model
+            self.config, self.mesh, self.dtype, device_type, self.frozen, build=self.build_model,
+            section=self.section,
         )
         self._pad_id = int(self.hf_config.pad_token_id or 0)
+        # The loss applies the output head after the model's forward returns: the root's
+        # parameters (the head's weight among them) must stay gathered until the backward.
+        self.model.set_reshard_after_forward(False, recurse=False)
+        self._head_module = output_head(self.model, self.hf_config)
         if not self.frozen:
             self.optimizer, self.lr_scheduler = build_optimizer(self.model, self.config.optimizer, total_steps)
         logger.info(
@@ -210,28 +225,31 @@ class FSDPEngine:
                 plan.append((None, None))
         return plan
 
-    def _logits(self, mb: dict | None) -> torch.Tensor:
-        """Logits ``[T, V]`` (fp32) of a packed micro-batch; a dummy runs one pad token."""
+    def _head(self, mb: dict | None) -> HeadOutput:
+        """The model's output on a packed micro-batch, head not yet applied (a `ChunkedHead`
+        over the last hidden states ``[T, H]``), or its ``[T, ...]`` float32 output for a model
+        without a plain output head (a value model). A dummy runs one pad token."""
         if mb is None:
-            ids = torch.tensor([[self._pad_id]], device=self.device)
-            return self.model(input_ids=ids, use_cache=False).logits[0].float()
-        # The attention function reads the boundaries from cu_seq_lens_q
-        # (the keyword transformers' varlen attention paths use).
-        out = self.model(
-            input_ids=mb["input_ids"][None],
-            position_ids=mb["position_ids"][None],
-            cu_seq_lens_q=mb["cu_seqlens"],
-            use_cache=False,
-        )
-        return out.logits[0].float()
+            kwargs = {"input_ids": torch.tensor([[self._pad_id]], device=self.device)}
+        else:
+            # The attention function reads the boundaries from cu_seq_lens_q
+            # (the keyword transformers' varlen attention paths use).
+            kwargs = {"input_ids": mb["input_ids"][None], "position_ids": mb["position_ids"][None],
+                      "cu_seq_lens_q": mb["cu_seqlens"]}
+        if self._head_module is None:
+            return ChunkedHead.from_logits(self.model(**kwargs, use_cache=False).logits[0].float())
+        with capture_head(self._head_module, take=lambda t: t[0]) as captured:
+            self.model(**kwargs, use_cache=False)
+        return captured[0]
 
     # ------------------------------------------------------------------ train
 
     def train_batch(self, batch: TrainBatch, loss_fn: LossFn, loss_weight_fn: LossWeightFn) -> dict[str, float]:
         """One optimizer step on ``batch`` (a right-padded ``[B, L]`` TensorDict or dict).
 
-        ``loss_fn(logits [T, V], mb)`` is the mean loss of one packed
-        micro-batch; ``loss_weight_fn(mb)`` its weight (e.g. its loss tokens).
+        ``loss_fn(head, mb)`` is the mean loss of one packed micro-batch
+        (``head`` its `HeadOutput`: fused log-probs, or ``head.logits()``);
+        ``loss_weight_fn(mb)`` its weight (e.g. its loss tokens).
         Each micro-batch loss is scaled by ``weight / global_weight`` (global =
         all micro-batches of all ranks) times the world size, which cancels
         FSDP's averaging of gradients over ranks: the step minimises exactly
@@ -260,11 +278,11 @@ class FSDPEngine:
             # Reduce-scatter gradients once, after the last micro-batch.
             if not self.config.cpu_offload:
                 self.model.set_requires_gradient_sync(i == len(plan) - 1)
-            logits = self._logits(mb)
+            head = self._head(mb)
             if mb is None:
-                (logits.sum() * 0.0).backward()
+                (head.logits().sum() * 0.0).backward()
                 continue
-            loss = _checked_loss(loss_fn(logits, mb))
+            loss = _checked_loss(loss_fn(head, mb))
             (loss * (w * scale)).backward()
             loss_sum += loss.detach().double() * w
             _add_stats(stat_sums, mb.get("_stats") or {}, w)
@@ -344,7 +362,8 @@ class FSDPEngine:
     def forward(self, batch: TrainBatch, post_hook: PostHook, out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """Per-token values ``[B, L]`` without a graph (e.g. log-probs of the taken tokens).
 
-        ``post_hook(logits [T, V], mb) -> [T]`` scores ``labels``; the value of
+        ``post_hook(head, mb) -> [T]`` scores ``labels`` (``head`` the
+        micro-batch's `HeadOutput`); the value of
         ``labels[t]`` lands at the position of that token, so ``out[b, j]``
         belongs to ``input_ids[b, j]`` and position 0 of each row is 0.
         Runs in eval mode (the model's mode is restored after).
@@ -356,13 +375,15 @@ class FSDPEngine:
         self.model.eval()
         try:
             for mb, index in self._plan(data):
-                logits = self._logits(mb)
+                head = self._head(mb)
                 if mb is None:
                     continue
-                values = post_hook(logits, mb)
+                values = post_hook(head, mb)
                 unpack(values.detach().to("cpu"), index, out)
         finally:
             self.model.train(was_training)
+            if self.world_size > 1:
+                self.model.reshard()  # no backward follows to reshard the root
         return out.to(data["input_ids"].device)
 
     # ------------------------------------------------------------ checkpoints

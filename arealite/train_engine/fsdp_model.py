@@ -1,9 +1,9 @@
 """Building what ``FSDPEngine`` trains: the HF model sharded with FSDP2, AdamW and its LR schedule.
 
 The model loads with fp32 master weights (``actor.dtype`` only sets the compute
-dtype, through FSDP's mixed-precision policy), without dropout, with the varlen
-attention function of ``arealite.train_engine.packing``, and every decoder layer
-sharded on its own (then the root), as FSDP2 recommends.
+dtype, through FSDP's mixed-precision policy), without dropout, with the packed-sequence
+attention ``actor.attn_impl`` chooses (``arealite.train_engine.attention``), and every
+decoder layer sharded on its own (then the root), as FSDP2 recommends.
 """
 
 from __future__ import annotations
@@ -17,15 +17,16 @@ from typing import TYPE_CHECKING
 import torch
 
 from arealite.config.schema import ActorConfig, OptimizerConfig
+from arealite.train_engine.attention import register_attention, resolve_attn_impl
 from arealite.train_engine.lr_schedule import build_lr_scheduler
-from arealite.train_engine.packing import register_varlen_attention
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
     from transformers import PretrainedConfig
 
-#: Makes the Hugging Face module to train from its directory and config.
-ModelBuilder = Callable[[Path, "PretrainedConfig"], torch.nn.Module]
+#: Makes the Hugging Face module to train from its directory and config; called as
+#: ``build(path, hf_config, attn_implementation=name)`` (the registered attention's name).
+ModelBuilder = Callable[..., torch.nn.Module]
 
 logger = logging.getLogger("arealite.train_engine.fsdp")
 
@@ -75,34 +76,38 @@ def _enable_checkpointing(model: torch.nn.Module) -> None:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kw)
 
 
-def causal_lm(path: Path, hf_config: PretrainedConfig) -> torch.nn.Module:
-    """The Hugging Face causal LM at ``path`` (fp32, dropout off, packed-sequence attention)."""
+def causal_lm(path: Path, hf_config: PretrainedConfig, attn_implementation: str | None = None) -> torch.nn.Module:
+    """The Hugging Face causal LM at ``path`` (fp32, dropout off, packed-sequence attention:
+    ``attn_implementation`` as ``register_attention`` names it; None = the SDPA loop)."""
     from transformers import AutoModelForCausalLM
 
     return AutoModelForCausalLM.from_pretrained(
         path, config=without_dropout(hf_config), dtype=torch.float32,
-        attn_implementation=register_varlen_attention(),
+        attn_implementation=attn_implementation or register_attention("sdpa_loop"),
     )
 
 
 def load_sharded_model(
     config: ActorConfig, mesh: DeviceMesh, dtype: torch.dtype, device_type: str, frozen: bool,
-    build: ModelBuilder = causal_lm,
+    build: ModelBuilder = causal_lm, section: str = "actor",
 ) -> tuple[torch.nn.Module, PretrainedConfig, int]:
     """Load ``config.model_path`` with ``build`` and shard it over ``mesh``; returns
     ``(model, hf_config, n_layers)``.
 
     ``hf_config`` stays as the user wrote it (``export_hf`` saves it); ``build`` makes the
     module from the path and that config (a causal LM unless another model is wanted, such
-    as the critic's value model). A frozen model is in eval mode without gradients, else in
-    train mode.
+    as the critic's value model), with the attention ``config.attn_impl`` resolves to on
+    ``device_type`` (an impossible choice raises, naming ``{section}.attn_impl``). A frozen
+    model is in eval mode without gradients, else in train mode.
     """
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
     from transformers import AutoConfig
 
     path = Path(config.model_path)
     hf_config = AutoConfig.from_pretrained(path)
-    model = build(path, hf_config)
+    attn = resolve_attn_impl(config.attn_impl, device_type, dtype, field=f"{section}.attn_impl")
+    logger.info("%s.attn_impl=%s: packed attention runs as %s", section, config.attn_impl, attn)
+    model = build(path, hf_config, attn_implementation=register_attention(attn))
     model.config.use_cache = False
     if config.gradient_checkpointing and not frozen:
         _enable_checkpointing(model)

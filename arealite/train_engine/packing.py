@@ -5,8 +5,8 @@ waste, so the engine cuts the batch into micro-batches under a token budget and
 concatenates the real tokens of each micro-batch into one row of ``T`` tokens
 ("packing"). Attention must not cross from one sequence into the next, so a
 packed row comes with ``position_ids`` that restart at 0 per sequence and
-``cu_seqlens`` boundaries, which ``varlen_sdpa_attention`` uses to run causal
-attention within each sequence.
+``cu_seqlens`` boundaries, which the attention implementations of
+``arealite.train_engine.attention`` use to run causal attention within each sequence.
 
 Everything here is a pure function of tensors; the packed micro-batch layout
 (``mb``) is the contract of docs/internals.md:
@@ -200,59 +200,3 @@ def unpack(values: torch.Tensor, index: PackedIndex, out: torch.Tensor) -> torch
     flat_out = out.view(B * L, *out.shape[2:])  # a fresh (contiguous) output, as the engine passes
     flat_out[target.to(out.device)] = values[src_idx.to(values.device)].to(out.dtype)
     return out
-
-
-VARLEN_ATTENTION = "arealite_varlen_sdpa"
-"""Name under which ``varlen_sdpa_attention`` is registered with transformers."""
-
-
-def varlen_sdpa_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
-    """Causal attention within each packed sequence, for transformers' ``AttentionInterface``.
-
-    ``query/key/value`` are ``[1, heads, T, head_dim]`` of a packed row; the
-    sequence boundaries come from the ``cu_seq_lens_q`` keyword the engine
-    passes to the model. Each sequence runs its own causal SDPA, so no token
-    sees another sequence and no compute is spent on the T x T cross-sequence
-    blocks a block-diagonal mask would still evaluate. Without boundaries the
-    whole row is one causal sequence. Returns ``([1, T, heads, head_dim], None)``.
-    """
-    if attention_mask is not None:
-        raise ValueError(f"{VARLEN_ATTENTION} takes sequence boundaries (cu_seq_lens_q), not an attention mask")
-    T = query.shape[2]
-    cu = kwargs.get("cu_seq_lens_q")
-    bounds = [0, T] if cu is None else [int(x) for x in cu.tolist()]
-    if bounds[-1] != T:
-        raise ValueError(f"cu_seq_lens_q ends at {bounds[-1]} but the packed row has {T} tokens")
-    gqa = key.shape[1] != query.shape[1]
-    p = dropout if module.training else 0.0
-    outs = []
-    # Adjacent sequences of equal length (first-fit-decreasing packs them next to
-    # each other) run as one batched SDPA call instead of one call each.
-    i = 0
-    while i < len(bounds) - 1:
-        a, n = bounds[i], bounds[i + 1] - bounds[i]
-        k = 1
-        while i + k < len(bounds) - 1 and bounds[i + k + 1] - bounds[i + k] == n:
-            k += 1
-        i += k
-        if n == 0:
-            continue
-        b = a + k * n
-
-        def rows(t):  # [1, h, k*n, d] -> [k, h, n, d]
-            return t[0, :, a:b].unflatten(1, (k, n)).transpose(0, 1)
-
-        o = torch.nn.functional.scaled_dot_product_attention(
-            rows(query), rows(key), rows(value), is_causal=True, scale=scaling, dropout_p=p, enable_gqa=gqa
-        )
-        outs.append(o.transpose(0, 1).flatten(1, 2)[None])  # back to [1, h, k*n, d]
-    out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
-    return out.transpose(1, 2).contiguous(), None
-
-
-def register_varlen_attention() -> str:
-    """Register ``varlen_sdpa_attention`` with transformers (idempotent); returns its name."""
-    from transformers import AttentionInterface
-
-    AttentionInterface.register(VARLEN_ATTENTION, varlen_sdpa_attention)
-    return VARLEN_ATTENTION

@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 
 from arealite.api.contracts import (
+    HeadOutput,
     Runner,
     TrainEngine,
     WeightSource,
@@ -118,8 +119,8 @@ def engine_scorer(engine: TrainEngine) -> Callable[[list[int]], list[float]]:
     """The trainer's log-probs (temperature 1) of ``ids[1:]``: the probe's forward (every rank)."""
     from tensordict import TensorDict
 
-    def hook(logits: torch.Tensor, mb: dict) -> torch.Tensor:
-        return torch.log_softmax(logits.float(), dim=-1).gather(-1, mb["labels"][:, None]).squeeze(-1)
+    def hook(head: HeadOutput, mb: dict) -> torch.Tensor:
+        return head.logprobs(mb["labels"], 1.0)
 
     def score(ids: list[int]) -> list[float]:
         t = torch.tensor([ids], dtype=torch.long)
