@@ -6,7 +6,9 @@ The config package judges what a config alone can tell (`arealite.config.load_co
 The names a config gives to pieces of the packages above it are judged by the packages
 that resolve them (`NAME_CHECKS`): the advantage estimator and the policy loss
 (`arealite.algo`), the reward function (`arealite.reward`), the workflow and its
-kwargs (`arealite.workflow.registry`). Everything that starts a run loads its config
+kwargs (`arealite.workflow.registry`). The train engine judges its parallel layout
+(``sp_size``, ``tp_size``) on the trainer's ranks and the model (`RUN_CHECKS`,
+`arealite.train_engine.parallel_layout`). Everything that starts a run loads its config
 here, so that every problem is reported in one round, naming the field: the launchers,
 `python -m arealite.train`, and `RLTrainer` for a config built in code (`check_names`).
 
@@ -27,9 +29,10 @@ from arealite.config.loader import ConfigError, check_launch, load_config, parse
 from arealite.config.problems import ConfigCheck
 from arealite.config.schema import ArealiteConfig
 from arealite.reward import reward_fn_problems
+from arealite.train_engine.parallel_layout import run_layout_problems
 from arealite.workflow.registry import workflow_problems
 
-__all__ = ["NAME_CHECKS", "check_names", "load_run_config", "main", "parse_run_args"]
+__all__ = ["NAME_CHECKS", "RUN_CHECKS", "check_names", "load_run_config", "main", "parse_run_args"]
 
 #: Names of the algorithm's pieces, resolved by `PPOActor`.
 _ALGORITHM_CHECKS: tuple[ConfigCheck, ...] = (estimator_problems, policy_loss_problems)
@@ -37,6 +40,9 @@ _ALGORITHM_CHECKS: tuple[ConfigCheck, ...] = (estimator_problems, policy_loss_pr
 _WORKFLOW_CHECKS: tuple[ConfigCheck, ...] = (reward_fn_problems, workflow_problems)
 #: The checks of names that only the packages resolving them can judge.
 NAME_CHECKS: tuple[ConfigCheck, ...] = _ALGORITHM_CHECKS + _WORKFLOW_CHECKS
+#: Every check of a run's config beyond the config package's own: the names, and the train
+#: engines' parallel layouts on the trainer's ranks (with the models' configs where they exist).
+RUN_CHECKS: tuple[ConfigCheck, ...] = NAME_CHECKS + (run_layout_problems,)
 
 
 def check_names(cfg: ArealiteConfig, *, workflow_from_config: bool = True) -> ArealiteConfig:
@@ -54,15 +60,15 @@ def check_names(cfg: ArealiteConfig, *, workflow_from_config: bool = True) -> Ar
 
 def load_run_config(path: str | os.PathLike | None, overrides: Sequence[str] = (), *,
                     check_paths: bool = True) -> ArealiteConfig:
-    """`load_config` with `NAME_CHECKS`: raises `ConfigError` listing every problem."""
-    return load_config(path, overrides, check_paths=check_paths, extra_checks=NAME_CHECKS)
+    """`load_config` with `RUN_CHECKS`: raises `ConfigError` listing every problem."""
+    return load_config(path, overrides, check_paths=check_paths, extra_checks=RUN_CHECKS)
 
 
 def parse_run_args(argv: Sequence[str] | None = None, *, check_paths: bool = True, exit_on_error: bool = True,
                    prog: str | None = None) -> ArealiteConfig:
-    """`parse_args` (`--config CFG key=value ...`) with `NAME_CHECKS`."""
+    """`parse_args` (`--config CFG key=value ...`) with `RUN_CHECKS`."""
     return parse_args(argv, check_paths=check_paths, exit_on_error=exit_on_error, prog=prog,
-                      extra_checks=NAME_CHECKS)
+                      extra_checks=RUN_CHECKS)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

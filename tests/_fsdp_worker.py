@@ -8,11 +8,13 @@ then takes a PPO step with each sequence-mean loss aggregation (the ranks hold 5
 and 3 sequences, so a rank-local mean would show). Every process runs on the
 CPU (gloo), also on a GPU machine. Rank r writes ``result_rank{r}.pt``; tests/test_fsdp_dist.py compares worlds.
 
-    torchrun --nproc_per_node 2 tests/_fsdp_worker.py MODEL_DIR OUT_DIR [lora]
+    torchrun --nproc_per_node 2 tests/_fsdp_worker.py MODEL_DIR OUT_DIR [lora | sp | tp]
 
 With ``lora`` the engine is `LoraFSDPEngine` (rank-3 adapters on every linear module, so
 that the A matrices split unevenly over 2 ranks): the same scenario trains only the
-adapters, and rank r also writes the adapter's tensors.
+adapters, and rank r also writes the adapter's tensors. With ``sp`` (``tp``) the 2 ranks
+are one sequence-parallel (tensor-parallel) group: each still hands the engine its own rows,
+and the engine computes all 8 together.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from arealite.algo.actor import PPOActor  # noqa: E402
 from arealite.config.schema import ActorConfig, AlgorithmConfig, LoraConfig  # noqa: E402
 from arealite.train_engine.fsdp import FSDPEngine  # noqa: E402
+from arealite.weight_sync.disk import write_hf_shards  # noqa: E402
 
 GLOBAL_B = 8
 # Rows [0, SPLIT) go to rank 0 of a 2-rank world (long sequences), the rest to rank 1 (short).
@@ -97,10 +100,11 @@ def new_loss_steps(engine: FSDPEngine, batch: dict, logp: torch.Tensor, rows: sl
     return out, adv
 
 
-def run(model_dir: str, out_dir: str, lora: bool = False) -> None:
+def run(model_dir: str, out_dir: str, lora: bool = False, layout: str = "") -> None:
     out = Path(out_dir)
     cfg = ActorConfig(model_path=model_dir, mb_max_tokens=32,
-                      lora=LoraConfig(rank=3, alpha=6.0) if lora else None)
+                      lora=LoraConfig(rank=3, alpha=6.0) if lora else None,
+                      sp_size=2 if layout == "sp" else 1, tp_size=2 if layout == "tp" else 1)
     cfg.optimizer.lr = 1e-2 if lora else 2e-3
     cfg.optimizer.warmup_steps = 1
     cfg.optimizer.lr_scheduler = "cosine"
@@ -120,6 +124,13 @@ def run(model_dir: str, out_dir: str, lora: bool = False) -> None:
     else:
         raise SystemExit("this scenario runs with 1 or 2 processes")
     batch = {k: v[rows] for k, v in global_batch(engine.hf_config.vocab_size).items()}
+    initial = full_weights(engine)
+    pushed = out / "pushed"  # what a disk weight transfer writes, before any step
+    if rank == 0:
+        write_hf_shards(engine, pushed, 1 << 14)
+    else:
+        for _ in engine.named_weight_buckets(1 << 14):  # every rank takes part in the gathers
+            pass
 
     stats = [engine.train_batch(batch, token_mean_ce, n_loss_tokens) for _ in range(3)]
     ckpt = out / "ckpt"
@@ -148,6 +159,7 @@ def run(model_dir: str, out_dir: str, lora: bool = False) -> None:
     torch.save(
         {
             "world": world,
+            "initial": initial,
             "stats": stats,
             "redo": redo,
             "after_4": after_4,
@@ -164,6 +176,9 @@ def run(model_dir: str, out_dir: str, lora: bool = False) -> None:
             "rows": (rows.start, rows.stop),
             "adapter": ({n: t.clone() for b in engine.adapter_buckets(1 << 16) for n, t in b} if lora else {}),
             "n_trainable": sum(p.numel() for p in engine.model.parameters() if p.requires_grad),
+            "layout": (engine.layout.dp, engine.layout.sp, engine.layout.tp),
+            "tp_split": sorted(n for n, p in engine.model.named_parameters()
+                               if "tp" in (getattr(getattr(p, "device_mesh", None), "mesh_dim_names", None) or ())),
         },
         out / f"result_rank{rank}.pt",
     )
@@ -173,4 +188,5 @@ def run(model_dir: str, out_dir: str, lora: bool = False) -> None:
 
 
 if __name__ == "__main__":
-    run(sys.argv[1], sys.argv[2], lora=sys.argv[3:] == ["lora"])
+    mode = sys.argv[3] if len(sys.argv) > 3 else ""
+    run(sys.argv[1], sys.argv[2], lora=mode == "lora", layout=mode if mode in ("sp", "tp") else "")

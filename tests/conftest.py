@@ -57,6 +57,18 @@ def micro_model_dir(tmp_path_factory) -> Path:
     return build_tiny_model(tmp_path_factory.mktemp("tiny_micro"), size="micro", seed=0)
 
 
+@pytest.fixture(scope="session")
+def one_rank_results(micro_model_dir, tmp_path_factory) -> dict:
+    """The scenario of tests/_fsdp_worker.py in this process (a world of one): what every
+    parallel layout of it is compared with."""
+    import torch
+    from fsdp_scenario import load_worker
+
+    out = tmp_path_factory.mktemp("fsdp_1rank")
+    load_worker().run(str(micro_model_dir), str(out))
+    return torch.load(out / "result_rank0.pt", weights_only=False)
+
+
 def run_env(*paths: str | Path, **extra: str) -> dict[str, str]:
     """The environment of an end-to-end child run: one thread per op, offline, the checkout
     (and `paths` before it) on PYTHONPATH, embedded servers as strict as SGLang

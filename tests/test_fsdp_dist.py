@@ -9,56 +9,14 @@ the CPU (gloo), also on a GPU machine.
 
 from __future__ import annotations
 
-import importlib.util
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
-
-from arealite.utils.dist import free_port
-
-HERE = Path(__file__).resolve().parent
-WORKER = HERE / "_fsdp_worker.py"
-
-
-def _load_worker():
-    spec = importlib.util.spec_from_file_location("_fsdp_worker", WORKER)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
-def _max_diff(a: dict, b: dict) -> float:
-    assert a.keys() == b.keys()
-    return max((a[k] - b[k]).abs().max().item() for k in a)
-
-
-def _two_ranks(model_dir, out: Path, *extra: str) -> tuple[Path, list[dict]]:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(HERE.parent)}
-    cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-        "--master_addr", "127.0.0.1", "--master_port", str(free_port()),
-        str(WORKER), str(model_dir), str(out), *extra,
-    ]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
-    if proc.returncode != 0:
-        raise AssertionError(f"torchrun failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
-    return out, [torch.load(out / f"result_rank{r}.pt", weights_only=False) for r in range(2)]
+from fsdp_scenario import load_worker, max_diff, two_ranks
 
 
 @pytest.fixture(scope="module")
 def two_rank_results(micro_model_dir, tmp_path_factory):
-    return _two_ranks(micro_model_dir, tmp_path_factory.mktemp("fsdp_2rank"))
-
-
-@pytest.fixture(scope="module")
-def one_rank_results(micro_model_dir, tmp_path_factory):
-    out = tmp_path_factory.mktemp("fsdp_1rank")
-    _load_worker().run(str(micro_model_dir), str(out))  # in this process: a world of one
-    return torch.load(out / "result_rank0.pt", weights_only=False)
+    return two_ranks(micro_model_dir, tmp_path_factory.mktemp("fsdp_2rank"))
 
 
 @pytest.mark.slow
@@ -75,8 +33,8 @@ def test_two_ranks_match_one_process(two_rank_results, one_rank_results):
     # The loss went down: the steps did something.
     assert r0["stats"][-1]["loss"] < r0["stats"][0]["loss"]
     # Both ranks hold the same full weights, and they equal the 1-process weights.
-    assert _max_diff(r0["after_4"], r1["after_4"]) == 0.0
-    assert _max_diff(r0["after_4"], single["after_4"]) <= 1e-5
+    assert max_diff(r0["after_4"], r1["after_4"]) == 0.0
+    assert max_diff(r0["after_4"], single["after_4"]) <= 1e-5
     # Log-probs of each rank's rows equal the 1-process log-probs of the same rows.
     logp_2 = torch.cat([r0["logp"], r1["logp"]])
     assert (logp_2 - single["logp"]).abs().max().item() <= 1e-5
@@ -95,9 +53,9 @@ def test_two_ranks_match_one_process_with_sequence_mean_ppo_loss(two_rank_result
         assert s2["n_tokens_computed"] > s2["n_tokens"] == s1["n_tokens_computed"], mode  # rank 1 ran dummies
         assert abs(s2["loss"] - s1["loss"]) <= 1e-5, mode
         assert abs(s2["grad_norm"] - s1["grad_norm"]) <= 1e-5, mode
-    assert _max_diff(r0["after_seq_mean"], r1["after_seq_mean"]) == 0.0
-    assert _max_diff(r0["after_seq_mean"], single["after_seq_mean"]) <= 1e-5
-    assert _max_diff(single["after_seq_mean"], single["redone_4"]) > 1e-6  # the PPO steps moved the weights
+    assert max_diff(r0["after_seq_mean"], r1["after_seq_mean"]) == 0.0
+    assert max_diff(r0["after_seq_mean"], single["after_seq_mean"]) <= 1e-5
+    assert max_diff(single["after_seq_mean"], single["redone_4"]) > 1e-6  # the PPO steps moved the weights
 
 
 @pytest.mark.slow
@@ -122,7 +80,7 @@ def test_two_ranks_match_one_process_with_gspo_mismatch_correction_and_global_wh
     assert s2["mismatch_masked_frac"] == pytest.approx(s1["mismatch_masked_frac"], abs=1e-6)
     assert single["new_losses"]["gspo_token_tis_seq"]["mismatch_truncated_frac"] > 0
     assert single["new_losses"]["ppo_mis_token"]["mismatch_masked_frac"] > 0
-    assert _max_diff(r0["after_new_losses"], single["after_new_losses"]) <= 1e-5
+    assert max_diff(r0["after_new_losses"], single["after_new_losses"]) <= 1e-5
 
 
 @pytest.mark.slow
@@ -130,9 +88,9 @@ def test_sharded_checkpoint_resume_equals_uninterrupted(two_rank_results, one_ra
     _, (r0, r1) = two_rank_results
     for res in (r0, r1, one_rank_results):
         # Reloading really went back (weights differ from step 4) ...
-        assert _max_diff(res["restored_3"], res["after_4"]) > 1e-6
+        assert max_diff(res["restored_3"], res["after_4"]) > 1e-6
         # ... and retaking step 4 reproduces it exactly: weights, optimizer moments, LR.
-        assert _max_diff(res["redone_4"], res["after_4"]) == 0.0
+        assert max_diff(res["redone_4"], res["after_4"]) == 0.0
         assert res["redo"]["loss"] == res["stats"][3]["loss"]
         assert res["lr_redone"] == res["lr_after_4"]
 
@@ -155,8 +113,8 @@ def test_lora_two_ranks_match_one_process(micro_model_dir, tmp_path):
     """The same scenario with LoRA adapters: 2 ranks with unequal halves train the adapters as
     1 process does (losses, gradient norms, adapter and merged weights, log-probs, the PPO
     steps), only the adapters train, and resuming the sharded checkpoint retakes a step exactly."""
-    out, (r0, r1) = _two_ranks(micro_model_dir, tmp_path / "two", "lora")
-    _load_worker().run(str(micro_model_dir), str(tmp_path / "one"), lora=True)
+    out, (r0, r1) = two_ranks(micro_model_dir, tmp_path / "two", "lora")
+    load_worker().run(str(micro_model_dir), str(tmp_path / "one"), lora=True)
     single = torch.load(tmp_path / "one" / "result_rank0.pt", weights_only=False)
     assert r0["world"] == 2 and single["world"] == 1
     n_adapter = sum(t.numel() for t in single["adapter"].values())
@@ -164,19 +122,19 @@ def test_lora_two_ranks_match_one_process(micro_model_dir, tmp_path):
     for s2, s1 in zip(r0["stats"] + [r0["redo"]], single["stats"] + [single["redo"]]):
         assert abs(s2["loss"] - s1["loss"]) <= 1e-5 and abs(s2["grad_norm"] - s1["grad_norm"]) <= 1e-5
     assert r0["stats"][-1]["loss"] < r0["stats"][0]["loss"]
-    assert _max_diff(r0["adapter"], r1["adapter"]) == 0.0
+    assert max_diff(r0["adapter"], r1["adapter"]) == 0.0
     # Weights within 1e-4 (a step moves them by ~lr = 1e-2): A's first gradients are ~0 (B starts
     # at 0) and Adam divides them by their own tiny size, which magnifies the reduction order's
     # rounding; a wrong scaling over ranks would differ by a whole step.
-    assert _max_diff(r0["adapter"], single["adapter"]) <= 1e-4
+    assert max_diff(r0["adapter"], single["adapter"]) <= 1e-4
     assert max(t.abs().max().item() for n, t in single["adapter"].items() if "lora_B" in n) > 1e-3  # B moved
     for key in ("after_4", "after_seq_mean", "after_new_losses"):
-        assert _max_diff(r0[key], single[key]) <= 1e-4, key
+        assert max_diff(r0[key], single[key]) <= 1e-4, key
     assert (torch.cat([r0["logp"], r1["logp"]]) - single["logp"]).abs().max().item() <= 1e-4
     for mode, s1 in single["seq_mean"].items():
         assert abs(r0["seq_mean"][mode]["loss"] - s1["loss"]) <= 1e-5, mode
         assert abs(r0["seq_mean"][mode]["grad_norm"] - s1["grad_norm"]) <= 1e-5, mode
     for res in (r0, single):  # resume from the sharded checkpoint retakes step 4 exactly
-        assert _max_diff(res["restored_3"], res["after_4"]) > 1e-6
-        assert _max_diff(res["redone_4"], res["after_4"]) == 0.0
+        assert max_diff(res["restored_3"], res["after_4"]) > 1e-6
+        assert max_diff(res["redone_4"], res["after_4"]) == 0.0
     assert (out / "hf" / "adapter_config.json").is_file()  # the export is the PEFT adapter

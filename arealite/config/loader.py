@@ -315,7 +315,7 @@ def load_config(
     With `check_paths`, model and data paths must exist (turn it off to inspect
     a config before its model is built). `extra_checks` run beside the cross-field
     checks: the checks of names that only the packages above config can resolve
-    (`arealite.check.NAME_CHECKS`). Raises `ConfigError` listing every problem.
+    (`arealite.check.RUN_CHECKS`). Raises `ConfigError` listing every problem.
     """
     sources: dict[str, str] = {}
     origin = str(path) if path is not None else None

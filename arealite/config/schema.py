@@ -415,6 +415,17 @@ class ActorConfig(Section):
     kernel on CPU), `sdpa_loop` (one SDPA call per run of equal-length sequences; runs anywhere),
     `auto` = `varlen` where it can run, else `sdpa_loop` (faster than `flex` on CPU). A choice
     that cannot run on the engine's device is refused at start (see docs/training.md)."""
+    sp_size: int = Field(1, ge=1)
+    """Ulysses sequence parallelism: each packed micro-batch is split by tokens over this many
+    ranks, with an all-to-all over attention heads around attention (the ranks form a data x
+    sequence mesh; the world size must be a multiple). Lets one long answer's activations spread
+    over several devices. Needs the attention heads divisible by it (KV heads are repeated when
+    fewer). See docs/training.md."""
+    tp_size: int = Field(1, ge=1)
+    """Tensor parallelism: the attention and MLP projections of each decoder layer are split over
+    this many ranks (a data x tensor mesh, composed with FSDP2 over the data ranks), for
+    Llama/Qwen2/Qwen3/Mistral-style models; heads, KV heads and the MLP width must divide by it.
+    Not with `sp_size` > 1 or LoRA. See docs/training.md."""
     gradient_checkpointing: bool = False
     """Recompute activations in backward to save memory."""
     cpu_offload: bool = False
@@ -576,6 +587,10 @@ class CriticConfig(Section):
     """Token budget of one packed micro-batch."""
     attn_impl: Literal["auto", "varlen", "flex", "sdpa_loop"] = "auto"
     """Attention over packed sequences, as `actor.attn_impl`."""
+    sp_size: int = Field(1, ge=1)
+    """Sequence-parallel ranks, as `actor.sp_size`."""
+    tp_size: int = Field(1, ge=1)
+    """Tensor-parallel ranks, as `actor.tp_size`."""
     gradient_checkpointing: bool = False
     """Recompute activations in backward to save memory."""
     value_clip: float | None = Field(0.2, gt=0)

@@ -34,6 +34,9 @@ import weakref
 from collections.abc import Callable
 
 import torch
+import torch.distributed as dist
+
+from arealite.train_engine.sequence_parallel import ulysses_attention
 
 __all__ = [
     "ATTN_IMPLS", "ATTENTION_NAMES", "register_attention", "resolve_attn_impl",
@@ -249,15 +252,21 @@ def flex_attention(module, query, key, value, attention_mask, scaling=None, drop
 _FUNCTIONS = {"sdpa_loop": sdpa_loop_attention, "varlen": varlen_attention, "flex": flex_attention}
 
 
-def register_attention(impl: str = "sdpa_loop") -> str:
+def register_attention(impl: str = "sdpa_loop", sp_group: dist.ProcessGroup | None = None) -> str:
     """Register implementation ``impl`` (not ``auto``) with transformers (idempotent); returns the
-    name to load a model with (``attn_implementation=``)."""
+    name to load a model with (``attn_implementation=``). With ``sp_group`` (a sequence-parallel
+    group of more than one rank) ``impl`` runs inside Ulysses' all-to-alls over that group
+    (`arealite.train_engine.sequence_parallel`)."""
     from transformers import AttentionInterface
 
     if impl not in _FUNCTIONS:
         raise ValueError(f"attention implementation {impl!r} is not one of {sorted(_FUNCTIONS)}")
-    AttentionInterface.register(ATTENTION_NAMES[impl], _FUNCTIONS[impl])
-    return ATTENTION_NAMES[impl]
+    if sp_group is None or dist.get_world_size(sp_group) == 1:
+        AttentionInterface.register(ATTENTION_NAMES[impl], _FUNCTIONS[impl])
+        return ATTENTION_NAMES[impl]
+    name = f"{ATTENTION_NAMES[impl]}_ulysses"
+    AttentionInterface.register(name, ulysses_attention(_FUNCTIONS[impl], sp_group))
+    return name
 
 
 def _varlen_problem(device_type: str, dtype: torch.dtype, section: str) -> str | None:

@@ -55,6 +55,10 @@ from arealite.train_engine.fsdp_checkpoint import (
 from arealite.train_engine.fsdp_model import build_optimizer, causal_lm, compute_dtype, load_sharded_model
 from arealite.train_engine.lm_head import ChunkedHead, capture_head, output_head
 from arealite.train_engine.packing import PackedIndex, pack, sequence_lengths, split_into_microbatches, unpack
+from arealite.train_engine.parallel_layout import Meshes, ParallelLayout, build_meshes, layout_error, layout_problems
+from arealite.train_engine.row_gather import GroupRows, gather_rows
+from arealite.train_engine.sequence_parallel import SequenceParallel
+from arealite.train_engine.tensor_parallel import clip_grad_norm
 from arealite.utils.buckets import buckets_of
 from arealite.utils.dist import default_backend, init_default_group, resolve_device_type
 
@@ -93,6 +97,9 @@ class FSDPEngine:
         self._step = 0  # optimizer steps taken (skipped steps excluded)
         self._pad_id = 0
         self._head_module: torch.nn.Module | None = None  # the output head the losses apply lazily
+        self.layout = ParallelLayout(world=1)
+        self.meshes: Meshes | None = None  # built by initialize()
+        self._sp: SequenceParallel | None = None  # this rank's share of each micro-batch (sp_size > 1)
 
     # ------------------------------------------------------------------ setup
 
@@ -117,7 +124,7 @@ class FSDPEngine:
             )
         device_type = self._join_group()
         self.model, self.hf_config, n_layers = load_sharded_model(
-            self.config, self.mesh, self.dtype, device_type, self.frozen, build=self.build_model,
+            self.config, self.meshes, self.dtype, device_type, self.frozen, build=self.build_model,
             section=self.section,
         )
         self._pad_id = int(self.hf_config.pad_token_id or 0)
@@ -128,16 +135,15 @@ class FSDPEngine:
         if not self.frozen:
             self.optimizer, self.lr_scheduler = build_optimizer(self.model, self.config.optimizer, total_steps)
         logger.info(
-            "FSDPEngine ready: rank %d/%d on %s, %d decoder layers sharded, dtype=%s, frozen=%s",
-            self.rank, self.world_size, device_type, n_layers, self.dtype, self.frozen,
+            "FSDPEngine ready: rank %d/%d on %s, %d decoder layers sharded, dtype=%s, frozen=%s, "
+            "dp=%d sp=%d tp=%d", self.rank, self.world_size, device_type, n_layers, self.dtype, self.frozen,
+            self.layout.dp, self.layout.sp, self.layout.tp,
         )
         return self
 
     def _join_group(self) -> str:
-        """Join (or create) the default process group; set rank, device, mesh and compute dtype.
-        Returns the device type."""
-        from torch.distributed.device_mesh import init_device_mesh
-
+        """Join (or create) the default process group; set rank, device, layout, meshes and
+        compute dtype. Returns the device type."""
         device_type = resolve_device_type(self._device_choice)
         backend = default_backend(device_type)
         self._owns_group = init_default_group(backend)
@@ -149,7 +155,15 @@ class FSDPEngine:
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         if device_type == "cuda":
             self.device = torch.device("cuda", torch.cuda.current_device())
-        self.mesh = init_device_mesh(device_type, (self.world_size,), mesh_dim_names=("dp",))
+        sp, tp = self.config.sp_size, self.config.tp_size
+        problems = layout_problems(self.section, sp, tp, self.world_size, lora=self.config.lora is not None)
+        if problems:
+            raise layout_error(problems)
+        self.layout = ParallelLayout(self.world_size, sp=sp, tp=tp)
+        self.meshes = build_meshes(self.layout, device_type)
+        self.mesh = self.meshes.fsdp
+        if sp > 1:
+            self._sp = SequenceParallel(self.meshes.group)
         self.dtype = compute_dtype(self.config.dtype, device_type)
         return device_type
 
@@ -198,8 +212,15 @@ class FSDPEngine:
             )
         return data
 
+    def _group_rows(self, data: dict[str, torch.Tensor]) -> GroupRows:
+        """The rows this rank computes: its own, or those of its whole model-parallel group."""
+        if self.meshes.group is None:
+            return GroupRows(data, start=0, shape=tuple(data["input_ids"].shape))
+        return gather_rows(data, self.meshes.group)
+
     def _plan(self, data: dict[str, torch.Tensor]) -> list[tuple[dict | None, PackedIndex | None]]:
-        """Pack the local rows into micro-batches; every rank gets the same count.
+        """Pack the rows into micro-batches; every rank gets the same count (the ranks of a
+        model-parallel group, given the same rows, the same micro-batches).
 
         A ``None`` micro-batch is a dummy: a rank with fewer real micro-batches
         still runs forward (and backward) so that FSDP's collectives line up.
@@ -225,22 +246,36 @@ class FSDPEngine:
                 plan.append((None, None))
         return plan
 
-    def _head(self, mb: dict | None) -> HeadOutput:
+    def _inputs(self, mb: dict | None, index: PackedIndex | None) -> tuple[dict[str, torch.Tensor | int], int]:
+        """The model's keyword inputs for a packed micro-batch (this rank's share of it under
+        sequence parallelism) and the micro-batch's token count. A dummy is one pad token."""
+        if mb is None:
+            ids, pos, cu, max_len = torch.tensor([self._pad_id], device=self.device), None, None, None
+        else:
+            # The attention function reads the boundaries from cu_seq_lens_q and the longest
+            # sequence from max_length_q (the keywords transformers' varlen attention paths use).
+            ids, pos, cu, max_len = mb["input_ids"], mb["position_ids"], mb["cu_seqlens"], max(index.lengths)
+        if pos is None:
+            pos = torch.zeros_like(ids)
+        if self._sp is not None:
+            return self._sp.local_inputs(ids, pos, cu, max_len)
+        kwargs: dict[str, torch.Tensor | int] = {"input_ids": ids[None], "position_ids": pos[None]}
+        if cu is not None:
+            kwargs.update(cu_seq_lens_q=cu, max_length_q=max_len)
+        return kwargs, ids.shape[0]
+
+    def _head(self, mb: dict | None, index: PackedIndex | None) -> HeadOutput:
         """The model's output on a packed micro-batch, head not yet applied (a `ChunkedHead`
         over the last hidden states ``[T, H]``), or its ``[T, ...]`` float32 output for a model
-        without a plain output head (a value model). A dummy runs one pad token."""
-        if mb is None:
-            kwargs = {"input_ids": torch.tensor([[self._pad_id]], device=self.device)}
-        else:
-            # The attention function reads the boundaries from cu_seq_lens_q
-            # (the keyword transformers' varlen attention paths use).
-            kwargs = {"input_ids": mb["input_ids"][None], "position_ids": mb["position_ids"][None],
-                      "cu_seq_lens_q": mb["cu_seqlens"]}
+        without a plain output head (a value model); gathered from the sequence-parallel group."""
+        kwargs, n_tokens = self._inputs(mb, index)
         if self._head_module is None:
-            return ChunkedHead.from_logits(self.model(**kwargs, use_cache=False).logits[0].float())
-        with capture_head(self._head_module, take=lambda t: t[0]) as captured:
-            self.model(**kwargs, use_cache=False)
-        return captured[0]
+            head = ChunkedHead.from_logits(self.model(**kwargs, use_cache=False).logits[0].float())
+        else:
+            with capture_head(self._head_module, take=lambda t: t[0]) as captured:
+                self.model(**kwargs, use_cache=False)
+            head = captured[0]
+        return head if self._sp is None else self._sp.whole(head, n_tokens)
 
     # ------------------------------------------------------------------ train
 
@@ -261,7 +296,7 @@ class FSDPEngine:
         micro-batch runs one token); both are sums over ranks.
         """
         self._require(train=True)
-        plan = self._plan(self._as_dict(batch))
+        plan = self._plan(self._group_rows(self._as_dict(batch)).data)
         weights = [0.0 if mb is None else _as_weight(loss_weight_fn(mb)) for mb, _ in plan]
         total_weight, base = self._global_totals(plan, weights)
 
@@ -271,14 +306,16 @@ class FSDPEngine:
             logger.warning("train_batch: total loss weight is 0 (nothing to learn from); step skipped")
             return {**base, "grad_norm": 0.0, "loss": 0.0, "skipped": 1.0}
 
-        scale = self.world_size / total_weight
+        # FSDP2 averages gradients over the ranks it shards over; a model-parallel group's ranks
+        # each hold a part of one micro-batch's gradient, which that average sums.
+        scale = self.mesh.size() / total_weight
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
         stat_sums: dict[str, list[float]] = {}
-        for i, ((mb, _), w) in enumerate(zip(plan, weights)):
+        for i, ((mb, index), w) in enumerate(zip(plan, weights)):
             # Reduce-scatter gradients once, after the last micro-batch.
             if not self.config.cpu_offload:
                 self.model.set_requires_gradient_sync(i == len(plan) - 1)
-            head = self._head(mb)
+            head = self._head(mb, index)
             if mb is None:
                 (head.logits().sum() * 0.0).backward()
                 continue
@@ -290,6 +327,7 @@ class FSDPEngine:
 
         grad_norm, skipped = self._step_optimizer()
         dist.all_reduce(loss_sum)
+        loss_sum /= self.layout.group_size  # each rank of a group counted the same micro-batches
         stats = {**base, "grad_norm": grad_norm, "loss": float(loss_sum) / total_weight, "skipped": float(skipped)}
         stats.update(self._reduce_stats(stat_sums))
         return stats
@@ -297,7 +335,8 @@ class FSDPEngine:
     def _global_totals(
         self, plan: list[tuple[dict | None, PackedIndex | None]], weights: list[float]
     ) -> tuple[float, dict[str, float]]:
-        """The loss weight summed over ranks, and the step's size figures (sums over ranks) and LR."""
+        """The loss weight summed over ranks, and the step's size figures (sums over ranks) and LR;
+        a model-parallel group's micro-batches count once."""
         totals = torch.tensor(
             [
                 sum(weights),
@@ -308,6 +347,7 @@ class FSDPEngine:
             dtype=torch.float64, device=self.device,
         )
         dist.all_reduce(totals)
+        totals /= self.layout.group_size
         total_weight, n_tokens, n_computed, n_seqs = (float(x) for x in totals.tolist())
         return total_weight, {
             "lr": self.optimizer.param_groups[0]["lr"], "n_tokens": n_tokens, "n_tokens_computed": n_computed,
@@ -330,12 +370,8 @@ class FSDPEngine:
 
     def _clip_grad_norm(self) -> float:
         """Global gradient norm (clipped to ``gradient_clipping`` if > 0)."""
-        params = [p for p in self.model.parameters() if p.grad is not None]
         clip = self.config.optimizer.gradient_clipping
-        norm = torch.nn.utils.clip_grad_norm_(params, max_norm=clip if clip > 0 else float("inf"))
-        if hasattr(norm, "full_tensor"):
-            norm = norm.full_tensor()  # DTensor grads: the norm is a partial sum over ranks
-        return float(norm)
+        return clip_grad_norm(list(self.model.parameters()), max_norm=clip if clip > 0 else float("inf"))
 
     def _reduce_stats(self, stat_sums: dict[str, list[float]]) -> dict[str, float]:
         """Weighted mean of loss-function stats over micro-batches and ranks (``*_max``: the maximum)."""
@@ -370,12 +406,13 @@ class FSDPEngine:
         """
         self._require()
         data = self._as_dict(batch)
-        out = torch.zeros(data["input_ids"].shape, dtype=out_dtype)
+        rows = self._group_rows(data)
+        out = torch.zeros(rows.data["input_ids"].shape, dtype=out_dtype)
         was_training = self.model.training
         self.model.eval()
         try:
-            for mb, index in self._plan(data):
-                head = self._head(mb)
+            for mb, index in self._plan(rows.data):
+                head = self._head(mb, index)
                 if mb is None:
                     continue
                 values = post_hook(head, mb)
@@ -384,7 +421,7 @@ class FSDPEngine:
             self.model.train(was_training)
             if self.world_size > 1:
                 self.model.reshard()  # no backward follows to reshard the root
-        return out.to(data["input_ids"].device)
+        return rows.own(out).to(data["input_ids"].device)
 
     # ------------------------------------------------------------ checkpoints
 

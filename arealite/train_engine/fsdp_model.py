@@ -15,13 +15,15 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
+import torch.distributed as dist
 
 from arealite.config.schema import ActorConfig, OptimizerConfig
 from arealite.train_engine.attention import register_attention, resolve_attn_impl
 from arealite.train_engine.lr_schedule import build_lr_scheduler
+from arealite.train_engine.parallel_layout import Meshes, layout_error, layout_problems
+from arealite.train_engine.tensor_parallel import apply_tensor_parallel
 
 if TYPE_CHECKING:
-    from torch.distributed.device_mesh import DeviceMesh
     from transformers import PretrainedConfig
 
 #: Makes the Hugging Face module to train from its directory and config; called as
@@ -88,30 +90,39 @@ def causal_lm(path: Path, hf_config: PretrainedConfig, attn_implementation: str 
 
 
 def load_sharded_model(
-    config: ActorConfig, mesh: DeviceMesh, dtype: torch.dtype, device_type: str, frozen: bool,
+    config: ActorConfig, meshes: Meshes, dtype: torch.dtype, device_type: str, frozen: bool,
     build: ModelBuilder = causal_lm, section: str = "actor",
 ) -> tuple[torch.nn.Module, PretrainedConfig, int]:
-    """Load ``config.model_path`` with ``build`` and shard it over ``mesh``; returns
-    ``(model, hf_config, n_layers)``.
+    """Load ``config.model_path`` with ``build``, split its layers over ``meshes.tp`` (tensor
+    parallelism) and shard it over ``meshes.fsdp``; returns ``(model, hf_config, n_layers)``.
 
     ``hf_config`` stays as the user wrote it (``export_hf`` saves it); ``build`` makes the
     module from the path and that config (a causal LM unless another model is wanted, such
     as the critic's value model), with the attention ``config.attn_impl`` resolves to on
-    ``device_type`` (an impossible choice raises, naming ``{section}.attn_impl``). A frozen
-    model is in eval mode without gradients, else in train mode.
+    ``device_type`` (an impossible choice raises, naming ``{section}.attn_impl``), inside
+    Ulysses' all-to-alls when ``config.sp_size > 1``. A layout the model cannot take raises,
+    naming the fields. A frozen model is in eval mode without gradients, else in train mode.
     """
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
     from transformers import AutoConfig
 
     path = Path(config.model_path)
     hf_config = AutoConfig.from_pretrained(path)
+    problems = layout_problems(section, config.sp_size, config.tp_size, dist.get_world_size(),
+                               lora=config.lora is not None, hf_config=hf_config.to_dict())
+    if problems:
+        raise ValueError("; ".join(problems))
     attn = resolve_attn_impl(config.attn_impl, device_type, dtype, field=f"{section}.attn_impl")
     logger.info("%s.attn_impl=%s: packed attention runs as %s", section, config.attn_impl, attn)
-    model = build(path, hf_config, attn_implementation=register_attention(attn))
+    sp_group = meshes.group if config.sp_size > 1 else None
+    model = build(path, hf_config, attn_implementation=register_attention(attn, sp_group))
     model.config.use_cache = False
     if config.gradient_checkpointing and not frozen:
         _enable_checkpointing(model)
+    if meshes.tp is not None:
+        apply_tensor_parallel(decoder_layers(model), meshes.tp)
 
+    mesh = meshes.fsdp
     world_size = mesh.size()
     # With one rank a shard is the whole tensor: re-gathering it for backward is pure copying.
     kwargs: dict[str, object] = {"mesh": mesh, "reshard_after_forward": world_size > 1}

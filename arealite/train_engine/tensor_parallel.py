@@ -1,0 +1,85 @@
+"""Tensor parallelism for Llama/Qwen2/Qwen3/Mistral-style decoder layers (DTensor).
+
+In each decoder layer the query, key, value, gate and up projections are split by output
+features over the ``tp`` ranks (column-wise: each rank computes its own heads and its own slice
+of the MLP's width) and the output and down projections by input features (row-wise: each rank's
+partial product, summed over the ranks). Attention therefore runs on each rank's ``heads / tp``
+query heads and ``kv_heads / tp`` KV heads, on all tokens, with any packed attention
+implementation. Embeddings, norms and the output head stay whole on every tensor-parallel rank
+(FSDP2 shards them over the data-parallel ranks), so the fused log-prob head is unchanged. The
+parameters become DTensors on the data x tensor mesh once FSDP2 shards the layers over ``dp``;
+``full_tensor()`` gathers a weight whole, which is how every weight transfer gets full tensors.
+
+`grad_norm` is the gradient norm over parameters that live on different meshes (the layers' on
+data x tensor, the rest on data alone), which ``clip_grad_norm_`` cannot stack.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING
+
+import torch
+
+from arealite.config.problems import ConfigProblem
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+
+__all__ = ["TP_MODEL_TYPES", "apply_tensor_parallel", "clip_grad_norm", "tensor_parallel_problems"]
+
+#: Model families whose decoder layers have the projections `_LAYER_PLAN` names, in that layout.
+TP_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+
+_COLUMN = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj")
+_ROW = ("self_attn.o_proj", "mlp.down_proj")
+
+
+def tensor_parallel_problems(hf_config: dict, tp: int, field: str) -> list[ConfigProblem]:
+    """Why a model (its config.json as a dict) cannot be split over ``tp`` ranks (``field`` is
+    the config field that asks for it)."""
+    model_type = hf_config.get("model_type")
+    if model_type not in TP_MODEL_TYPES:
+        return [ConfigProblem(field, f"tensor parallelism knows the decoder layers of {', '.join(TP_MODEL_TYPES)} "
+                              f"models, and this model is {model_type!r}; set {field}=1 (FSDP2 alone, or "
+                              "sp_size)", tp)]
+    problems = []
+    sizes = {"num_attention_heads": hf_config.get("num_attention_heads"),
+             "num_key_value_heads": hf_config.get("num_key_value_heads") or hf_config.get("num_attention_heads"),
+             "intermediate_size": hf_config.get("intermediate_size")}
+    for name, n in sizes.items():
+        if isinstance(n, int) and n % tp:
+            problems.append(ConfigProblem(field, f"does not divide the model's {name}={n}; pick a divisor of it", tp))
+    return problems
+
+
+def apply_tensor_parallel(layers: list[torch.nn.Module], tp_mesh: DeviceMesh) -> None:
+    """Split each of ``layers`` (a model's decoder layers) over ``tp_mesh`` in place; the rest of
+    the model stays whole."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    plan = {**{name: ColwiseParallel() for name in _COLUMN}, **{name: RowwiseParallel() for name in _ROW}}
+    for layer in layers:
+        parallelize_module(layer, tp_mesh, plan)
+
+
+def _norm_of(grads: list[torch.Tensor]) -> torch.Tensor:
+    """The 2-norm of ``grads`` (all on one mesh, or plain tensors) as a plain tensor."""
+    norm = torch.nn.utils.get_total_norm(grads, norm_type=2.0, foreach=True)
+    return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+
+
+def clip_grad_norm(params: list[torch.Tensor], max_norm: float) -> float:
+    """The gradient norm of ``params`` over every mesh they live on; scales the gradients by
+    ``max_norm / norm`` when that is below 1 (as ``torch.nn.utils.clip_grad_norm_`` does)."""
+    by_mesh: dict[object, list[torch.Tensor]] = {}
+    for p in params:
+        if p.grad is not None:
+            by_mesh.setdefault(getattr(p.grad, "device_mesh", None), []).append(p.grad)
+    total = math.sqrt(sum(float(_norm_of(grads)) ** 2 for grads in by_mesh.values()))
+    coef = max_norm / (total + 1e-6)
+    if math.isfinite(total) and coef < 1.0:
+        for grads in by_mesh.values():
+            for g in grads:
+                g.mul_(coef)
+    return total

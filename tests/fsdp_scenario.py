@@ -1,0 +1,49 @@
+"""Running the scenario of tests/_fsdp_worker.py: under torchrun with 2 ranks, or in this process.
+
+Shared by the tests that compare a parallel layout with one process (tests/test_fsdp_dist.py,
+tests/test_sequence_parallel.py, tests/test_tensor_parallel.py); the one-process result is a
+session fixture in conftest (``one_rank_results``).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+from arealite.utils.dist import free_port
+
+HERE = Path(__file__).resolve().parent
+WORKER = HERE / "_fsdp_worker.py"
+
+
+def load_worker():
+    """tests/_fsdp_worker.py as a module (its ``run`` in this process is a world of one)."""
+    spec = importlib.util.spec_from_file_location("_fsdp_worker", WORKER)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def max_diff(a: dict, b: dict) -> float:
+    """The largest absolute difference between two dicts of tensors with the same keys."""
+    assert a.keys() == b.keys()
+    return max((a[k] - b[k]).abs().max().item() for k in a)
+
+
+def two_ranks(model_dir, out: Path, *extra: str) -> tuple[Path, list[dict]]:
+    """The scenario under ``torchrun --nproc_per_node 2`` (``extra``: lora, sp or tp); each rank's result."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(HERE.parent)}
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+        "--master_addr", "127.0.0.1", "--master_port", str(free_port()),
+        str(WORKER), str(model_dir), str(out), *extra,
+    ]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
+    if proc.returncode != 0:
+        raise AssertionError(f"torchrun failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
+    return out, [torch.load(out / f"result_rank{r}.pt", weights_only=False) for r in range(2)]

@@ -1,0 +1,103 @@
+"""Tensor parallelism (``actor.tp_size``): 2 ranks of one tensor-parallel group under real
+torchrun (gloo) train, score and push weights as 1 process does.
+
+The scenario is tests/_fsdp_worker.py (steps, a sharded checkpoint and a retaken step, log-probs,
+PPO steps): each rank hands the engine its own rows, and the group computes all of them with the
+decoder layers' projections split over the 2 ranks.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from fsdp_scenario import max_diff, two_ranks
+
+from arealite.train_engine.parallel_layout import layout_problems
+from arealite.train_engine.tensor_parallel import tensor_parallel_problems
+
+QWEN2 = {"model_type": "qwen2", "num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 128}
+
+
+@pytest.fixture(scope="module")
+def tp_results(micro_model_dir, tmp_path_factory):
+    return two_ranks(micro_model_dir, tmp_path_factory.mktemp("tp2"), "tp")
+
+
+@pytest.mark.slow
+def test_tensor_parallel_two_ranks_match_one_process(tp_results, one_rank_results):
+    _, (r0, r1) = tp_results
+    single = one_rank_results
+    assert r0["layout"] == (1, 1, 2)
+    # The projections really are split over the tensor-parallel ranks (7 per layer, with the biases).
+    assert len(r0["tp_split"]) == 2 * 10 and all("layers." in n for n in r0["tp_split"])
+    for s2, s1 in zip(r0["stats"] + [r0["redo"]], single["stats"] + [single["redo"]]):
+        assert s2["n_tokens"] == s1["n_tokens"] and s2["n_seqs"] == s1["n_seqs"] == 8
+        assert abs(s2["loss"] - s1["loss"]) <= 1e-5 and abs(s2["grad_norm"] - s1["grad_norm"]) <= 1e-5
+    for group in ("seq_mean", "new_losses"):
+        for name, s1 in single[group].items():
+            assert abs(r0[group][name]["loss"] - s1["loss"]) <= 1e-5, name
+            assert abs(r0[group][name]["grad_norm"] - s1["grad_norm"]) <= 1e-5, name
+    for key in ("after_4", "after_seq_mean", "after_new_losses"):
+        assert max_diff(r0[key], r1[key]) == 0.0, key
+        assert max_diff(r0[key], single[key]) <= 1e-5, key
+    assert (torch.cat([r0["logp"], r1["logp"]]) - single["logp"]).abs().max().item() <= 1e-5
+    assert max_diff(r0["redone_4"], r0["after_4"]) == 0.0  # the sharded checkpoint retakes a step exactly
+    assert max_diff(r0["restored_3"], r0["after_4"]) > 1e-6
+
+
+@pytest.mark.slow
+def test_tensor_parallel_push_equals_one_process_byte_for_byte(tp_results, one_rank_results, micro_model_dir):
+    """The weights a disk transfer writes from a tp=2 trainer (full tensors gathered from the
+    shards) are the 1-process trainer's and the model file's, byte for byte."""
+    from safetensors.torch import load_file
+
+    out, (r0, _) = tp_results
+    pushed = {}
+    for f in sorted((out / "pushed").glob("*.safetensors")):
+        pushed.update(load_file(f))
+    on_disk = load_file(micro_model_dir / "model.safetensors")
+    assert pushed.keys() == on_disk.keys() == one_rank_results["initial"].keys()
+    for name, t in pushed.items():
+        assert t.dtype == on_disk[name].dtype and t.shape == on_disk[name].shape, name
+        assert t.numpy().tobytes() == on_disk[name].numpy().tobytes(), name
+        assert torch.equal(r0["initial"][name], one_rank_results["initial"][name]), name
+    # After training, the gathered weights are those of the 1-process run (checked above) and
+    # export loads as a whole Hugging Face model.
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(out / "hf", dtype=torch.float32)
+    for name, t in r0["redone_4"].items():
+        assert torch.equal(model.state_dict()[name], t), name
+
+
+def test_tensor_parallel_refuses_a_model_it_does_not_know():
+    (problem,) = tensor_parallel_problems({**QWEN2, "model_type": "gpt2"}, 2, "actor.tp_size")
+    assert problem.path == "actor.tp_size" and problem.value == 2 and "'gpt2'" in problem.message
+
+
+def test_tensor_parallel_refuses_sizes_that_do_not_divide():
+    problems = tensor_parallel_problems({**QWEN2, "num_key_value_heads": 1, "intermediate_size": 130}, 4,
+                                        "critic.tp_size")
+    assert [p.path for p in problems] == ["critic.tp_size"] * 2
+    assert any("num_key_value_heads=1" in p.message for p in problems)
+    assert any("intermediate_size=130" in p.message for p in problems)
+
+
+def test_tensor_parallel_layout_errors_name_the_fields():
+    assert layout_problems("actor", 1, 2, 4, hf_config=QWEN2) == []
+    (odd,) = layout_problems("actor", 1, 2, 3)
+    assert odd.path == "actor.tp_size" and "3 trainer ranks" in odd.message and "launch.n_trainer_procs" in odd.message
+    (both,) = layout_problems("actor", 2, 2, 4)
+    assert "actor.sp_size" in both.format() and "actor.tp_size=2" in both.format()
+    (lora,) = layout_problems("actor", 1, 2, 2, lora=True)
+    assert lora.path == "actor.tp_size" and "actor.lora" in lora.message
+
+
+def test_tensor_parallel_engine_refuses_lora_before_loading(micro_model_dir):
+    """An engine built in code checks its layout too, naming the fields, before any process group work."""
+    from arealite.config.schema import ActorConfig, LoraConfig
+    from arealite.lora import LoraFSDPEngine
+
+    cfg = ActorConfig(model_path=str(micro_model_dir), tp_size=2, lora=LoraConfig(rank=2))
+    with pytest.raises(ValueError, match=r"actor.tp_size = 2.*LoRA"):
+        LoraFSDPEngine(cfg, device="cpu").initialize()
