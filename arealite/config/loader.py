@@ -394,8 +394,9 @@ def _check_rloo_group(cfg: ArealiteConfig) -> list[ConfigProblem]:
 
 
 def _check_eval_needs_data(cfg: ArealiteConfig) -> list[ConfigProblem]:
-    """Any `evaluation.*` setting needs `data.eval_path`."""
-    if cfg.data.eval_path:
+    """Any `evaluation.*` setting needs held-out prompts (`data.eval_path`, or
+    `data.reasoning_gym.eval_size` with `data.source: reasoning_gym`)."""
+    if cfg.data.has_held_out:
         return []
     out = []
     for name in ("freq_steps", "max_prompts", "max_new_tokens"):

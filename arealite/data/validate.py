@@ -210,18 +210,18 @@ def validate_datasets(
                   tokenizer_path=cfg.actor.model_path,
                   vocab_size=_hf_config(Path(cfg.actor.model_path)).get("vocab_size"))
     out = {"train": validate_prompts(train_items, tokenizer, max_new_tokens=cfg.generation.max_new_tokens,
-                                     dataset=f"data.train_path ({cfg.data.train_path})", **common)}
+                                     dataset=cfg.data.describe("train"), **common)}
     per_rank_batch = cfg.rollout.consumer_batch_size // world
     if len(train_items) // world < per_rank_batch:
         raise DatasetError(
-            f"data.train_path ({cfg.data.train_path}) has {len(train_items)} prompts, fewer than one batch: "
+            f"{cfg.data.describe('train')} has {len(train_items)} prompts, fewer than one batch: "
             f"rollout.consumer_batch_size = {cfg.rollout.consumer_batch_size} over {world} trainer rank(s) "
             f"needs at least {per_rank_batch * world}; lower rollout.consumer_batch_size or add prompts"
         )
     if eval_items:
         eval_new = cfg.evaluation.max_new_tokens
         out["eval"] = validate_prompts(
-            eval_items, tokenizer, dataset=f"data.eval_path ({cfg.data.eval_path})",
+            eval_items, tokenizer, dataset=cfg.data.describe("eval"),
             max_new_tokens=eval_new or cfg.generation.max_new_tokens,
             max_new_tokens_name="evaluation.max_new_tokens" if eval_new else "generation.max_new_tokens", **common)
     return out

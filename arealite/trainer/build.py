@@ -15,7 +15,8 @@ from typing import TYPE_CHECKING
 from arealite.algo.actor import PPOActor
 from arealite.api.contracts import RolloutSide, TrainEngine
 from arealite.config.schema import ArealiteConfig
-from arealite.data.dataset import StatefulDataLoader, load_items
+from arealite.data.dataset import StatefulDataLoader
+from arealite.data.sources import load_prompt_sets
 from arealite.data.validate import validate_datasets
 from arealite.rollout.build import build_inference_client, build_local_rollout
 from arealite.rollout.worker import RolloutWorker, WorkerSpec, runs_in_a_worker
@@ -38,10 +39,9 @@ def rank_and_world() -> tuple[int, int]:
 
 def load_data(cfg: ArealiteConfig, tokenizer: PreTrainedTokenizerBase) -> tuple[list[JsonObject], list[JsonObject]]:
     """Training and held-out items, every bad prompt named before anything starts."""
-    d = cfg.data
-    train = load_items(d.train_path, d.prompt_key, d.answer_key)
-    held_out = load_items(d.eval_path, d.prompt_key, d.answer_key) if d.eval_path else []
-    held_out = held_out[: cfg.evaluation.max_prompts or len(held_out)]
+    from arealite.workflow.registry import environment_prompt_sets
+
+    train, held_out = load_prompt_sets(cfg, environment_prompt_sets)  # from where data.source says
     validate_datasets(cfg, tokenizer, train, held_out)
     return train, held_out
 
@@ -52,8 +52,9 @@ def probe_prompt(cfg: ArealiteConfig, tokenizer: PreTrainedTokenizerBase | None,
     prompt = items[0].get(cfg.data.prompt_key) if items else None
     if tokenizer is None or prompt is None:
         return None
-    if isinstance(prompt, list):  # chat messages
-        return list(tokenizer.apply_chat_template(prompt, tokenize=True, add_generation_prompt=True))
+    if isinstance(prompt, list):  # chat messages, rendered as the workflows render them
+        text = tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
+        return list(tokenizer.encode(text, add_special_tokens=False))
     return list(tokenizer.encode(str(prompt)))
 
 

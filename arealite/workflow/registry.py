@@ -21,12 +21,12 @@ from __future__ import annotations
 import importlib
 import inspect
 import pkgutil
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Callable, TypeVar
 
 from arealite.config.problems import ConfigProblem
 from arealite.utils.imports import import_callable, is_import_spec, register_into
-from arealite.utils.json_types import JsonValue
+from arealite.utils.json_types import JsonObject, JsonValue
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -110,8 +110,24 @@ def workflow_problems(cfg: ArealiteConfig) -> list[ConfigProblem]:
         cls = resolve_workflow_class(cfg.rollout.workflow)
     except ValueError as e:
         return [ConfigProblem("rollout.workflow", str(e), cfg.rollout.workflow)]
+    if cfg.data.source == "environment" and getattr(cls, "prompt_sets", None) is None:
+        return [ConfigProblem("data.source", f"is environment, but rollout.workflow {cfg.rollout.workflow!r} has "
+                              "no environment datasets (`verifiers` and `openenv` do): set data.source: files "
+                              "and data.train_path", cfg.data.source)]
     return [ConfigProblem(f"rollout.workflow_kwargs.{key}", why, cfg.rollout.workflow_kwargs.get(key))
             for key, why in workflow_kwargs_problems(cls, cfg.rollout.workflow_kwargs)]
+
+
+def environment_prompt_sets(cfg: ArealiteConfig) -> tuple[Sequence[JsonObject], Sequence[JsonObject]]:
+    """The datasets of the workflow's environment (`data.source: environment`): its class's
+    ``prompt_sets(cfg)`` (training items, held-out items)."""
+    cls = resolve_workflow_class(cfg.rollout.workflow)
+    sets = getattr(cls, "prompt_sets", None)
+    if sets is None:
+        raise ValueError(f"data.source is environment but rollout.workflow {cfg.rollout.workflow!r} has no "
+                         "environment datasets (a `prompt_sets(cfg)` classmethod, as `verifiers` and `openenv` "
+                         "have): set data.source: files and data.train_path")
+    return sets(cfg)
 
 
 def eval_config(cfg: ArealiteConfig, sampled: bool = False) -> ArealiteConfig:
