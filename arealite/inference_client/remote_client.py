@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import operator
 import time
 from collections.abc import Callable, Iterable, Sequence
 import aiohttp
@@ -498,26 +499,44 @@ def _status_failure(wire: WireFormat, server: ServerState, status: int, raw: byt
     return BadRequestError(server.addr, wire.generate_route, status, error_message(raw))
 
 
+def _token_ids(ids: object, rid: str) -> list[int]:
+    """``ids`` as a list of Python ints: integers of any kind (numpy's and torch's integer
+    scalars too, or an integer array or tensor) are taken as they are; anything else (a float,
+    a bool, a string) is refused, naming the request and the position."""
+    if hasattr(ids, "tolist") and hasattr(ids, "dtype"):  # a numpy array or a torch tensor
+        ids = ids.tolist()
+    try:
+        items = list(ids)  # type: ignore[call-overload]
+    except TypeError:
+        raise ValueError(f"GenerationRequest.input_ids of request {rid} must be a list of token ids (ints), "
+                         f"got {ids!r:.80}") from None
+    if not items:
+        raise ValueError(f"GenerationRequest.input_ids of request {rid} is empty; give at least one token")
+    prompt = []
+    for i, t in enumerate(items):
+        try:
+            if isinstance(t, bool) or "bool" in str(getattr(t, "dtype", "")):
+                raise TypeError("a bool is not a token id")
+            prompt.append(operator.index(t))  # ints, numpy/torch integer scalars; never a float
+        except TypeError:
+            raise ValueError(
+                f"GenerationRequest.input_ids must be a list of token ids (ints): input_ids[{i}] of request "
+                f"{rid} is {t!r:.40} ({type(t).__name__}); give integer token ids (e.g. .long() or "
+                ".astype(int)): a float is refused rather than truncated") from None
+    return prompt
+
+
 def _check_request(req: GenerationRequest) -> tuple[list[int], int]:
     """Validate at the boundary: a bad request fails here, not on the server."""
     if not isinstance(req, GenerationRequest):
         raise TypeError(f"agenerate expects a GenerationRequest, got {type(req).__name__}")
     ids = req.input_ids
-    # Fast path (the usual case): a list of Python ints; the ends are checked here and the
-    # serializer rejects any other non-number in between.
-    if type(ids) is list and ids and type(ids[0]) is int and type(ids[-1]) is int:
+    # Fast path (the usual case): a list of Python ints, every one of them checked (a float
+    # anywhere would be serialized as such, or truncated by a conversion, and answered).
+    if type(ids) is list and ids and set(map(type, ids)) == {int}:
         prompt = list(ids)
     else:
-        try:
-            prompt = [int(t) for t in ids]
-        except (TypeError, ValueError):
-            raise ValueError(
-                f"GenerationRequest.input_ids must be a list of token ids (ints), got {ids!r:.80}"
-            ) from None
-        if not prompt:
-            raise ValueError(
-                f"GenerationRequest.input_ids of request {req.rid} is empty; give at least one token"
-            )
+        prompt = _token_ids(ids, req.rid)
     if type(req.top_logprobs) is not int or not 0 <= req.top_logprobs <= 64:
         raise ValueError(f"GenerationRequest.top_logprobs={req.top_logprobs!r} of request {req.rid} must be "
                          "an int in [0, 64]")

@@ -72,7 +72,7 @@ class ServerState:
     __slots__ = (
         "addr", "base_url", "sem", "healthy", "reason", "consecutive_failures", "inflight",
         "attempts", "info", "version_text", "version", "tp_size", "last_probe", "probing",
-        "excluded", "n_ok", "n_failed", "conns", "routes", "liveness",
+        "excluded", "n_ok", "n_failed", "conns", "routes", "liveness", "warm",
     )
 
     def __init__(self, addr: str, base_url: str, max_inflight: int):
@@ -100,6 +100,9 @@ class ServerState:
         # The routes it serves (its OpenAPI document), None when it does not say.
         self.routes: frozenset[str] | None = None
         self.liveness = ""  # the route that tells it is alive without generating
+        # Its start-up warm-up is over (`arealite.inference_client.warm_up`): only then may it
+        # be paused, or SGLang's own warm-up request may time out waiting and kill it.
+        self.warm = False
 
     def serves(self, route: str) -> bool | None:
         """Whether the server has ``route`` (None: it did not list its routes)."""
@@ -149,6 +152,9 @@ class ServerPool:
         self.running = asyncio.Event()
         self.running.set()
         self.paused_at = 0.0
+        # How long the servers may take to start (`initialize`'s timeout); also bounds the wait
+        # for their start-up warm-up before the first pause.
+        self.startup_timeout_s = 300.0
         self.session: aiohttp.ClientSession | None = None
         self.loop: asyncio.AbstractEventLoop | None = None
         self.closed = False
@@ -271,11 +277,14 @@ class ServerPool:
         for s, ok in zip(targets, oks):
             if ok:
                 continue
-            reason = f"no answer to {self.liveness_route(s)}{f' after {why}' if why else ''}"
-            self.take_out(s, reason)
-            s.excluded = s.excluded or reason
+            self.drop(s, f"no answer to {self.liveness_route(s)}{f' after {why}' if why else ''}")
             dropped.append(s.addr)
         return dropped
+
+    def drop(self, s: ServerState, reason: str) -> None:
+        """Take ``s`` out of rotation for good (it misses weight updates from now on)."""
+        self.take_out(s, reason)
+        s.excluded = s.excluded or reason
 
     # -------------------------------------------------------------- lifecycle
 
@@ -303,6 +312,7 @@ class ServerPool:
         """Wait until every server is healthy (at most ``timeout`` s), then read what each
         says about itself. Raises `ServerStartupError` naming the servers that never answered."""
         self.ensure_session()
+        self.startup_timeout_s = float(timeout)
         deadline = time.monotonic() + timeout
         causes = await asyncio.gather(*(self._wait_healthy(s, deadline) for s in self.states))
         failed = {s.addr: c for s, c in zip(self.states, causes) if c is not None}

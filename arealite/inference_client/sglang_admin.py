@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 from arealite.inference_client.errors import ServerAdminError
 from arealite.inference_client.server_pool import ServerPool, ServerState
 from arealite.inference_client.sglang_wire import has_weight_update_brackets, parse_prompt_logprobs, prompt_score_body
+from arealite.inference_client.warm_up import wait_until_warm
 from arealite.utils.json_types import JsonObject, JsonValue
 
 if TYPE_CHECKING:
@@ -82,8 +83,12 @@ class SGLangAdmin:
         """Pause every server: in-flight requests return with finish reason ``abort``.
 
         Until ``continue_generation``, their resubmissions and new requests wait in
-        the client (at most its ``max_pause_s``), not on the servers.
+        the client (at most its ``max_pause_s``), not on the servers. A server is paused
+        only once its start-up warm-up is over (`wait_until_warm`): SGLang kills itself
+        when its warm-up request waits out a pause longer than its warm-up timeout.
         """
+        if self.pool.running.is_set():  # not paused by us already
+            await wait_until_warm(self.pool)
         self.pool.hold()
         return await self.pool.call_all("/pause_generation", {"mode": "abort"})
 

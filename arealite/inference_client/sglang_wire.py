@@ -152,6 +152,9 @@ class SGLangWire:
     # routes answer from the tokenizer manager without generating (newest name first).
     health_route = "/health"
     liveness_routes = ("/model_info", "/get_model_info")
+    # 200 once SGLang's start-up warm-up is over (and it is not paused), without generating;
+    # used where /openapi.json lists it, else /health (503 until then) tells the same.
+    ready_route = "/ready"
     batches = True  # GenerateReqInput: lists of input_ids, sampling_params, rid (`batch_body`)
     #: The LoRA adapter every request runs with (``lora_path``: ``actor.lora.served_name`` in a
     #: LoRA run, the name each push reloads, `arealite.weight_sync.lora`); None = the base model.

@@ -101,6 +101,7 @@ class WireFormat(Protocol):
     routes_route: str | None  # GET, the routes a server serves (OpenAPI document), None: not offered
     health_route: str  # GET, 200 = alive and generating (start-up, probes while not paused)
     liveness_routes: tuple[str, ...]  # GET, 200 = alive, never generates (probes while paused)
+    ready_route: str | None  # GET, 200 = start-up warm-up over and not paused; None: not offered
     batches: bool  # whether `generate_route` takes several requests in one body (`batch_body`)
 
     def sampling_params(self, sp: SamplingParams) -> JsonObject:

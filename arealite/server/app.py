@@ -27,6 +27,7 @@ from .runner import ModelRunner, Sequence
 from .strict import SGLangBehaviour
 from .sampling import GenerateInput, RequestCaps, SamplingConfig, parse_generate
 from .lora import LoraRoutes
+from .warm_up import WarmUp, self_url
 from .weight_routes import WeightRoutes
 from .weights import model_state, parse_dtype
 
@@ -98,7 +99,9 @@ class EmbeddedServer:
             prompt_cache_entries=args.prompt_cache_entries,
         )
         self.behaviour = SGLangBehaviour.from_flags(
-            strict=args.strict_sglang, release=args.sglang_version, readback=args.readback_architectures)
+            strict=args.strict_sglang, release=args.sglang_version, readback=args.readback_architectures,
+            skip_warmup=args.skip_server_warmup, warmup_delay_s=args.warmup_delay_s)
+        self.warm_up = WarmUp(self.behaviour)
         self.weights = WeightRoutes(model, self.state, self.runner, behaviour=self.behaviour, device=device,
                                     timeout_s=args.weight_sync_timeout_s, model_path=str(args.model_path))
         self.lora = LoraRoutes(model, self.runner)
@@ -152,6 +155,8 @@ class EmbeddedServer:
     # -- routes -----------------------------------------------------------
 
     async def health(self, request: web.Request) -> web.Response:
+        if self.warm_up.starting:
+            return web.Response(status=503)  # SGLang: ServerStatus.Starting answers at once
         if self.behaviour.health_generates:
             return await self._health_by_generation()
         return web.Response(status=200)
@@ -170,6 +175,8 @@ class EmbeddedServer:
 
     async def health_generate(self, request: web.Request) -> web.Response:
         r = self.runner
+        if self.warm_up.starting:
+            return web.Response(status=503)
         if self.behaviour.strict:
             return await self._health_by_generation()
         if r.paused or r.in_update_bracket:
@@ -182,6 +189,10 @@ class EmbeddedServer:
         except (asyncio.TimeoutError, RuntimeError) as e:
             return error_response(f"health generation failed: {e!r}", status=503)
         return web.json_response({"status": "ok"})
+
+    async def ready(self, request: web.Request) -> web.Response:
+        """SGLang's ``/ready``: 200 once the start-up warm-up is over, while not paused."""
+        return web.Response(status=200 if self.warm_up.up and not self.runner.paused else 503)
 
     async def get_model_info(self, request: web.Request) -> web.Response:
         cfg = self.model.config
@@ -320,6 +331,7 @@ def build_app(server: EmbeddedServer) -> web.Application:
     for path, h in both.items():
         app.router.add_get(path, h)
         app.router.add_post(path, h)
+    app.router.add_get("/ready", s.ready)
     if s.behaviour.openapi:
         app.router.add_get("/openapi.json", s.openapi)
     for path, h in {
@@ -380,7 +392,13 @@ async def serve(args: ServerArgs, stop: asyncio.Event | None = None) -> None:
         args.host, args.port, args.model_path, n_params / 1e6,
         str(next(server.model.parameters()).dtype).removeprefix("torch."), server.device, time.perf_counter() - t0,
     )
+    stop = stop if stop is not None else asyncio.Event()
+    # Strict mode: SGLang's start-up warm-up; when it fails the server stops, as SGLang's does.
+    warm_up = asyncio.create_task(server.warm_up.run(self_url(args.host, args.port), args.api_key, stop.set))
     try:
-        await (stop.wait() if stop is not None else asyncio.Event().wait())
+        await stop.wait()
     finally:
+        warm_up.cancel()
         await app_runner.cleanup()
+    if server.warm_up.status == "failed":
+        raise SystemExit(f"arealite embedded server on {args.host}:{args.port}: {server.warm_up.failure}")

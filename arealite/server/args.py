@@ -63,6 +63,10 @@ class ServerArgs:
     """File holding the API key (read at start; the key itself never goes on a command line)."""
     api_key_on_argv: bool = False
     """Whether the key came from ``--api-key`` on the command line (warned about at start)."""
+    skip_server_warmup: bool = False
+    """Strict mode: skip SGLang's start-up warm-up (ready at once), as SGLang's flag of that name."""
+    warmup_delay_s: float = 0.0
+    """Strict mode: seconds before the start-up warm-up's request goes out (models a slow warm-up)."""
     freeze_gc: bool = True
     """Once loaded, keep the garbage collector off the startup heap (`arealite.utils.heap`)."""
 
@@ -119,6 +123,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-freeze-gc", dest="freeze_gc", action="store_false",
                    help="let the garbage collector keep scanning the model and libraries loaded at start "
                         "(by default they are frozen once: full scans of them stall generation ~0.2 s)")
+    p.add_argument("--skip-server-warmup", action="store_true",
+                   help="strict mode: no start-up warm-up (SGLang's flag); the server is ready at once")
+    p.add_argument("--warmup-delay-s", type=float, default=0.0,
+                   help="strict mode: wait this long before the start-up warm-up's /generate (a slow warm-up; "
+                        "its timeout is $SGLANG_WARMUP_TIMEOUT, after which the server exits as SGLang does)")
     p.add_argument("--readback-architectures", default=None,
                    help="comma-separated model classes whose weights can be read back ('all')")
     g = p.add_argument_group("request limits (docs/security.md)")
@@ -150,6 +159,8 @@ def parse_args(argv: list[str] | None = None) -> ServerArgs:
         p.error(f"--context-length {ns.context_length} must be at least 2")
     if not ns.sglang_version[:1].isdigit():
         p.error(f"--sglang-version {ns.sglang_version!r} is not a release such as 0.5.23")
+    if not ns.warmup_delay_s >= 0:
+        p.error(f"--warmup-delay-s {ns.warmup_delay_s} must be >= 0")
     if ns.weight_sync_timeout_s <= 0:
         p.error("--weight-sync-timeout-s must be positive")
     for flag in ("max_body_bytes", "max_prompts", "max_request_tokens"):

@@ -18,7 +18,21 @@ Always (whatever the mode), as SGLang's releases that have the routes:
   ``/openapi.json`` listing every route, as FastAPI serves it (off when the
   ``DISABLE_OPENAPI_DOC`` environment variable is true, as in SGLang).
 
+- **Per-bucket relabelling** (``update_weights_from_distributed`` in
+  ``managers/tokenizer_control_mixin.py``): every successful call that carries a
+  ``weight_version`` relabels the server at once, so a push that fails after its first
+  bucket leaves the new label over mixed weights unless only its last bucket carries it.
+
 Strict mode only (``--strict-sglang``; on in the suite's end-to-end and fault tests):
+
+- **The start-up warm-up** (``_wait_and_warmup`` / ``_execute_server_warmup`` in
+  ``entrypoints/http_server.py``): once the HTTP server is up, SGLang sends itself one
+  ``/generate`` (8 greedy tokens); until it has its answer ``/health`` answers 503 at once
+  and ``/ready`` 503, while ``/model_info`` already answers. The warm-up's request waits like
+  any other while generation is paused, and when it has no answer within
+  ``SGLANG_WARMUP_TIMEOUT`` seconds (``srt/environ.py``; -1, the default, means 600) the
+  server kills itself. ``--warmup-delay-s`` sets how long the stand-in takes before sending
+  it (a slow-warming server); ``--skip-server-warmup`` (SGLang's flag) skips it.
 
 - **/health generates** (``health_generate`` in ``http_server.py``): one greedy token,
   unless ``SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION`` is false (``srt/environ.py``,
@@ -61,6 +75,16 @@ def _env_bool(name: str, default: bool) -> bool:
     return v.strip().lower() in ("1", "true", "yes", "on")
 
 
+def _warmup_timeout() -> float:
+    """``SGLANG_WARMUP_TIMEOUT`` as SGLang reads it: a positive number of seconds, else 600."""
+    text = os.environ.get("SGLANG_WARMUP_TIMEOUT", "").strip()
+    try:
+        value = float(text) if text else -1.0
+    except ValueError:
+        value = -1.0
+    return value if value > 0 else 600.0
+
+
 def _release_tuple(text: str) -> tuple[int, ...]:
     parts = []
     for p in text.split(".")[:3]:
@@ -83,9 +107,16 @@ class SGLangBehaviour:
     readback_architectures: frozenset[str] | None = None
     """Model classes whose weights can be read back (None: every class)."""
     openapi: bool = True
+    warmup: bool = False
+    """Whether the server runs SGLang's start-up warm-up (and is not ready until it is over)."""
+    warmup_delay_s: float = 0.0
+    """How long after start-up the warm-up's request goes out (a slow-warming server)."""
+    warmup_timeout_s: float = 600.0
+    """How long the warm-up's request may wait for its answer before the server kills itself."""
 
     @classmethod
-    def from_flags(cls, *, strict: bool, release: str, readback: str | None) -> "SGLangBehaviour":
+    def from_flags(cls, *, strict: bool, release: str, readback: str | None, skip_warmup: bool = False,
+                   warmup_delay_s: float = 0.0) -> "SGLangBehaviour":
         """Build it from the server's flags and SGLang's environment variables."""
         if readback is not None:
             archs: frozenset[str] | None = frozenset(a.strip() for a in readback.split(",") if a.strip())
@@ -100,6 +131,9 @@ class SGLangBehaviour:
             health_timeout_s=timeout,
             readback_architectures=archs,
             openapi=not _env_bool("DISABLE_OPENAPI_DOC", False),
+            warmup=strict and not skip_warmup,
+            warmup_delay_s=float(warmup_delay_s),
+            warmup_timeout_s=_warmup_timeout(),
         )
 
     @property

@@ -6,7 +6,9 @@ the transfer, the same rules hold (`publisher.WeightPublisher` enforces them):
 - only trainer rank 0 talks to the servers; every rank still iterates
   ``engine.named_weight_buckets`` (unsharding is a collective) and then learns from
   rank 0 how the update ended (`agree`);
-- every update carries its ``weight_version``;
+- every update carries its ``weight_version``, and the servers take it on only with the
+  update's last call (a transfer in several calls labels its last one alone: a server
+  relabelled by a push that then failed would report the new version over mixed weights);
 - afterwards the update is verified (by default a sample of tensors is read back
   with ``get_weights_by_name`` and compared with the trainer's copy); any failure
   raises ``WeightSyncError`` and the servers are left paused, so that none of them

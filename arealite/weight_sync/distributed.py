@@ -9,7 +9,7 @@ Per update (``transfer``, the servers paused by the publisher), on rank 0:
     rebuild the group if its members are not the servers in rotation
     begin_weight_update                      (SGLang >= 0.5.21; skipped on older servers)
     for each bucket of ``weight_sync.bucket_size_mb``:
-        post /update_weights_from_distributed {names, dtypes, shapes, weight_version}
+        post /update_weights_from_distributed {names, dtypes, shapes[, weight_version: last bucket only]}
         broadcast the bucket's tensors in ``names`` order  (concurrently with the HTTP call)
         await the HTTP answer
     end_weight_update
@@ -35,7 +35,7 @@ import concurrent.futures as cf
 import sys
 import threading
 import uuid
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Coroutine, Iterator
 from typing import Literal, TypeVar
 
 import torch
@@ -72,6 +72,19 @@ def in_thread(fn: Callable[[], T], name: str) -> cf.Future[T]:
 
     threading.Thread(target=body, name=name, daemon=True).start()
     return fut
+
+
+def with_last(items: Iterator[T]) -> Iterator[tuple[T, bool]]:
+    """``(item, is_last)`` for each item, reading one item ahead."""
+    it = iter(items)
+    try:
+        current = next(it)
+    except StopIteration:
+        return
+    for following in it:
+        yield current, False
+        current = following
+    yield current, True
 
 
 def resolve_backend(backend: str) -> str:
@@ -310,16 +323,22 @@ class DistributedTransfer:
             return None
 
     def _broadcast_all(self, buckets, version: int) -> tuple[int, int, int]:
-        """Broadcast every bucket to the group; returns (buckets, tensors, bytes)."""
+        """Broadcast every bucket to the group; returns (buckets, tensors, bytes).
+
+        Only the last bucket carries ``weight_version``: SGLang relabels a server after every
+        update call that carries one, so a push failing halfway would otherwise leave servers
+        reporting the new version over a mix of old and new weights. Knowing which bucket is
+        the last costs reading one bucket ahead (one more bucket held in memory).
+        """
         timeout = self.config.timeout_s
         n_bytes = n_tensors = n_buckets = 0
-        for bucket in buckets:
+        for bucket, last in with_last(buckets):
             names = [n for n, _ in bucket]
             tensors = [self._prepare(t) for _, t in bucket]
             flat = self.flattened and len(tensors) > 1 and len({t.dtype for t in tensors}) == 1
             coro = self.admin.update_weights_from_distributed(
                 names, [t.dtype for t in tensors], [list(t.shape) for t in tensors],
-                self.group_name, version, flattened_bucket=flat, timeout=timeout)
+                self.group_name, version if last else None, flattened_bucket=flat, timeout=timeout)
             http = in_thread(lambda c=coro: self.run(c), "weight-sync-http")
             send = [torch.cat([t.reshape(-1) for t in tensors])] if flat else tensors
             # Issuing the collective runs in the thread too: NCCL's first collective on a group
