@@ -4,7 +4,10 @@
 #      packed-attention kernels (varlen, flex) against SDPA run on each sequence alone,
 #   2. the embedded server generating on the GPU, checked token by token against an HF forward,
 #   3. a 20-step asynchronous GRPO run of the demo with the trainer and the embedded server on
-#      one GPU (weights by shm), its log-prob probe agreeing every step.
+#      one GPU (weights by shm), its log-prob probe agreeing every step,
+#   4. training MFU and tokens/s of a randomly initialised Qwen2.5-1.5B-shaped model (bf16,
+#      long-tailed packed RL batches) against transformers' padded SDPA loop
+#      (benchmarks/bench_mfu.py), whatever the tests said.
 #
 #   bash ci/gpu_local.sh
 #
@@ -24,4 +27,7 @@ fi
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1
 nvidia-smi -L
 $PY -c 'import torch, transformers; print(f"[gpu] torch {torch.__version__}, transformers {transformers.__version__}, {torch.cuda.get_device_name()}")'
-$PY -m pytest -q -rs -p no:cacheprovider -m gpu tests/test_fsdp.py tests/test_attention.py tests/test_gpu.py "$@"
+status=0
+$PY -m pytest -q -rs -p no:cacheprovider -m gpu tests/test_fsdp.py tests/test_attention.py tests/test_gpu.py "$@" || status=$?
+$PY benchmarks/bench_mfu.py --steps ${MFU_STEPS:-4} || status=$?
+exit $status

@@ -132,7 +132,11 @@ def run(model_dir: str, out_dir: str, lora: bool = False, layout: str = "") -> N
         for _ in engine.named_weight_buckets(1 << 14):  # every rank takes part in the gathers
             pass
 
-    stats = [engine.train_batch(batch, token_mean_ce, n_loss_tokens) for _ in range(3)]
+    stats = [engine.train_batch(batch, token_mean_ce, n_loss_tokens)]
+    # The first step's (clipped) gradients, whole: the step leaves them on the parameters.
+    grads = {n: (p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad).clone()
+             for n, p in engine.model.named_parameters() if p.grad is not None}
+    stats += [engine.train_batch(batch, token_mean_ce, n_loss_tokens) for _ in range(2)]
     ckpt = out / "ckpt"
     engine.save(ckpt)
     stats.append(engine.train_batch(batch, token_mean_ce, n_loss_tokens))
@@ -160,6 +164,7 @@ def run(model_dir: str, out_dir: str, lora: bool = False, layout: str = "") -> N
         {
             "world": world,
             "initial": initial,
+            "grads": grads,
             "stats": stats,
             "redo": redo,
             "after_4": after_4,

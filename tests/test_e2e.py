@@ -86,3 +86,19 @@ def test_async_grpo_end_to_end_then_resume(demo_dir, tmp_path):
     assert "resumed from" in res2.stdout + res2.stderr
     records2 = _records(run)[len(records):]
     assert [r["step"] for r in records2 if "rollout/reward_mean" in r] == [3, 4]
+
+
+@pytest.mark.parametrize("layout", ["actor.sp_size=2", "actor.tp_size=2"])
+def test_sequence_parallel_and_tensor_parallel_runs_complete(layout, demo_dir, tmp_path):
+    """The whole system with the 2 trainer ranks as one sequence-parallel (tensor-parallel) group:
+    rollouts, training, distributed weight pushes and the final export, for 2 steps."""
+    runs = tmp_path / "runs"
+    res = _launch(demo_dir, runs, "data.max_train_steps=2", "evaluation.freq_steps=null", layout)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    run = runs / "reverse_digits" / "e2e"
+    steps = [r for r in _records(run) if "rollout/reward_mean" in r]
+    assert [r["step"] for r in steps] == [1, 2]
+    for r in steps:
+        assert r["rollout/n_trajectories"] == 16 and r["train/n_seqs"] == 16  # the group trains on both ranks' rows
+        assert r["weight_sync/n_tensors"] > 0
+    assert (run / "final_model" / "model.safetensors").exists()

@@ -37,6 +37,7 @@ def test_sequence_parallel_two_ranks_match_one_process(sp_results, one_rank_resu
         for name, s1 in single[group].items():
             assert abs(r0[group][name]["loss"] - s1["loss"]) <= 1e-5, name
             assert abs(r0[group][name]["grad_norm"] - s1["grad_norm"]) <= 1e-5, name
+    assert max_diff(r0["grads"], single["grads"]) <= 1e-5 and max_diff(r0["grads"], r1["grads"]) == 0.0
     for key in ("after_4", "after_seq_mean", "after_new_losses"):
         assert max_diff(r0[key], r1[key]) == 0.0, key
         assert max_diff(r0[key], single[key]) <= 1e-5, key

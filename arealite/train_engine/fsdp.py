@@ -54,9 +54,9 @@ from arealite.train_engine.fsdp_checkpoint import (
 )
 from arealite.train_engine.fsdp_model import build_optimizer, causal_lm, compute_dtype, load_sharded_model
 from arealite.train_engine.lm_head import ChunkedHead, capture_head, output_head
-from arealite.train_engine.packing import PackedIndex, pack, sequence_lengths, split_into_microbatches, unpack
+from arealite.train_engine.microbatch import MicroBatch, MicroBatchPlanner
+from arealite.train_engine.packing import PackedIndex, unpack
 from arealite.train_engine.parallel_layout import Meshes, ParallelLayout, build_meshes, layout_error, layout_problems
-from arealite.train_engine.row_gather import GroupRows, gather_rows
 from arealite.train_engine.sequence_parallel import SequenceParallel
 from arealite.train_engine.tensor_parallel import clip_grad_norm
 from arealite.utils.buckets import buckets_of
@@ -95,7 +95,7 @@ class FSDPEngine:
         self._owns_group = False
         self._version = 0
         self._step = 0  # optimizer steps taken (skipped steps excluded)
-        self._pad_id = 0
+        self.planner: MicroBatchPlanner | None = None  # the batch -> micro-batches -> model inputs
         self._head_module: torch.nn.Module | None = None  # the output head the losses apply lazily
         self.layout = ParallelLayout(world=1)
         self.meshes: Meshes | None = None  # built by initialize()
@@ -127,7 +127,8 @@ class FSDPEngine:
             self.config, self.meshes, self.dtype, device_type, self.frozen, build=self.build_model,
             section=self.section,
         )
-        self._pad_id = int(self.hf_config.pad_token_id or 0)
+        self.planner = MicroBatchPlanner(self.config.mb_max_tokens, self.device, int(self.hf_config.pad_token_id or 0),
+                                         group=self.meshes.group, sp=self._sp)
         # The loss applies the output head after the model's forward returns: the root's
         # parameters (the head's weight among them) must stay gathered until the backward.
         self.model.set_reshard_after_forward(False, recurse=False)
@@ -195,80 +196,11 @@ class FSDPEngine:
         if train and self.frozen:
             raise RuntimeError("this FSDPEngine is frozen (a reference model): it cannot train")
 
-    @staticmethod
-    def _as_dict(batch: TrainBatch) -> dict[str, torch.Tensor]:
-        """The batch's tensors as a flat dict; non-tensor entries are not per-token data and are left out."""
-        keys = list(batch.keys())
-        data = {k: batch[k] for k in keys if isinstance(batch[k], torch.Tensor)}
-        for need in ("input_ids", "attention_mask"):
-            if need not in data:
-                raise KeyError(f"batch has no '{need}' (keys: {sorted(keys)}); both are required")
-        if data["input_ids"].dim() != 2:
-            raise ValueError(f"batch 'input_ids' must be [B, L], got shape {tuple(data['input_ids'].shape)}")
-        if data["attention_mask"].shape != data["input_ids"].shape:
-            raise ValueError(
-                f"batch 'attention_mask' has shape {tuple(data['attention_mask'].shape)}, "
-                f"'input_ids' has {tuple(data['input_ids'].shape)}; they must match"
-            )
-        return data
-
-    def _group_rows(self, data: dict[str, torch.Tensor]) -> GroupRows:
-        """The rows this rank computes: its own, or those of its whole model-parallel group."""
-        if self.meshes.group is None:
-            return GroupRows(data, start=0, shape=tuple(data["input_ids"].shape))
-        return gather_rows(data, self.meshes.group)
-
-    def _plan(self, data: dict[str, torch.Tensor]) -> list[tuple[dict | None, PackedIndex | None]]:
-        """Pack the rows into micro-batches; every rank gets the same count (the ranks of a
-        model-parallel group, given the same rows, the same micro-batches).
-
-        A ``None`` micro-batch is a dummy: a rank with fewer real micro-batches
-        still runs forward (and backward) so that FSDP's collectives line up.
-        """
-        lengths = sequence_lengths(data["attention_mask"]).tolist()
-        for r, n in enumerate(lengths):
-            if n == 0:
-                raise ValueError(f"batch row {r} has no real tokens (attention_mask all 0); drop it before training")
-        groups = split_into_microbatches(lengths, self.config.mb_max_tokens)
-        count = torch.tensor([len(groups)], dtype=torch.int64, device=self.device)
-        dist.all_reduce(count, op=dist.ReduceOp.MAX)
-        n_mb = int(count.item())
-        if n_mb == 0:
-            raise ValueError("the batch is empty on every rank: nothing to compute")
-        if n_mb > len(groups):
-            groups = split_into_microbatches(lengths, self.config.mb_max_tokens, min_count=n_mb)
-        plan: list[tuple[dict | None, PackedIndex | None]] = []
-        for rows in groups:
-            if rows:
-                mb, index = pack(data, rows, lengths)
-                plan.append(({k: v.to(self.device) for k, v in mb.items()}, index))
-            else:
-                plan.append((None, None))
-        return plan
-
-    def _inputs(self, mb: dict | None, index: PackedIndex | None) -> tuple[dict[str, torch.Tensor | int], int]:
-        """The model's keyword inputs for a packed micro-batch (this rank's share of it under
-        sequence parallelism) and the micro-batch's token count. A dummy is one pad token."""
-        if mb is None:
-            ids, pos, cu, max_len = torch.tensor([self._pad_id], device=self.device), None, None, None
-        else:
-            # The attention function reads the boundaries from cu_seq_lens_q and the longest
-            # sequence from max_length_q (the keywords transformers' varlen attention paths use).
-            ids, pos, cu, max_len = mb["input_ids"], mb["position_ids"], mb["cu_seqlens"], max(index.lengths)
-        if pos is None:
-            pos = torch.zeros_like(ids)
-        if self._sp is not None:
-            return self._sp.local_inputs(ids, pos, cu, max_len)
-        kwargs: dict[str, torch.Tensor | int] = {"input_ids": ids[None], "position_ids": pos[None]}
-        if cu is not None:
-            kwargs.update(cu_seq_lens_q=cu, max_length_q=max_len)
-        return kwargs, ids.shape[0]
-
     def _head(self, mb: dict | None, index: PackedIndex | None) -> HeadOutput:
         """The model's output on a packed micro-batch, head not yet applied (a `ChunkedHead`
         over the last hidden states ``[T, H]``), or its ``[T, ...]`` float32 output for a model
         without a plain output head (a value model); gathered from the sequence-parallel group."""
-        kwargs, n_tokens = self._inputs(mb, index)
+        kwargs, n_tokens = self.planner.model_inputs(mb, index)
         if self._head_module is None:
             head = ChunkedHead.from_logits(self.model(**kwargs, use_cache=False).logits[0].float())
         else:
@@ -296,7 +228,7 @@ class FSDPEngine:
         micro-batch runs one token); both are sums over ranks.
         """
         self._require(train=True)
-        plan = self._plan(self._group_rows(self._as_dict(batch)).data)
+        plan = self.planner.plan(self.planner.rows(batch).data)
         weights = [0.0 if mb is None else _as_weight(loss_weight_fn(mb)) for mb, _ in plan]
         total_weight, base = self._global_totals(plan, weights)
 
@@ -333,7 +265,7 @@ class FSDPEngine:
         return stats
 
     def _global_totals(
-        self, plan: list[tuple[dict | None, PackedIndex | None]], weights: list[float]
+        self, plan: list[MicroBatch], weights: list[float]
     ) -> tuple[float, dict[str, float]]:
         """The loss weight summed over ranks, and the step's size figures (sums over ranks) and LR;
         a model-parallel group's micro-batches count once."""
@@ -405,13 +337,12 @@ class FSDPEngine:
         Runs in eval mode (the model's mode is restored after).
         """
         self._require()
-        data = self._as_dict(batch)
-        rows = self._group_rows(data)
+        rows = self.planner.rows(batch)
         out = torch.zeros(rows.data["input_ids"].shape, dtype=out_dtype)
         was_training = self.model.training
         self.model.eval()
         try:
-            for mb, index in self._plan(rows.data):
+            for mb, index in self.planner.plan(rows.data):
                 head = self._head(mb, index)
                 if mb is None:
                     continue
@@ -421,7 +352,7 @@ class FSDPEngine:
             self.model.train(was_training)
             if self.world_size > 1:
                 self.model.reshard()  # no backward follows to reshard the root
-        return rows.own(out).to(data["input_ids"].device)
+        return rows.own(out).to(batch["input_ids"].device)
 
     # ------------------------------------------------------------ checkpoints
 
