@@ -47,6 +47,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench_mfu import n_loss_tokens, token_mean_nll  # noqa: E402  (the same loss as the GPU benchmark)
+
 LAYOUTS = {"single": {}, "sp2": {"sp_size": 2}, "tp2": {"tp_size": 2}}
 
 
@@ -55,16 +57,6 @@ def _status_kb(key: str) -> int:
         if line.startswith(key + ":"):
             return int(line.split()[1])
     raise KeyError(key)
-
-
-def token_mean_nll(head, mb) -> torch.Tensor:
-    logp = head.logprobs(mb["labels"])
-    mask = mb["loss_mask"].float()
-    return -(logp * mask).sum() / mask.sum().clamp(min=1)
-
-
-def n_loss_tokens(mb) -> torch.Tensor:
-    return mb["loss_mask"].sum()
 
 
 def child(model_dir: str, layout: str, seq_len: int, seqs: int, out: str) -> None:

@@ -141,6 +141,23 @@ def tiny_server(tiny_model_dir):
         proc.stop()
 
 
+class ScriptedChat:
+    """An inference client whose model answers request k with ``texts[k % len]`` and the chat
+    template's end-of-turn token (``<|im_end|>``); ``prompts`` records each request's input ids."""
+
+    def __init__(self, tok, texts):
+        self.tok, self.texts, self.prompts = tok, texts, []
+        self.eot = tok.convert_tokens_to_ids("<|im_end|>")
+
+    async def agenerate(self, req):
+        from arealite.api.types import Completion
+
+        k = len(self.prompts)
+        self.prompts.append(list(req.input_ids))
+        out = self.tok.encode(self.texts[k % len(self.texts)], add_special_tokens=False) + [self.eot]
+        return Completion(req.rid, list(req.input_ids), out, [-0.1] * len(out), [3] * len(out), "stop")
+
+
 class RecordingClient:
     """A real inference client that records every request's input ids and its completion."""
 

@@ -47,3 +47,24 @@ def two_ranks(model_dir, out: Path, *extra: str) -> tuple[Path, list[dict]]:
     if proc.returncode != 0:
         raise AssertionError(f"torchrun failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
     return out, [torch.load(out / f"result_rank{r}.pt", weights_only=False) for r in range(2)]
+
+
+def assert_matches_one_process(r0: dict, r1: dict, single: dict, tol: float = 1e-5) -> None:
+    """A 2-rank group's results (``r0``, ``r1``) equal the 1-process ``single`` within ``tol``:
+    every step's loss and gradient norm, the first step's gradients, the weights after every kind
+    of step (both ranks exactly alike), the log-probs of each rank's rows; and the sharded
+    checkpoint retakes a step exactly."""
+    for s2, s1 in zip(r0["stats"] + [r0["redo"]], single["stats"] + [single["redo"]]):
+        assert s2["n_tokens"] == s1["n_tokens"] and s2["n_seqs"] == s1["n_seqs"] == 8
+        assert abs(s2["loss"] - s1["loss"]) <= tol and abs(s2["grad_norm"] - s1["grad_norm"]) <= tol
+    for group in ("seq_mean", "new_losses"):
+        for name, s1 in single[group].items():
+            assert abs(r0[group][name]["loss"] - s1["loss"]) <= tol, name
+            assert abs(r0[group][name]["grad_norm"] - s1["grad_norm"]) <= tol, name
+    assert max_diff(r0["grads"], single["grads"]) <= tol and max_diff(r0["grads"], r1["grads"]) == 0.0
+    for key in ("after_4", "after_seq_mean", "after_new_losses"):
+        assert max_diff(r0[key], r1[key]) == 0.0, key
+        assert max_diff(r0[key], single[key]) <= tol, key
+    assert (torch.cat([r0["logp"], r1["logp"]]) - single["logp"]).abs().max().item() <= tol
+    assert max_diff(r0["redone_4"], r0["after_4"]) == 0.0
+    assert max_diff(r0["restored_3"], r0["after_4"]) > 1e-6

@@ -16,11 +16,11 @@ import pytest
 import yaml
 from transformers import AutoTokenizer
 
+from conftest import ScriptedChat as Scripted
 from conftest import run_env
 
 pytest.importorskip("openenv.core")
 
-from arealite.api.types import Completion  # noqa: E402
 from arealite.config.schema import GenerationConfig, RolloutConfig  # noqa: E402
 from arealite.environments.openenv_env import OpenEnvWorkflow  # noqa: E402
 
@@ -28,20 +28,6 @@ TESTS = Path(__file__).resolve().parent
 sys.path.insert(0, str(TESTS))
 GUESS = {"env_class": "user_pkg.openenv_guess:GuessEnv", "action_class": "user_pkg.openenv_guess:GuessAction",
          "observation_class": "user_pkg.openenv_guess:GuessObservation", "observation_key": "prompt"}
-
-
-class Scripted:
-    """A model that answers request k with ``texts[k % len]`` and the end-of-turn token."""
-
-    def __init__(self, tok, texts):
-        self.tok, self.texts, self.prompts = tok, texts, []
-        self.eot = tok.convert_tokens_to_ids("<|im_end|>")
-
-    async def agenerate(self, req):
-        k = len(self.prompts)
-        self.prompts.append(list(req.input_ids))
-        out = self.tok.encode(self.texts[k % len(self.texts)], add_special_tokens=False) + [self.eot]
-        return Completion(req.rid, list(req.input_ids), out, [-0.1] * len(out), [3] * len(out), "stop")
 
 
 @pytest.fixture(scope="module")

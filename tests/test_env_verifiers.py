@@ -15,11 +15,11 @@ import pytest
 import yaml
 from transformers import AutoTokenizer
 
+from conftest import ScriptedChat as Scripted
 from conftest import run_env
 
 pytest.importorskip("verifiers")
 
-from arealite.api.types import Completion  # noqa: E402
 from arealite.config.schema import ArealiteConfig, GenerationConfig, RolloutConfig  # noqa: E402
 from arealite.environments.verifiers_env import EnvironmentNotFound, VerifiersWorkflow  # noqa: E402
 from arealite.workflow.registry import build_workflow, environment_prompt_sets, workflow_problems  # noqa: E402
@@ -31,20 +31,6 @@ sys.path.insert(0, str(TESTS))
 @pytest.fixture(scope="module")
 def tok(micro_model_dir):
     return AutoTokenizer.from_pretrained(micro_model_dir)
-
-
-class Scripted:
-    """A model that answers request k with ``texts[k % len]`` and the end-of-turn token."""
-
-    def __init__(self, tok, texts):
-        self.tok, self.texts, self.prompts = tok, texts, []
-        self.eot = tok.convert_tokens_to_ids("<|im_end|>")
-
-    async def agenerate(self, req):
-        k = len(self.prompts)
-        self.prompts.append(list(req.input_ids))
-        out = self.tok.encode(self.texts[k % len(self.texts)], add_special_tokens=False) + [self.eot]
-        return Completion(req.rid, list(req.input_ids), out, [-0.1] * len(out), [3] * len(out), "stop")
 
 
 def _wf(tok, env="user_pkg.vf_envs:single_turn", n=2, on_error="zero", timeout_s=60.0, **env_args):
