@@ -102,3 +102,22 @@ def test_sequence_parallel_and_tensor_parallel_runs_complete(layout, demo_dir, t
         assert r["rollout/n_trajectories"] == 16 and r["train/n_seqs"] == 16  # the group trains on both ranks' rows
         assert r["weight_sync/n_tensors"] > 0
     assert (run / "final_model" / "model.safetensors").exists()
+
+
+def test_moe_run_with_routing_replay_completes(tmp_path):
+    """A tiny Qwen3-MoE through the whole system with `algorithm.routing_replay: r3`: the servers
+    record each token's experts, the client joins them across interrupted segments (the pushes
+    pause the servers mid-generation), the trajectories carry them and the trainer's forwards
+    replay them (a routing that does not line up with the packed tokens raises; a server started
+    without `--enable-return-routed-experts` refuses the requests)."""
+    demo = tmp_path / "demo_moe"
+    subprocess.run(
+        [sys.executable, "examples/reverse_digits/prepare.py", "--out", str(demo), "--size", "moe-micro",
+         "--n-train", "200", "--n-eval", "16", "--warmup-steps", "10", "--batch-size", "16"],
+        cwd=REPO, env=_env(), check=True, timeout=300, capture_output=True,
+    )
+    runs = tmp_path / "runs"
+    res = _launch(demo, runs, "data.max_train_steps=2", "evaluation.freq_steps=null", "algorithm.routing_replay=r3")
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    steps = [r for r in _records(runs / "reverse_digits" / "e2e") if "rollout/reward_mean" in r]
+    assert [r["step"] for r in steps] == [1, 2]

@@ -1,6 +1,7 @@
 """SGLang's HTTP protocol, route by route, against two backends.
 
-The same tests run against arealite's embedded server in strict mode (always) and
+The same tests run against arealite's embedded server in strict mode (always), against a
+simulated server (the embedded server's app with a GPU cost model, ``--sim``), and
 against a real SGLang server when one can run: on a CUDA machine with SGLang installed
 and ``AREALITE_SGLANG_MODEL`` naming a model directory (``ci/gpu.sh`` sets it up), so
 the day a GPU is there one command says whether the real path behaves as the client
@@ -40,13 +41,13 @@ def _request(addr: str, route: str, body: dict | None = None, timeout: float = 3
         return status, raw.decode(errors="replace")
 
 
-def _wait_ready(proc: subprocess.Popen, addr: str, log: Path, timeout: float) -> None:
+def _wait_ready(proc: subprocess.Popen, addr: str, log: Path, timeout: float, route: str = "/model_info") -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             raise RuntimeError(f"server exited:\n{log.read_text()[-3000:]}")
         try:
-            if _request(addr, "/model_info", timeout=2)[0] == 200:
+            if _request(addr, route, timeout=2)[0] == 200:
                 return
         except OSError:
             pass
@@ -68,9 +69,11 @@ def _start(name: str, micro_model_dir: Path, tmp: Path) -> Backend:
     port = free_port()
     log = tmp / f"{name}.log"
     env = dict(os.environ, OMP_NUM_THREADS="1", SGLANG_HEALTH_CHECK_TIMEOUT="3")
-    if name == "embedded":
+    if name in ("embedded", "sim"):
         cmd = [sys.executable, "-m", "arealite.server", "--model-path", str(micro_model_dir),
                "--port", str(port), "--strict-sglang"]
+        if name == "sim":  # the same app, a GPU cost model instead of the model (arealite.server.sim)
+            cmd.append("--sim")
         readback, timeout = False, 90  # the tiny model is a Qwen2: SGLang cannot read it back
     else:
         cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", SGLANG_MODEL, "--port", str(port),
@@ -81,14 +84,15 @@ def _start(name: str, micro_model_dir: Path, tmp: Path) -> Backend:
     proc = subprocess.Popen(cmd, stdout=open(log, "wb"), stderr=subprocess.STDOUT, env=env, start_new_session=True)
     addr = f"127.0.0.1:{port}"
     try:
-        _wait_ready(proc, addr, log, timeout)
+        # A simulated warm-up takes a simulated GPU's time (8 decode steps): wait until it is over.
+        _wait_ready(proc, addr, log, timeout, "/ready" if name == "sim" else "/model_info")
     except BaseException:
         proc.kill()
         raise
     return Backend(name, addr, proc, readback)
 
 
-@pytest.fixture(scope="module", params=["embedded", pytest.param("sglang", marks=pytest.mark.gpu)])
+@pytest.fixture(scope="module", params=["embedded", "sim", pytest.param("sglang", marks=pytest.mark.gpu)])
 def backend(request, micro_model_dir, tmp_path_factory):
     if request.param == "sglang":
         pytest.importorskip("sglang")

@@ -110,6 +110,11 @@ class Completion:
     output_top_logprobs: list[list[tuple[int, float]]] | None = None
     """With ``GenerationRequest.top_logprobs`` > 0: per output token, (id, log-prob) of the most
     likely tokens of the same distribution, likeliest first."""
+    routed_experts: torch.Tensor | None = None
+    """Mixture-of-experts routing the server reported (``return_routed_experts``): int32
+    ``[len(input_ids) + len(output_ids) - 1, n_moe_layers * top_k]``; row t holds the experts token t
+    was routed to at each layer (the last token was never run forward). After an interruption each
+    row keeps the segment that first ran it, as each token keeps its version. None: not asked."""
 
     @property
     def all_ids(self) -> list[int]:

@@ -127,8 +127,10 @@ class SlurmLaunchConfig(Section):
 class LaunchConfig(Section):
     n_servers: int = Field(1, ge=0)
     """Number of inference servers the local launcher starts (0 = use `server_addrs`)."""
-    server_backend: Literal["embedded", "sglang"] = "embedded"
-    """`embedded` (arealite's CPU/GPU server in PyTorch) or `sglang` (GPU inference engine)."""
+    server_backend: Literal["embedded", "sglang", "sim"] = "embedded"
+    """`embedded` (arealite's CPU/GPU server in PyTorch), `sglang` (GPU inference engine) or `sim`
+    (the embedded server's protocol with a GPU cost model instead of the model, `server.sim`;
+    docs/scale.md)."""
     server_addrs: list[str] = Field(default_factory=list)
     """Addresses `host:port` of servers started outside the launcher. Also read from
     the environment variable AREALITE_SERVER_ADDRS (comma-separated)."""
@@ -204,6 +206,38 @@ class SGLangOptions(Section):
         return v
 
 
+class SimOptions(Section):
+    """A simulated server's cost model (`launch.server_backend: sim`; docs/scale.md)."""
+
+    gpu: Literal["a100", "h100", "h200"] = "h100"
+    """The GPU simulated (its bf16 peak, HBM bandwidth and memory)."""
+    model: Literal["1.5b", "7b", "14b", "32b"] = "7b"
+    """The model size simulated (Qwen2.5 shapes: parameters and KV bytes per token)."""
+    gpus_per_server: int = Field(1, ge=1)
+    """Tensor-parallel GPUs of one simulated server."""
+    mem_fraction: float = Field(0.85, gt=0, le=1)
+    """Share of GPU memory for weights and KV cache."""
+    mbu: float = Field(0.7, gt=0, le=1)
+    """Achieved share of HBM bandwidth in decode."""
+    mfu_decode: float = Field(0.3, gt=0, le=1)
+    """Achieved share of peak FLOPs in decode."""
+    mfu_prefill: float = Field(0.5, gt=0, le=1)
+    """Achieved share of peak FLOPs in prefill."""
+    step_overhead_ms: float = Field(2.0, ge=0)
+    """Scheduler and launch time of every batch step."""
+    length_median: float = Field(512.0, gt=0)
+    """Median response length in tokens (lognormal, capped at `max_new_tokens`)."""
+    length_sigma: float = Field(1.0, ge=0)
+    """Spread of the lognormal lengths (standard deviation of their log)."""
+    lengths_file: str | None = None
+    """Draw response lengths from this file (one integer per line) instead of the lognormal."""
+    weight_gbps: float = Field(25.0, gt=0)
+    """Bandwidth of one server's weight update in GB/s (the update holds generation bytes / this long)."""
+    time_scale: float = Field(1.0, gt=0)
+    """Simulated seconds take this many real seconds (0.01 runs the GPU 100x fast; orchestration
+    always runs in real time)."""
+
+
 class ServerConfig(Section):
     model_path: str | None = None
     """Model directory the servers load at start (None = `actor.model_path`)."""
@@ -228,6 +262,8 @@ class ServerConfig(Section):
     """Embedded server: longest prompt + completion accepted (None = the model's max positions)."""
     sglang: SGLangOptions = Field(default_factory=SGLangOptions)
     """Options used only when `launch.server_backend` is `sglang`."""
+    sim: SimOptions = Field(default_factory=SimOptions)
+    """Options used only when `launch.server_backend` is `sim`."""
     strict_sglang: bool = False
     """Embedded server: behave as SGLang where it is unforgiving (`/health` generates and waits while
     paused; weights read back only for SGLang's model classes). Tests run with it on."""
@@ -497,6 +533,10 @@ class AlgorithmConfig(Section):
     log-probs from the server weight the loss (importance weight capped)."""
     behav_imp_weight_cap: float | None = Field(5.0, gt=1)
     """Tokens whose behaviour importance weight exceeds this are masked out (None = no cap)."""
+    routing_replay: Literal["none", "r3"] = "none"
+    """Mixture-of-experts models: `r3` asks the servers for the experts they routed each token
+    to (`return_routed_experts`; servers need `--enable-return-routed-experts`) and the trainer's
+    forwards use them instead of its own top-k (docs/moe.md); `none`: the trainer's router chooses."""
     kl_coef: float = Field(0.0, ge=0)
     """Coefficient of the KL penalty to the reference model (0 = no reference model)."""
     kl_estimator: Literal["k1", "k2", "k3"] = "k3"

@@ -17,6 +17,7 @@ __all__ = ["client_class"]
 _CLIENTS = {
     "sglang": "arealite.inference_client.sglang_client:SGLangClient",
     "embedded": "arealite.inference_client.sglang_client:SGLangClient",  # it speaks SGLang's protocol
+    "sim": "arealite.inference_client.sglang_client:SGLangClient",  # the embedded server's app, simulated
 }
 
 

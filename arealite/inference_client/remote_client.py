@@ -42,6 +42,7 @@ from arealite.config.schema import RolloutConfig
 from arealite.inference_client.errors import AttemptFailure, BadRequestError, GenerationError, NoHealthyServerError
 from arealite.inference_client.http1 import HttpConnectionError, HttpProtocolError, HttpResponseTooLarge
 from arealite.inference_client.response_check import check_segment
+from arealite.inference_client.routed_experts import RoutingRows
 from arealite.inference_client.server_pool import Attempt, Router, ServerPool, ServerState, read_body
 from arealite.inference_client.coalesce import RequestBatcher, SharedFailure, retryable_status
 from arealite.inference_client.wire import JSON_HEADERS, Segment, WireFormat, describe, encode_request, error_message, snippet
@@ -68,7 +69,7 @@ class _Progress:
     """One request across its attempts (retries) and segments (resubmissions after aborts)."""
 
     __slots__ = ("req", "t0", "prompt", "budget", "params", "ids", "lps", "vers", "n_aborts",
-                 "empty_aborts", "retries", "segment", "errors", "tried", "server", "finish", "top")
+                 "empty_aborts", "retries", "segment", "errors", "tried", "server", "finish", "top", "routing")
 
     def __init__(self, req: GenerationRequest, prompt: list[int], budget: int, params: JsonObject):
         self.req, self.prompt, self.budget, self.params = req, prompt, budget, params
@@ -77,6 +78,7 @@ class _Progress:
         self.lps: list[float] = []
         self.vers: list[int] = []
         self.top: list[list[tuple[int, float]]] | None = [] if req.top_logprobs else None
+        self.routing = RoutingRows()  # the server's routed experts, when it reports them
         self.n_aborts = self.empty_aborts = self.retries = self.segment = 0
         self.errors: list[str] = []  # one line per failed attempt, for the final error
         self.tried: set[str] = set()
@@ -340,6 +342,8 @@ class RemoteInferenceClient:
             on_segment = p.req.metadata.get("on_segment") if p.req.metadata else None
             if on_segment is not None:  # e.g. the agent endpoint streaming a reply as it comes
                 on_segment(ids)
+        if seg.routed_experts is not None:
+            p.routing.extend(seg.routed_experts, len(p.prompt) + len(p.ids) - 1)
         p.finish = seg.finish
 
     async def _finished_after_abort(self, p: _Progress, seg: Segment) -> bool:
@@ -384,7 +388,7 @@ class RemoteInferenceClient:
         return Completion(rid=p.req.rid, input_ids=p.prompt, output_ids=p.ids, output_logprobs=p.lps,
                           output_versions=p.vers, finish_reason=p.finish,
                           latency_s=time.perf_counter() - p.t0, server=p.server.addr,
-                          n_interruptions=p.n_aborts, output_top_logprobs=p.top)
+                          n_interruptions=p.n_aborts, output_top_logprobs=p.top, routed_experts=p.routing.rows())
 
     async def _generate_once(self, server: ServerState, payload: JsonObject, key: str | None) -> Segment | None:
         """One generation call; returns the segment with its version filled in.

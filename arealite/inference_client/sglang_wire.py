@@ -8,14 +8,19 @@ See "Speaking SGLang" in DESIGN.md.
 
 from __future__ import annotations
 
+import base64
 import logging
 import math
 import re
+from typing import TYPE_CHECKING
 
 from arealite.api.types import SamplingParams
 from arealite.inference_client.errors import AttemptFailure
 from arealite.inference_client.wire import Segment, ServerFacts, count, dumps, loads, snippet
 from arealite.utils.json_types import JsonObject, JsonValue
+
+if TYPE_CHECKING:
+    import torch
 
 logger = logging.getLogger(__name__)
 
@@ -131,6 +136,23 @@ def _split_logprobs(token_lps: JsonValue) -> tuple[list[float], list[int]]:
     return lps, lp_ids
 
 
+def _routed_experts(b64: JsonValue) -> torch.Tensor | None:
+    """``meta_info.routed_experts``: base64 of little-endian int32 (docs/sglang.md), as a flat tensor."""
+    if b64 is None:
+        return None
+    import torch
+
+    if not isinstance(b64, str):
+        raise _malformed(f"meta_info.routed_experts is a {type(b64).__name__}, expected a base64 string")
+    try:
+        data = base64.b64decode(b64, validate=True)
+    except ValueError:
+        raise _malformed("meta_info.routed_experts is not valid base64") from None
+    if len(data) % 4:
+        raise _malformed(f"meta_info.routed_experts holds {len(data)} bytes, not a whole number of int32")
+    return torch.frombuffer(bytearray(data), dtype=torch.int32) if data else torch.zeros(0, dtype=torch.int32)
+
+
 def _split_top(top: JsonValue, n: int) -> list[list[tuple[int, float]]]:
     """``output_top_logprobs`` (per position, ``[[logprob, id, text], ...]``) -> (id, logprob) pairs."""
     if not isinstance(top, list) or len(top) != n:
@@ -159,6 +181,9 @@ class SGLangWire:
     #: The LoRA adapter every request runs with (``lora_path``: ``actor.lora.served_name`` in a
     #: LoRA run, the name each push reloads, `arealite.weight_sync.lora`); None = the base model.
     lora_path: str | None = None
+    #: Ask for the experts an MoE model routed every token to (``return_routed_experts``; the server
+    #: needs ``--enable-return-routed-experts``); set for ``algorithm.routing_replay: r3``.
+    return_routed_experts: bool = False
 
     def sampling_params(self, sp: SamplingParams) -> JsonObject:
         return sp.to_sglang()
@@ -172,6 +197,8 @@ class SGLangWire:
             body["top_logprobs_num"] = top_logprobs
         if self.lora_path is not None:
             body["lora_path"] = self.lora_path
+        if self.return_routed_experts:
+            body["return_routed_experts"] = True
         return body
 
     def batch_body(self, bodies: list[JsonObject]) -> JsonObject:
@@ -187,6 +214,8 @@ class SGLangWire:
             body["top_logprobs_num"] = [b.get("top_logprobs_num", 0) for b in bodies]
         if self.lora_path is not None:
             body["lora_path"] = [self.lora_path] * len(bodies)
+        if self.return_routed_experts:
+            body["return_routed_experts"] = True
         return body
 
     def split_batch(self, raw: bytes, n: int) -> list[JsonValue]:
@@ -232,7 +261,8 @@ class SGLangWire:
                              f"{type(lps[0]).__name__}, expected int/float")
         top = meta.get("output_top_logprobs")
         return Segment(ids, lps, finish, _weight_version(meta.get("weight_version")),
-                       None if top is None else _split_top(top, len(ids)))
+                       None if top is None else _split_top(top, len(ids)),
+                       _routed_experts(meta.get("routed_experts")))
 
     def server_facts(self, addr: str, info: JsonObject) -> ServerFacts:
         release = info.get("version") if isinstance(info.get("version"), str) else None

@@ -15,12 +15,15 @@ plus one entry in `arealite.inference_client.backends`.
 
 from __future__ import annotations
 
-from typing import NamedTuple, NoReturn, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, NamedTuple, NoReturn, Protocol, runtime_checkable
 
 from arealite.api.types import SamplingParams
 from arealite.utils.json_types import JsonObject, JsonValue
 
 import numpy as np
+
+if TYPE_CHECKING:
+    import torch
 
 try:  # orjson is several times faster on token-id lists; plain json is the fallback.
     import orjson
@@ -81,6 +84,9 @@ class Segment(NamedTuple):
     finish: str  # stop | length | abort
     version: int | None  # the weight version the server reported; None when it did not
     top: list[list[tuple[int, float]]] | None = None  # per token: (id, log-prob) of the likeliest
+    # SGLang's meta_info.routed_experts decoded: int32 [rows * layers * top_k], one row per token the
+    # server ran forward (this segment's input and its output but the last); None when not asked.
+    routed_experts: torch.Tensor | None = None
 
 
 class ServerFacts(NamedTuple):

@@ -332,10 +332,11 @@ def load_checked_config(args: argparse.Namespace):
     is wrong."""
     from arealite.check import load_run_config
     from arealite.config.loader import check_launch
-    from arealite.launcher.server_cmd import server_model_path
+    from arealite.launcher.server_cmd import check_sim_backend, server_model_path
 
     cfg = load_run_config(args.config, args.overrides)
     external_addrs = check_launch(cfg)
+    check_sim_backend(cfg)
     if cfg.launch.n_servers > 0:
         server_model_path(cfg)  # fail now, not inside a server, if no model is set
     return cfg, external_addrs

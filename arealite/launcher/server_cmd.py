@@ -61,6 +61,7 @@ def embedded_server_command(cfg: ArealiteConfig, port: int, index: int = 0, weig
     if s.context_length is not None:
         cmd += ["--context-length", str(s.context_length)]
     cmd += embedded_limit_args(cfg)
+    cmd += routing_replay_args(cfg)
     # `server.api_key` is read from AREALITE_SERVER_API_KEY (`common.server_env`), never argv.
     return cmd
 
@@ -105,8 +106,15 @@ def sglang_server_command(cfg: ArealiteConfig, port: int, index: int = 0, weight
     if context_length is not None:
         cmd += ["--context-length", str(context_length)]
     cmd += sglang_lora_args(cfg)
+    cmd += routing_replay_args(cfg)
     cmd += list(o.extra_args)
     return cmd
+
+
+def routing_replay_args(cfg: ArealiteConfig) -> list[str]:
+    """With `algorithm.routing_replay: r3` the servers record the experts an MoE model routes each
+    token to (SGLang's flag, which the embedded server shares; docs/moe.md)."""
+    return ["--enable-return-routed-experts"] if cfg.algorithm.routing_replay == "r3" else []
 
 
 def sglang_lora_args(cfg: ArealiteConfig) -> list[str]:
@@ -124,7 +132,29 @@ def server_command(cfg: ArealiteConfig, port: int, index: int = 0, weight_versio
     (default `server.host`; the cluster launchers pass the node's address)."""
     if cfg.launch.server_backend == "sglang":
         return sglang_server_command(cfg, port, index, weight_version, host)
-    return embedded_server_command(cfg, port, index, weight_version, host)
+    cmd = embedded_server_command(cfg, port, index, weight_version, host)
+    return cmd + sim_args(cfg) if cfg.launch.server_backend == "sim" else cmd
+
+
+def sim_args(cfg: ArealiteConfig) -> list[str]:
+    """`server.sim` as the flags of a simulated server (`python -m arealite.server --sim`)."""
+    o = cfg.server.sim
+    out = ["--sim"]
+    for name, value in o.model_dump().items():
+        if name == "lengths_file":
+            out += ["--sim-lengths-file", value] if value else []
+        else:
+            out += ["--sim-" + name.replace("_", "-"), str(value)]
+    return out
+
+
+def check_sim_backend(cfg: ArealiteConfig) -> None:
+    """What a run on simulated servers cannot do; raises ValueError naming the field and the fix."""
+    if cfg.launch.server_backend != "sim":
+        return
+    if cfg.weight_sync.probe:
+        raise ValueError("weight_sync.probe: simulated servers (launch.server_backend=sim) make up their "
+                         "log-probs, so the probe cannot agree with the trainer; set weight_sync.probe=false")
 
 
 def judge_server_command(cfg: ArealiteConfig, port: int, index: int = 0) -> list[str]:

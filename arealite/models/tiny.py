@@ -2,13 +2,15 @@
 
 Nothing can be downloaded from a model hub on CI or a laptop without network,
 so tests, the demo and the benchmarks use a model written here: a Qwen2-style
-decoder (``config.json`` + ``model.safetensors``, deterministic for a seed), a
+decoder, or with a ``moe-*`` size a Qwen3-MoE mixture of experts (``config.json`` +
+``model.safetensors``, deterministic for a seed), a
 byte-level BPE tokenizer trained locally with ``tokenizers`` (``tokenizer.json``),
 and a chat template. The directory loads with ``AutoTokenizer`` and
 ``AutoModelForCausalLM`` like any hub model, so the loading code under test is
 the real one.
 
     python -m arealite.models.tiny OUT_DIR --size small --seed 0
+    python -m arealite.models.tiny OUT_DIR --size moe-micro   # Qwen3-MoE, 8 experts, top-2
 """
 
 from __future__ import annotations
@@ -33,6 +35,20 @@ SIZES: dict[str, dict[str, int]] = {
     # ~50M: weight-sync and training benchmarks.
     "large": dict(hidden_size=640, num_hidden_layers=10, num_attention_heads=10,
                   num_key_value_heads=5, intermediate_size=1920, vocab_size=4096),
+}
+
+#: Named mixture-of-experts sizes (``Qwen3MoeForCausalLM``): every decoder layer is a sparse
+#: MoE block of ``num_experts`` experts of width ``moe_intermediate_size``, ``num_experts_per_tok``
+#: of them per token (docs/moe.md).
+MOE_SIZES: dict[str, dict[str, int]] = {
+    # ~0.2M parameters: unit tests.
+    "moe-micro": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                      head_dim=16, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+                      vocab_size=512),
+    # ~1M: the MoE demo and bench_moe.
+    "moe-small": dict(hidden_size=128, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                      head_dim=32, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=64,
+                      vocab_size=512),
 }
 
 PAD_TOKEN = "<|pad|>"
@@ -149,11 +165,12 @@ def build_tiny_model(
     ``extra_corpus``: lines the tokenizer is also trained on (see `build_tokenizer`).
     """
     import torch
-    from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+    from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
 
-    if size not in SIZES:
-        raise ValueError(f"size={size!r} is not one of {sorted(SIZES)}")
-    dims = {**SIZES[size], **overrides}
+    named = {**SIZES, **MOE_SIZES}
+    if size not in named:
+        raise ValueError(f"size={size!r} is not one of {sorted(named)}")
+    dims = {**named[size], **overrides}
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
 
@@ -177,28 +194,33 @@ def build_tiny_model(
     tcfg["chat_template"] = CHAT_TEMPLATE
     cfg_path.write_text(json.dumps(tcfg, indent=2))
 
-    config = Qwen2Config(
-        vocab_size=vocab_size,
-        hidden_size=dims["hidden_size"],
-        intermediate_size=dims["intermediate_size"],
-        num_hidden_layers=dims["num_hidden_layers"],
-        num_attention_heads=dims["num_attention_heads"],
-        num_key_value_heads=dims["num_key_value_heads"],
-        max_position_embeddings=max_position_embeddings,
-        rope_theta=10000.0,
-        tie_word_embeddings=tie_word_embeddings,
-        bos_token_id=None,
-        eos_token_id=raw.token_to_id(EOS_TOKEN),
-        pad_token_id=raw.token_to_id(PAD_TOKEN),
-        torch_dtype="float32",
+    common = dict(
+        vocab_size=vocab_size, max_position_embeddings=max_position_embeddings, rope_theta=10000.0,
+        tie_word_embeddings=tie_word_embeddings, bos_token_id=None, eos_token_id=raw.token_to_id(EOS_TOKEN),
+        pad_token_id=raw.token_to_id(PAD_TOKEN), torch_dtype="float32",
     )
+    config = _model_config(size, dims, common)
     gen = torch.random.fork_rng(devices=[])
     with gen:
         torch.manual_seed(seed)
-        model = Qwen2ForCausalLM(config)
+        model = AutoModelForCausalLM.from_config(config)
     model.save_pretrained(out, safe_serialization=True)
     (out / "generation_config.json").unlink(missing_ok=True)
     return out
+
+
+def _model_config(size: str, dims: dict[str, int], common: dict):
+    """The transformers config of a named size: Qwen2 (dense) or Qwen3-MoE (``moe-*``)."""
+    from transformers import Qwen2Config, Qwen3MoeConfig
+
+    dims = {k: v for k, v in dims.items() if k != "vocab_size"}  # the trained tokenizer's is used
+    if size in MOE_SIZES:
+        # No shared dense layers; every layer routes. The load-balancing loss stays off by
+        # default for RL (output_router_logits False), as the peers run it.
+        return Qwen3MoeConfig(**dims, intermediate_size=4 * dims["hidden_size"], decoder_sparse_step=1,
+                              mlp_only_layers=[], norm_topk_prob=True, output_router_logits=False,
+                              router_aux_loss_coef=0.001, **common)
+    return Qwen2Config(**dims, **common)
 
 
 def n_parameters(model_dir: str | os.PathLike) -> int:
@@ -222,7 +244,7 @@ def _prod(shape) -> int:
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("out_dir")
-    p.add_argument("--size", default="small", choices=sorted(SIZES))
+    p.add_argument("--size", default="small", choices=sorted(SIZES) + sorted(MOE_SIZES))
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--max-position-embeddings", type=int, default=1024)
     p.add_argument("--untied", action="store_true", help="separate input and output embeddings")

@@ -1,4 +1,6 @@
-"""``python -m arealite.server --model-path P --host 127.0.0.1 --port N [...]``"""
+"""``python -m arealite.server --model-path P --host 127.0.0.1 --port N [...]``
+
+With ``--sim``, simulated servers (a GPU cost model instead of the model; `arealite.server.sim`)."""
 
 from __future__ import annotations
 
@@ -13,8 +15,15 @@ from .args import parse_args
 
 
 def main(argv: list[str] | None = None) -> None:
-    """Run the embedded server until SIGINT/SIGTERM."""
-    args = parse_args(argv)
+    """Run the embedded server (or, with ``--sim``, simulated ones) until SIGINT/SIGTERM."""
+    argv = sys.argv[1:] if argv is None else argv
+    sim = None
+    if "--sim" in argv:
+        from .sim import parse_sim_args
+
+        args, *sim = parse_sim_args(argv)
+    else:
+        args = parse_args(argv)
     faulthandler.enable()  # a crash in native code leaves every thread's stack in the server log
     logging.basicConfig(
         level=args.log_level.upper(), stream=sys.stderr,
@@ -29,7 +38,12 @@ def main(argv: list[str] | None = None) -> None:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, stop.set)
-        await serve(args, stop)
+        if sim:
+            from .sim import serve_sim
+
+            await serve_sim(args, *sim, stop=stop)
+        else:
+            await serve(args, stop)
         logging.getLogger("arealite.server").info("server stopped")
 
     uvloop.run(run())

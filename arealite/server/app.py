@@ -12,6 +12,7 @@ import asyncio
 import logging
 import time
 from pathlib import Path
+from typing import Callable
 
 import torch
 from aiohttp import web
@@ -23,6 +24,7 @@ from .args import ServerArgs
 from .body import RequestError, check_fields, error_response, json_body, off_loop, want
 from .limits import LIMITS_KEY, OFFLOAD_BYTES, install_log_filter
 from .middleware import make_guard
+from .routed_experts import encode_routed_experts
 from .runner import ModelRunner, Sequence
 from .strict import SGLangBehaviour
 from .sampling import GenerateInput, RequestCaps, SamplingConfig, parse_generate
@@ -69,7 +71,10 @@ def load_model(args: ServerArgs):
 class EmbeddedServer:
     """The state behind the routes: model, tokenizer, runner; ``weights`` serves the weight routes."""
 
-    def __init__(self, args: ServerArgs, model: torch.nn.Module, tokenizer, device: torch.device):
+    def __init__(self, args: ServerArgs, model: torch.nn.Module, tokenizer, device: torch.device,
+                 runner_class: Callable[..., ModelRunner] = ModelRunner):
+        """``runner_class`` builds what generates (the model thread; a cost model under
+        ``--sim``, `arealite.server.sim_runner`) with `ModelRunner`'s keyword arguments."""
         self.args = args
         self.model = model
         self.tokenizer = tokenizer
@@ -92,11 +97,12 @@ class EmbeddedServer:
             elif isinstance(src, (list, tuple)):
                 eos.update(int(t) for t in src)
         pad = cfg.pad_token_id if isinstance(cfg.pad_token_id, int) else getattr(tokenizer, "pad_token_id", None)
-        self.runner = ModelRunner(
+        self.runner = runner_class(
             model, device=device, eos_ids=eos, pad_id=int(pad if pad is not None else 0),
             vocab_size=self.vocab_size, max_batch_size=args.max_batch_size,
             random_seed=args.random_seed, weight_version=str(args.weight_version),
             prompt_cache_entries=args.prompt_cache_entries,
+            capture_routing=args.enable_return_routed_experts,
         )
         self.behaviour = SGLangBehaviour.from_flags(
             strict=args.strict_sglang, release=args.sglang_version, readback=args.readback_architectures,
@@ -138,6 +144,8 @@ class EmbeddedServer:
             if seq.input_logprobs is not None:
                 ids = seq.inp.input_ids[seq.inp.logprob_start_len:]
                 meta["input_token_logprobs"] = [[lp, t, None] for lp, t in zip(seq.input_logprobs, ids)]
+        if seq.inp.return_routed_experts:
+            meta["routed_experts"] = encode_routed_experts(seq.routed_experts)
         out: JsonObject = {}
         if self.tokenizer is not None:
             ids = seq.output_ids
@@ -262,6 +270,7 @@ class EmbeddedServer:
             inputs, batch = parse_generate(
                 body, vocab_size=self.vocab_size, context_length=self.context_length,
                 encode=self.encode if self.tokenizer is not None else None, caps=self.caps,
+                routed_experts=self.args.enable_return_routed_experts,
             )
             return inputs, batch, self.lora.lora_names(body, len(inputs))
 

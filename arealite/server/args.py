@@ -37,6 +37,9 @@ class ServerArgs:
     """Longest prompt + completion; defaults to the model's ``max_position_embeddings``."""
     device: str = "auto"
     """``auto`` (CUDA when present, else CPU), ``cpu`` or ``cuda``."""
+    enable_return_routed_experts: bool = False
+    """Record the experts a mixture-of-experts model routes every token to, so that requests may ask
+    for them (``return_routed_experts``; SGLang's flag of the same name, docs/sglang.md)."""
     skip_tokenizer_init: bool = False
     """Do not load the tokenizer: ``text`` inputs are refused and no ``text`` is returned."""
     weight_version: str = "0"
@@ -111,6 +114,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--context-length", type=int, default=None)
     p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
     p.add_argument("--skip-tokenizer-init", action="store_true")
+    p.add_argument("--enable-return-routed-experts", action="store_true",
+                   help="record the experts an MoE model routes each token to (requests ask with "
+                        "return_routed_experts; meta_info.routed_experts)")
     p.add_argument("--weight-version", default="0")
     p.add_argument("--weight-sync-timeout-s", type=float, default=600.0)
     p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))

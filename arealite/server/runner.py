@@ -30,6 +30,8 @@ import torch.nn.functional as F
 
 from arealite.utils.json_types import JsonObject
 
+from arealite.train_engine.routing_replay import RoutingCapture
+
 from .prompt_cache import PromptCache, cached_row, stack_cached
 from .sampling import BatchSamplingState, GenerateInput, sample_next
 
@@ -53,6 +55,9 @@ class Sequence:
     """Per generated token, ``[logprob, id, None]`` of the most likely tokens (``top_logprobs_num``)."""
     input_logprobs: list[float | None] | None = None
     """SGLang's ``input_token_logprobs`` values from ``logprob_start_len`` (None: not asked)."""
+    routed_experts: list[torch.Tensor] = field(default_factory=list)
+    """With ``return_routed_experts``: ``[n, layers, k]`` int32 chunks, one row per token forwarded
+    (the prompt, then each generated token but the last), in order."""
     finish_reason: JsonObject | None = None
     cached_tokens: int = 0
     """Prompt tokens not computed for this sequence: shared with another of its prefill."""
@@ -88,6 +93,22 @@ def _input_logprobs(seqs: list[Sequence], logits: torch.Tensor, ids: torch.Tenso
         s.input_logprobs = [None] + rows.gather(-1, nxt[:, None]).squeeze(-1).tolist()
 
 
+def _routing_of(capture: RoutingCapture | None, seqs, shape: torch.Size) -> torch.Tensor | None:
+    """The last forward's routed experts ``[B, T, layers, k]`` on the CPU, when a sequence asked."""
+    if capture is None or not any(s.inp.return_routed_experts for s in seqs):
+        return None
+    return capture.take().cpu().view(*shape, capture.n_layers, capture.top_k)
+
+
+def _keep_routing(seqs: list[Sequence], routing: torch.Tensor | None, starts: list[int]) -> None:
+    """Append to each asking sequence its rows of ``routing``, from its first real column."""
+    if routing is None:
+        return
+    for i, s in enumerate(seqs):
+        if s.inp.return_routed_experts:
+            s.routed_experts.append(routing[i, starts[i]:])
+
+
 def _prompt_key(s: Sequence) -> tuple:
     """What a prompt's KV cache depends on besides the weights: its adapter and its ids."""
     return (id(s.inp.lora), *s.inp.input_ids)
@@ -117,7 +138,7 @@ class ModelRunner:
 
     def __init__(self, model: torch.nn.Module, *, device: torch.device, eos_ids: set[int], pad_id: int,
                  vocab_size: int, max_batch_size: int, random_seed: int, weight_version: str,
-                 prompt_cache_entries: int = 0):
+                 prompt_cache_entries: int = 0, capture_routing: bool = False):
         self.model = model
         self.device = device
         self.eos_ids = frozenset(eos_ids)
@@ -150,6 +171,9 @@ class ModelRunner:
         # Prompts' KV caches kept between admissions; cleared after any command (see `_main`).
         self.prompt_cache = PromptCache(prompt_cache_entries)
         self.lora = None  # the server's LoRA adapters (`arealite.server.lora.LoraSet`), set by its routes
+        # --enable-return-routed-experts: hooks on the MoE routers, read by `_routing_of`.
+        self.routing = RoutingCapture(model).__enter__() if capture_routing else None
+        self._last_routing: torch.Tensor | None = None  # the last forward's, when asked for
 
         self._thread = threading.Thread(target=self._main, name="arealite-model", daemon=True)
         self._thread.start()
@@ -312,6 +336,7 @@ class ModelRunner:
             self.lora.select([s.inp.lora for s in seqs])
         out = self.model(input_ids=input_ids, attention_mask=mask, position_ids=positions,
                          past_key_values=cache, use_cache=True, logits_to_keep=0 if all_positions else 1)
+        self._last_routing = _routing_of(self.routing, seqs, input_ids.shape)
         return out.logits if all_positions else out.logits[:, -1, :]
 
     def _prefill(self, seqs: list[Sequence]) -> None:
@@ -325,11 +350,12 @@ class ModelRunner:
         if not ready:
             return
         want_input = any(s.inp.logprob_start_len >= 0 for s in ready)
+        exact = want_input or any(s.inp.return_routed_experts for s in ready)
         # Samples of one prompt (a GRPO group) arrive together: their prompt runs once and its
         # cache is copied to each (reported as cached_tokens, capped at the prompt less one
-        # token as SGLang caps a prefix-cache hit). Not when prompt log-probs are asked for.
-        uniq, src = (ready, None) if want_input else _shared_prompts(ready)
-        cache, logits, mask, lens = self._prompt_states(uniq, want_input)
+        # token as SGLang caps a prefix-cache hit). Not when prompt log-probs or routing are asked for.
+        uniq, src = (ready, None) if exact else _shared_prompts(ready)
+        cache, logits, mask, lens = self._prompt_states(uniq, want_input, exact)
         if src is not None:
             idx = torch.tensor(src, dtype=torch.long, device=self.device)
             for layer in cache.layers:
@@ -346,11 +372,11 @@ class ModelRunner:
         self._next[b_old:] = tokens
         self._record(range(b_old, b_old + len(ready)), tokens.tolist(), logprobs.tolist(), top)
 
-    def _prompt_states(self, seqs: list[Sequence], want_input: bool):
+    def _prompt_states(self, seqs: list[Sequence], want_input: bool, exact: bool):
         """Cache, last logits ``[B, vocab]``, mask and lengths of the distinct prompts ``seqs``:
         those in the prompt cache are copied from it (their ``cached_tokens`` set), the others
-        run in one forward and are cached for the next admission."""
-        use_cache = self.prompt_cache.enabled and not want_input
+        run in one forward and are cached for the next admission. ``exact``: all of them run."""
+        use_cache = self.prompt_cache.enabled and not exact
         keys = [_prompt_key(s) for s in seqs] if use_cache else []
         found = [self.prompt_cache.get(k) for k in keys] if use_cache else [None] * len(seqs)
         todo = [i for i, e in enumerate(found) if e is None]
@@ -387,6 +413,7 @@ class ModelRunner:
         if want_input:
             _input_logprobs(seqs, logits, ids, lens)
             logits = logits[:, -1, :]
+        _keep_routing(seqs, self._last_routing, [T - n for n in lens])
         self.stats["prefills"] += 1
         return cache, logits, mask, lens
 
@@ -423,6 +450,7 @@ class ModelRunner:
         logits = self._forward(self._next[:, None], self._mask, self._positions[:, None], self._cache,
                                seqs=self._running)
         self._positions = self._positions + 1
+        _keep_routing(self._running, self._last_routing, [0] * B)
         tokens, logprobs, top = self._sample(logits, self._sampling, self._running)
         self._next = tokens
         self.stats["steps"] += 1

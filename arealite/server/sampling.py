@@ -60,6 +60,8 @@ class GenerateInput:
     """First prompt position whose log-prob is returned (``input_token_logprobs``); -1: none."""
     top_logprobs_num: int = 0
     """Most likely tokens reported at each generated position (``output_top_logprobs``)."""
+    return_routed_experts: bool = False
+    """Return the experts routed per token and MoE layer (``meta_info.routed_experts``)."""
     lora: object = None
     """The LoRA adapter the sequence runs with (``lora_path``; `arealite.server.lora`); None: the base."""
 
@@ -145,7 +147,7 @@ _UNSUPPORTED_TOP: dict[str, Callable[[JsonValue], bool]] = {
     "log_metrics": lambda v: v is None or isinstance(v, bool),
 }
 _SUPPORTED_TOP = {"text", "input_ids", "sampling_params", "rid", "return_logprob", "logprob_start_len",
-                  "top_logprobs_num", "lora_path"}  # lora_path: checked by arealite.server.lora
+                  "top_logprobs_num", "lora_path", "return_routed_experts"}  # lora_path: checked by arealite.server.lora
 
 # Top-level keys SGLang 0.5.23 declares (``GenerateReqInput`` and the JSON contract
 # ``sglang.api.v1.GenerateRequest``). Keys it does not declare are ignored there, not
@@ -353,6 +355,15 @@ def _logprob_start(v: JsonValue, return_logprob: bool, prompt_len: int) -> int:
     return v
 
 
+def _routed_experts(v: JsonValue, enabled: bool) -> bool:
+    """``return_routed_experts``: only a server started with ``--enable-return-routed-experts`` records them."""
+    asked = _want_bool("return_routed_experts", False if v is None else v)
+    if asked and not enabled:
+        raise RequestError("return_routed_experts: this server does not record routed experts; start it with "
+                           "--enable-return-routed-experts (and serve a mixture-of-experts model)")
+    return asked
+
+
 def _fit_context(sc: SamplingConfig, explicit: bool, prompt_len: int, context_length: int,
                  where: str, name: str) -> None:
     """Shrink a default ``max_new_tokens`` to the context left; refuse an explicit one that overflows."""
@@ -374,11 +385,13 @@ def parse_generate(
     context_length: int,
     encode: Callable[[str], list[int]] | None,
     caps: RequestCaps | None = None,
+    routed_experts: bool = False,
 ) -> tuple[list[GenerateInput], bool]:
     """Validate a ``/generate`` body; return its sequences and whether it was a batch.
 
     ``encode`` turns text into token ids (None when no tokenizer is loaded); ``caps``
-    bounds the request's size (default: `RequestCaps`'s defaults).
+    bounds the request's size (default: `RequestCaps`'s defaults); ``routed_experts``: whether
+    the server records routed experts (``--enable-return-routed-experts``).
     """
     if not isinstance(body, dict):
         raise RequestError("the body must be a JSON object")
@@ -399,6 +412,7 @@ def parse_generate(
     rids = _rids(body.get("rid"), batch, n)
     starts = per_item("logprob_start_len", body.get("logprob_start_len"), _is_int)
     tops = per_item("top_logprobs_num", body.get("top_logprobs_num"), _is_int)
+    routed = per_item("return_routed_experts", body.get("return_routed_experts", False), lambda v: isinstance(v, bool))
 
     out = []
     for i in range(n):
@@ -415,7 +429,8 @@ def parse_generate(
             raise RequestError(f"{where}.max_new_tokens=0 with logprob_start_len: this server scores a "
                                "prompt while generating; ask for max_new_tokens >= 1")
         out.append(GenerateInput(rid=rids[i], input_ids=list(prompts[i]), sampling=sc, return_logprob=lp,
-                                 logprob_start_len=start, top_logprobs_num=_top_logprobs_num(tops[i], lp)))
+                                 logprob_start_len=start, top_logprobs_num=_top_logprobs_num(tops[i], lp),
+                                 return_routed_experts=_routed_experts(routed[i], routed_experts)))
     caps.check_tokens(sum(len(x.input_ids) + x.sampling.max_new_tokens for x in out), "the prompts")
     return out, batch
 

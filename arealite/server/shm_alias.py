@@ -17,25 +17,29 @@ import torch
 
 from .weights import ShmWeightFile, model_state
 
-__all__ = ["AliasedFiles", "alias_problem", "alias_weights", "own_weights"]
+__all__ = ["AliasedFiles", "alias_problem", "alias_weights", "aliasable", "own_weights"]
 
 
-def alias_problem(model: torch.nn.Module, names: list[str], device: torch.device) -> str | None:
-    """Why these tensors cannot be served in place, or None (checked before anything changes)."""
+def alias_problem(device: torch.device) -> str | None:
+    """Why this server cannot serve weights in place, or None (checked before anything changes)."""
     if device.type != "cpu":
         return f"alias needs a CPU server (this one runs on {device}); send the update without alias"
-    params = dict(model.named_parameters(remove_duplicate=False))
-    missing = [n for n in names if n not in params]
-    if missing:
-        return f"alias works on parameters only; {missing[0]!r} is not one (send the update without alias)"
     return None
+
+
+def aliasable(model: torch.nn.Module, names: list[str]) -> bool:
+    """Whether every named tensor is a parameter of its own, which a file slot can stand in for.
+    A mixture-of-experts model's per-expert tensors are slices of fused parameters (the
+    checkpoint's names, `arealite.utils.checkpoint_names`): they are copied instead."""
+    params = dict(model.named_parameters(remove_duplicate=False))
+    return all(n in params for n in names)
 
 
 def alias_weights(model: torch.nn.Module, state: dict[str, torch.Tensor], shm: ShmWeightFile,
                   names: list[str], dtypes: list[torch.dtype], shapes: list[tuple[int, ...]],
                   offsets: list[int]) -> None:
     """Point each named parameter at its slot of `shm` (checked by `check_shm_layout` and
-    `alias_problem`); `state` is refreshed in place to the new storage."""
+    `alias_problem`, `aliasable`); `state` is refreshed in place to the new storage."""
     with torch.no_grad():
         for name, dt, shape, off in zip(names, dtypes, shapes, offsets):
             model.get_parameter(name).data = shm.tensor(off, dt, shape)

@@ -22,7 +22,7 @@ from aiohttp import web
 from .body import RequestError, check_fields, json_body, want
 from .files import UnsafeFile, check_regular
 from .limits import short
-from .shm_alias import AliasedFiles, alias_problem, alias_weights, own_weights
+from .shm_alias import AliasedFiles, alias_problem, alias_weights, aliasable, own_weights
 from .strict import NO_SESSION, OUTSIDE_SESSION, READBACK_FAILED, SESSION_OPEN, SGLangBehaviour
 from .weights import (
     ShmWeightFile,
@@ -170,7 +170,11 @@ class WeightRoutes:
                 shm = await asyncio.to_thread(self._map_shm, path)
                 problem = check_shm_layout(self.state, names, dtypes, shapes, offsets, shm.size)
                 if alias and not problem:
-                    problem = alias_problem(self.model, names, self.device)
+                    problem = alias_problem(self.device)
+                    if not problem and not aliasable(self.model, names):
+                        alias = False  # slices of fused parameters: copied (docs/moe.md)
+                        logger.info("%s(%s): the tensors are not all whole parameters; copying instead of "
+                                    "serving from the file", route, path)
             except WeightUpdateError as e:
                 problem = str(e)
             if problem:

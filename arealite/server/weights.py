@@ -35,6 +35,8 @@ from pathlib import Path
 
 import torch
 
+from arealite.utils.checkpoint_names import checkpoint_views
+
 from .files import UnsafeFile, checkpoint_files, load_safetensors, open_regular
 from .limits import short
 
@@ -72,8 +74,10 @@ def _numel(shape: tuple[int, ...]) -> int:
 
 
 def model_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """The model's tensors by HF name (tied weights appear under both names)."""
-    return dict(model.state_dict(keep_vars=False))
+    """The model's tensors by the names and shapes of its HF checkpoint (tied weights appear under
+    both names; a mixture-of-experts layer's fused experts as views, one per expert and projection,
+    so that an update by checkpoint name writes into them: `arealite.utils.checkpoint_names`)."""
+    return checkpoint_views(model, dict(model.state_dict(keep_vars=False)))
 
 
 def _required_names(state: dict[str, torch.Tensor]) -> list[str]:

@@ -56,10 +56,12 @@ from arealite.train_engine.fsdp_model import build_optimizer, causal_lm, compute
 from arealite.train_engine.lm_head import ChunkedHead, capture_head, output_head
 from arealite.train_engine.microbatch import MicroBatch, MicroBatchPlanner
 from arealite.train_engine.packing import PackedIndex, unpack
+from arealite.train_engine.routing_replay import replay_routing  # MoE routing replay (R3)
 from arealite.train_engine.parallel_layout import Meshes, ParallelLayout, build_meshes, layout_error, layout_problems
 from arealite.train_engine.sequence_parallel import SequenceParallel
 from arealite.train_engine.tensor_parallel import clip_grad_norm
 from arealite.utils.buckets import buckets_of
+from arealite.utils.checkpoint_names import checkpoint_tensors
 from arealite.utils.dist import default_backend, init_default_group, resolve_device_type
 
 __all__ = ["FSDPEngine", "compute_dtype"]
@@ -100,6 +102,9 @@ class FSDPEngine:
         self.layout = ParallelLayout(world=1)
         self.meshes: Meshes | None = None  # built by initialize()
         self._sp: SequenceParallel | None = None  # this rank's share of each micro-batch (sp_size > 1)
+        # algorithm.routing_replay (set by whoever builds the engine): "r3" replays the server's MoE
+        # routing (a micro-batch's ``routed_experts``) in every forward; "none" lets the router choose.
+        self.routing_replay = "none"
 
     # ------------------------------------------------------------------ setup
 
@@ -201,12 +206,13 @@ class FSDPEngine:
         over the last hidden states ``[T, H]``), or its ``[T, ...]`` float32 output for a model
         without a plain output head (a value model); gathered from the sequence-parallel group."""
         kwargs, n_tokens = self.planner.model_inputs(mb, index)
-        if self._head_module is None:
-            head = ChunkedHead.from_logits(self.model(**kwargs, use_cache=False).logits[0].float())
-        else:
-            with capture_head(self._head_module, take=lambda t: t[0]) as captured:
-                self.model(**kwargs, use_cache=False)
-            head = captured[0]
+        with replay_routing(self.model, mb if self.routing_replay == "r3" else None):
+            if self._head_module is None:
+                head = ChunkedHead.from_logits(self.model(**kwargs, use_cache=False).logits[0].float())
+            else:
+                with capture_head(self._head_module, take=lambda t: t[0]) as captured:
+                    self.model(**kwargs, use_cache=False)
+                head = captured[0]
         return head if self._sp is None else self._sp.whole(head, n_tokens)
 
     # ------------------------------------------------------------------ train
@@ -396,9 +402,11 @@ class FSDPEngine:
     def named_weight_buckets(self, bucket_bytes: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
         """Full (unsharded) weights in HF names, in buckets of at most ``bucket_bytes``.
 
-        A tensor larger than ``bucket_bytes`` makes a bucket of its own. Tied
-        weights appear once, under the name the HF safetensors file uses
-        (``model.embed_tokens.weight``). Unsharding is a collective: EVERY rank
+        A tensor larger than ``bucket_bytes`` makes a bucket of its own. Names and
+        shapes are the checkpoint's (`arealite.utils.checkpoint_names`: a
+        mixture-of-experts layer's fused experts go out one tensor per expert, as
+        SGLang loads them). Tied weights appear once, under the name the HF
+        safetensors file uses (``model.embed_tokens.weight``). Unsharding is a collective: EVERY rank
         must iterate the generator to the end in the same order, even if only
         rank 0 uses the tensors. At most one bucket is materialised at a time.
         """
@@ -415,7 +423,7 @@ class FSDPEngine:
                 t = p.detach()
                 if t.device != self.device:
                     t = t.to(self.device)  # CPU-offloaded shards: NCCL gathers on the GPU
-                yield name, (t.full_tensor() if hasattr(t, "full_tensor") else t)
+                yield from checkpoint_tensors(self.model, name, t.full_tensor() if hasattr(t, "full_tensor") else t)
 
         yield from buckets_of(full_weights(), bucket_bytes)
 

@@ -74,9 +74,15 @@ def build_train_engines(cfg: ArealiteConfig, total_steps: int) -> tuple[TrainEng
         from arealite.lora import LoraFSDPEngine
 
         lora = LoraFSDPEngine(cfg.actor).initialize(total_steps=total_steps)
-        return lora, (lora.reference() if cfg.algorithm.kl_coef > 0 else None)
-    actor = FSDPEngine(cfg.actor).initialize(total_steps=total_steps)
-    ref = FSDPEngine(cfg.actor, frozen=True).initialize() if cfg.algorithm.kl_coef > 0 else None
+        actor, ref = lora, (lora.reference() if cfg.algorithm.kl_coef > 0 else None)
+    else:
+        actor = FSDPEngine(cfg.actor).initialize(total_steps=total_steps)
+        ref = FSDPEngine(cfg.actor, frozen=True).initialize() if cfg.algorithm.kl_coef > 0 else None
+    # MoE routing replay: the policy's and the reference's forwards route as the servers did.
+    # (A LoRA run's reference is the actor's own engine with the adapters off.)
+    for engine in (actor, ref):
+        if isinstance(engine, FSDPEngine):
+            engine.routing_replay = cfg.algorithm.routing_replay
     return actor, ref
 
 

@@ -34,6 +34,7 @@ from arealite.workflow.common import (
     sampling_from_config,
 )
 from arealite.workflow.registry import builtin_workflow
+from arealite.workflow.routed_experts import ROUTED_EXPERTS_KEY, routed_experts_of
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -138,7 +139,7 @@ class RLVRWorkflow(RolloutWorkflow):
             return None
         if self.dumper is not None:
             self._dump(item, prompt, comps, texts, rewards)
-        return group_from_outputs(
+        td = group_from_outputs(
             prompt_ids,
             [(c.output_ids, c.output_logprobs, c.output_versions) for c in comps],
             {
@@ -149,6 +150,10 @@ class RLVRWorkflow(RolloutWorkflow):
                 "truncated": torch.tensor([c.finish_reason == "length" for c in comps], dtype=torch.bool),
             },
         )
+        routing = routed_experts_of(comps, td["input_ids"].shape[1])  # MoE routing replay (R3)
+        if routing is not None:
+            td[ROUTED_EXPERTS_KEY] = routing
+        return td
 
     def _dump(self, item: JsonObject, prompt: str, comps: list[Completion], texts: list[str],
               rewards: list[float | None]) -> None:

@@ -1,0 +1,185 @@
+"""Mixture-of-experts routing: capture it (the server), replay it (the trainer; R3).
+
+A Hugging Face MoE block (``Qwen3MoeSparseMoeBlock`` and its kin in transformers 5) asks
+its router (``block.gate``) for ``(router_logits, scores, indices)``: the logits over all
+experts ``[N, E]``, the weights of the chosen experts ``[N, k]`` and their ids ``[N, k]``.
+Both classes here hook that router and touch nothing else of the model:
+
+- `RoutingCapture` records the ids each router chose, per layer (the embedded server's
+  ``return_routed_experts``).
+- `RoutingReplay` makes each router return the experts it is given instead of its own
+  top-k. The weights are recomputed from the router's own logits at the replayed experts,
+  ``softmax(logits)[replayed]`` (renormalised over the k when the router renormalises),
+  so the gate's weight still gets gradient through the replayed experts' scores. This is
+  the variant slime (``--use-rollout-routing-replay``) and verl (router replay "R3") use:
+  only the choice of experts is fixed, never the weights. A row whose ids are -1 (no
+  server routing: the last token of a sequence, a prompt the server did not report) keeps
+  the router's own choice.
+
+Layout: ``experts[t, layer, j]`` is the j-th expert the router of the ``layer``-th MoE block
+picked for token ``t`` of the forward's flattened ``[N]`` tokens (docs/moe.md).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
+
+__all__ = ["RoutingCapture", "RoutingReplay", "moe_routers", "micro_batch_experts", "replay_routing",
+           "ROUTED_EXPERTS_KEY"]
+
+#: The trajectory key holding the server's routing (``[B, L, n_moe_layers * top_k]``, int16/int32;
+#: position t: the experts routed at token t-1, the forward that scored token t; -1: none).
+ROUTED_EXPERTS_KEY = "routed_experts"
+
+
+def moe_routers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The routers of ``model``'s MoE blocks, in layer order (a block is a module with
+    ``experts`` and a ``gate`` that has ``top_k``); empty for a dense model."""
+    routers = []
+    for module in model.modules():
+        gate = getattr(module, "gate", None)
+        if hasattr(module, "experts") and isinstance(gate, torch.nn.Module) and hasattr(gate, "top_k"):
+            routers.append(gate)
+    return routers
+
+
+def _router_output(output: object, where: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    if not (isinstance(output, tuple) and len(output) == 3):
+        raise TypeError(
+            f"{where}: the MoE router returned {type(output).__name__}; routing capture/replay needs a router "
+            "returning (router_logits, scores, indices) as transformers 5's Qwen3-MoE/Mixtral routers do"
+        )
+    return output
+
+
+class RoutingCapture:
+    """Records the experts every router picks in each forward (``with RoutingCapture(model) as c``).
+
+    After a forward, `take` returns ``[N, n_layers, k]`` int32 for that forward's N tokens.
+    """
+
+    def __init__(self, model: torch.nn.Module):
+        self.routers = moe_routers(model)
+        if not self.routers:
+            raise ValueError(f"{type(model).__name__} has no MoE router: routed experts exist only for "
+                             "mixture-of-experts models")
+        self._last: list[torch.Tensor | None] = [None] * len(self.routers)
+        self._handles: list[torch.utils.hooks.RemovableHandle] = []
+
+    @property
+    def n_layers(self) -> int:
+        return len(self.routers)
+
+    @property
+    def top_k(self) -> int:
+        return int(self.routers[0].top_k)
+
+    def __enter__(self) -> "RoutingCapture":
+        for i, router in enumerate(self.routers):
+            self._handles.append(router.register_forward_hook(self._recorder(i)))
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+
+    def _recorder(self, layer: int):
+        def hook(module: torch.nn.Module, args: tuple, output: object) -> None:
+            self._last[layer] = _router_output(output, "RoutingCapture")[2].detach()
+        return hook
+
+    def take(self) -> torch.Tensor:
+        """``[N, n_layers, k]`` int32 of the last forward (on the model's device); clears the record."""
+        if any(t is None for t in self._last):
+            raise RuntimeError("RoutingCapture.take: no forward ran through every router since the last take")
+        out = torch.stack([t.to(torch.int32) for t in self._last], dim=1)
+        self._last = [None] * len(self.routers)
+        return out
+
+
+class RoutingReplay:
+    """Makes the routers use given experts (``with RoutingReplay(model, experts)``; see the module doc).
+
+    ``experts``: ``[N, n_layers, k]`` integer ids for the N tokens of the next forward(s); a row of -1
+    keeps the router's own choice for that token and layer.
+    """
+
+    def __init__(self, model: torch.nn.Module, experts: torch.Tensor):
+        self.routers = moe_routers(model)
+        if not self.routers:
+            raise ValueError(f"routing replay: {type(model).__name__} has no MoE router; "
+                             "set algorithm.routing_replay=none for a dense model")
+        k = int(self.routers[0].top_k)
+        if experts.dim() != 3 or experts.shape[1:] != (len(self.routers), k):
+            raise ValueError(
+                f"routing replay: routed_experts has shape {tuple(experts.shape)}, expected [N, {len(self.routers)}, "
+                f"{k}] (tokens, MoE layers, top-k of this model); was the trajectory made by another model?"
+            )
+        n_experts = int(getattr(self.routers[0], "num_experts", 0) or 0)
+        if n_experts and experts.numel() and int(experts.max()) >= n_experts:
+            raise ValueError(f"routing replay: routed_experts holds expert id {int(experts.max())}, but the model "
+                             f"has {n_experts} experts per layer")
+        self.experts = experts.long()
+        self._handles: list[torch.utils.hooks.RemovableHandle] = []
+
+    def __enter__(self) -> "RoutingReplay":
+        for i, router in enumerate(self.routers):
+            self._handles.append(router.register_forward_hook(self._replacer(i)))
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+
+    def _replacer(self, layer: int):
+        def hook(module: torch.nn.Module, args: tuple, output: object) -> tuple:
+            logits, _, own = _router_output(output, "RoutingReplay")
+            replay = self.experts[:, layer].to(own.device)
+            if replay.shape[0] != logits.shape[0]:
+                raise ValueError(f"routing replay: the forward routes {logits.shape[0]} tokens but routed_experts "
+                                 f"holds {replay.shape[0]}; the micro-batch and its routing disagree")
+            keep_own = (replay < 0).any(dim=-1, keepdim=True)
+            chosen = torch.where(keep_own, own, replay)
+            probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+            scores = probs.gather(-1, chosen)
+            if getattr(module, "norm_topk_prob", True):
+                scores = scores / scores.sum(dim=-1, keepdim=True)
+            return logits, scores.to(logits.dtype), chosen
+        return hook
+
+
+def micro_batch_experts(mb: dict[str, torch.Tensor], top_k: int) -> torch.Tensor | None:
+    """The replay tensor ``[T, n_layers, k]`` of a packed micro-batch, or None when it carries no routing.
+
+    Packing shifts per-token keys by one (position t holds token t+1's value), and the
+    trajectory stores at t+1 the routing of token t (see `ROUTED_EXPERTS_KEY`), so after
+    packing position t holds exactly token t's routing. The last token of each sequence got
+    zeros from the shift: it has no server routing and keeps its own (-1).
+    """
+    flat = mb.get(ROUTED_EXPERTS_KEY)
+    if flat is None:
+        return None
+    if flat.dim() != 2 or flat.shape[1] % top_k:
+        raise ValueError(f"routed_experts of a micro-batch has shape {tuple(flat.shape)}; expected "
+                         f"[T, n_layers * {top_k}] (the trajectory key is [B, L, n_layers * top_k])")
+    experts = flat.reshape(flat.shape[0], -1, top_k).to(torch.int64).clone()
+    last = mb["cu_seqlens"][1:].to(torch.int64) - 1
+    experts[last] = -1
+    return experts
+
+
+@contextmanager
+def replay_routing(model: torch.nn.Module, mb: dict[str, torch.Tensor] | None) -> Iterator[None]:
+    """Replay the micro-batch's server routing in the forwards inside (nothing when it carries none)."""
+    routers = moe_routers(model) if mb is not None and ROUTED_EXPERTS_KEY in mb else []
+    experts = micro_batch_experts(mb, int(routers[0].top_k)) if routers else None
+    if experts is None:
+        yield
+        return
+    with RoutingReplay(model, experts):
+        yield

@@ -1,0 +1,257 @@
+"""Cluster scale by simulation: the real controller, client and publisher against N simulated servers.
+
+Part (b), scaling: 8, 32, 128 and 256 simulated GPU servers (``python -m arealite.server --sim``,
+all of them in one child process, one event loop) at constant work per server: each server gets
+``--per-server`` requests in flight and ``--items`` prompts to answer, through the real
+``RolloutController`` + ``RLVRWorkflow`` + ``SGLangClient`` in this process. Reported:
+
+- throughput per server (completed requests / s / server) relative to 8 servers;
+- client and controller CPU per completed request (this process's CPU time: the controller's
+  loop, the client, the workflows, the trainer-side ``prepare_batch``);
+- p99 client wait: from ``agenerate`` being called to the server receiving the request (wall
+  clocks of both processes; it includes the simulated servers' own HTTP parsing, so it is an
+  upper bound of the time spent in the client before the first byte goes out);
+- controller RSS at the end of each run;
+- one weight update through the real ``WeightPublisher`` (disk transfer of a tiny model, the
+  simulated 7B transfer held on every server): pause -> resume wall time minus the simulated
+  transfer.
+
+Simulated compute runs ``--time-scale`` times real time; orchestration always runs in real time.
+The last line is JSON: ``scaling_efficiency_256``, ``cpu_per_request_growth_256``,
+``update_overhead_ms_256``. Part (a) (AReaL's setup) is not written yet.
+
+    python benchmarks/bench_scale.py [--quick] [--servers 8,32,128,256]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+PROMPT_LEN = 64
+
+
+def free_ports(n: int) -> list[int]:
+    import socket
+
+    socks, ports = [], []
+    for _ in range(n):
+        s = socket.socket()
+        s.bind(("127.0.0.1", 0))
+        socks.append(s)
+        ports.append(s.getsockname()[1])
+    for s in socks:
+        s.close()
+    return ports
+
+
+def rss_mb() -> float:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+def start_sim(model_dir: Path, n: int, args, trace: Path, log: Path) -> tuple[subprocess.Popen, list[str]]:
+    ports = free_ports(n)
+    cmd = [sys.executable, "-m", "arealite.server", "--sim", "--model-path", str(model_dir),
+           "--sim-ports", ",".join(map(str, ports)), "--sim-time-scale", str(args.time_scale),
+           "--sim-length-median", str(args.length_median), "--sim-trace", str(trace), "--log-level", "warning",
+           "--context-length", "32768"]
+    proc = subprocess.Popen(cmd, stdout=open(log, "wb"), stderr=subprocess.STDOUT,
+                            env=dict(os.environ, OMP_NUM_THREADS="1"), start_new_session=True)
+    addrs = [f"127.0.0.1:{p}" for p in ports]
+    deadline = time.monotonic() + 300
+    for a in addrs:
+        while True:
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"simulated servers did not start:\n{log.read_text()[-2000:]}")
+            try:
+                with urllib.request.urlopen(f"http://{a}/health", timeout=2) as r:
+                    if r.status == 200:
+                        break
+            except OSError:
+                pass
+            time.sleep(0.2)
+    return proc, addrs
+
+
+def timed_client_class():
+    """SGLangClient that notes when each request was handed to it (wall clock, by rid)."""
+    from arealite.inference_client.sglang_client import SGLangClient
+
+    class TimedClient(SGLangClient):
+        sent: dict[str, float] = {}
+
+        async def agenerate(self, req):
+            self.sent[req.rid] = time.time()
+            return await super().agenerate(req)
+
+    return TimedClient
+
+
+def run_one(n: int, model_dir: Path, tokenizer, args, work: Path) -> dict:
+    from arealite.config.schema import ArealiteConfig, GenerationConfig, RolloutConfig
+    from arealite.data.dataset import StatefulDataLoader
+    from arealite.rollout.controller import RolloutController
+    from arealite.workflow.rlvr import RLVRWorkflow
+
+    trace, log = work / f"trace{n}.jsonl", work / f"sim{n}.log"
+    proc, addrs = start_sim(model_dir, n, args, trace, log)
+    conc, batch = args.per_server * n, max(1, args.per_server * n // 2)
+    items = [{"input_ids": [1 + (i + j) % 400 for j in range(PROMPT_LEN)], "answer": 1}
+             for i in range(args.items * n)]
+    rc = RolloutConfig(max_concurrent_rollouts=conc, consumer_batch_size=batch, queue_size=max(4096, conc),
+                       max_head_offpolicyness=10**6, reward_workers=4)
+    wf = RLVRWorkflow(lambda *a, **k: 1.0, GenerationConfig(n_samples=1, max_new_tokens=args.max_new_tokens),
+                      tokenizer, rc)
+    client = timed_client_class()(addrs, rc)
+    ctl = RolloutController(client, rc).start(init_timeout=120)
+    try:
+        steps = len(items) // batch
+        loader = StatefulDataLoader(items, batch_size=batch, shuffle=False)
+        t0, c0 = time.perf_counter(), time.process_time()
+        for step in range(steps):
+            ctl.prepare_batch(loader, wf)
+        wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+        done = steps * batch
+        rss = rss_mb()
+        update = weight_update(ctl, client, model_dir, args, work)
+    finally:
+        ctl.stop()
+        proc.terminate()
+        proc.wait(60)
+    waits = client_waits(client.sent, trace)
+    return {"n": n, "done": done, "wall_s": wall, "per_server_rps": done / wall / n,
+            "cpu_us_per_req": cpu / done * 1e6, "p99_wait_ms": float(np.percentile(waits, 99)) * 1e3,
+            "rss_mb": rss, **update}
+
+
+def client_waits(sent: dict[str, float], trace: Path) -> np.ndarray:
+    arrived = {}
+    for line in trace.read_text().splitlines():
+        r = json.loads(line)
+        arrived.setdefault(r["rid"], r["t"])
+    return np.array([arrived[rid] - t for rid, t in sent.items() if rid in arrived])
+
+
+def weight_update(ctl, client, model_dir: Path, args, work: Path) -> dict:
+    """One publish through the real publisher (disk transfer), servers generating meanwhile."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from arealite.config.schema import WeightSyncConfig
+    from arealite.server.sim_model import SimSpec
+    from arealite.weight_sync import DiskTransfer, WeightPublisher
+    from arealite.weight_sync.base import StateDictSource
+
+    state = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).state_dict()
+    transfer = DiskTransfer(WeightSyncConfig(method="disk", timeout_s=300), client.admin, ctl.run,
+                            work / "weights", str(model_dir))
+    pub = WeightPublisher(transfer, StateDictSource(state), client.admin, ctl.run, parties=[client], controller=ctl)
+    pub.init()
+    sim_cpu0, cpu0 = sim_cpu_s(client.servers[0]), time.process_time()
+    profiler = start_profile(args.profile_update)
+    out = pub.publish(1)
+    stop_profile(profiler, args.profile_update)
+    sim_cpu, cpu = sim_cpu_s(client.servers[0]) - sim_cpu0, time.process_time() - cpu0
+    pub.close()
+    sim_s = SimSpec().transfer_s() * args.time_scale
+    paused = out["pause_s"] + out["transfer_s"] + out.get("verify_s", 0.0) + out["continue_s"]
+    return {"update_s": paused, "update_overhead_ms": (paused - sim_s) * 1e3, "sim_transfer_ms": sim_s * 1e3,
+            "pause_ms": out["pause_s"] * 1e3, "transfer_ms": out["transfer_s"] * 1e3,
+            "continue_ms": out["continue_s"] * 1e3, "update_sim_cpu_ms": sim_cpu * 1e3,
+            "update_client_cpu_ms": cpu * 1e3}
+
+
+def start_profile(path: str | None):
+    """yappi over every thread of this process (the controller's loop included), when asked."""
+    if not path:
+        return None
+    import yappi
+
+    yappi.set_clock_type("cpu")
+    yappi.start()
+    return yappi
+
+
+def stop_profile(yappi, path: str | None) -> None:
+    if yappi is None:
+        return
+    yappi.stop()
+    stats = yappi.get_func_stats()
+    stats.sort("tsub")
+    with open(path, "w") as f:
+        stats.print_all(out=f, columns={0: ("name", 80), 1: ("ncall", 10), 2: ("tsub", 8), 3: ("ttot", 8)})
+    yappi.clear_stats()
+
+
+def sim_cpu_s(addr: str) -> float:
+    """CPU seconds of the process serving every simulated server (they share it)."""
+    with urllib.request.urlopen(f"http://{addr}/server_info", timeout=30) as r:
+        return json.loads(r.read())["internal_states"][0]["cpu_time_s"]
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--quick", action="store_true", help="8 and 32 servers, less work")
+    p.add_argument("--servers", default="8,32,128,256")
+    p.add_argument("--per-server", type=int, default=4, help="requests in flight per server")
+    p.add_argument("--items", type=int, default=8, help="prompts per server")
+    p.add_argument("--max-new-tokens", type=int, default=1024)
+    p.add_argument("--length-median", type=float, default=512)
+    p.add_argument("--time-scale", type=float, default=1.0,
+                   help="real seconds per simulated second (below ~1, 256 servers saturate two cores)")
+    p.add_argument("--profile-update", default=None, metavar="FILE",
+                   help="profile this process's CPU during each weight update (yappi), functions by own time")
+    args = p.parse_args()
+    if args.quick:
+        args.servers, args.items = "8,32", 4
+    from arealite.models.tiny import build_tiny_model
+    from transformers import AutoTokenizer
+
+    work = Path(tempfile.mkdtemp(prefix="bench_scale_"))
+    model_dir = build_tiny_model(work / "model", size="micro", seed=0)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    try:
+        rows = [run_one(int(n), model_dir, tokenizer, args, work) for n in args.servers.split(",")]
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    base = rows[0]
+    print(f"{'servers':>7} {'done':>6} {'req/s/server':>12} {'rel':>5} {'CPU us/req':>10} {'growth':>6} "
+          f"{'p99 wait ms':>11} {'RSS MB':>7} {'update ms':>9} {'- transfer':>10} {'pause':>6} {'load':>6} "
+          f"{'cont.':>6} {'sim CPU':>7} {'our CPU':>7}")
+    for r in rows:
+        r["rel"] = r["per_server_rps"] / base["per_server_rps"]
+        r["cpu_growth"] = r["cpu_us_per_req"] / base["cpu_us_per_req"]
+        print(f"{r['n']:>7} {r['done']:>6} {r['per_server_rps']:>12.2f} {r['rel']:>5.2f} {r['cpu_us_per_req']:>10.0f} "
+              f"{r['cpu_growth']:>6.2f} {r['p99_wait_ms']:>11.1f} {r['rss_mb']:>7.0f} {r['update_s'] * 1e3:>9.1f} "
+              f"{r['update_overhead_ms']:>10.1f} {r['pause_ms']:>6.0f} {r['transfer_ms']:>6.0f} {r['continue_ms']:>6.0f} "
+              f"{r['update_sim_cpu_ms']:>7.0f} {r['update_client_cpu_ms']:>7.0f}")
+    last = rows[-1]
+    tag = last["n"]
+    print(json.dumps({f"scaling_efficiency_{tag}": round(last["rel"], 3),
+                      f"cpu_per_request_growth_{tag}": round(last["cpu_growth"], 3),
+                      f"update_overhead_ms_{tag}": round(last["update_overhead_ms"], 1),
+                      f"p99_client_wait_ms_{tag}": round(last["p99_wait_ms"], 1),
+                      f"controller_rss_mb_{tag}": round(last["rss_mb"], 1),
+                      f"update_sim_process_cpu_ms_{tag}": round(last["update_sim_cpu_ms"], 1),
+                      f"update_client_cpu_ms_{tag}": round(last["update_client_cpu_ms"], 1),
+                      "time_scale": args.time_scale, "servers": [r["n"] for r in rows]}))
+
+
+if __name__ == "__main__":
+    main()
