@@ -40,6 +40,8 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench_controller import rss_mb  # noqa: E402  (the controller benchmark's RSS reading)
+
 PROMPT_LEN = 64
 
 
@@ -55,14 +57,6 @@ def free_ports(n: int) -> list[int]:
     for s in socks:
         s.close()
     return ports
-
-
-def rss_mb() -> float:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
-    return float("nan")
 
 
 def start_sim(model_dir: Path, n: int, args, trace: Path, log: Path) -> tuple[subprocess.Popen, list[str]]:
