@@ -148,7 +148,8 @@ class ReadbackVerifier:
             new = sorted(cannot - self.unsupported)
             if new:
                 logger.warning("%s cannot read weights back (%s: their model class lacks "
-                               "get_weights_by_name); the log-prob probe verifies them",
+                               "get_weights_by_name); only the log-prob probe (weight_sync.probe) "
+                               "verifies their weights",
                                ", ".join(new), READBACK_UNSUPPORTED)
             self.unsupported |= cannot
             answers = e.results
