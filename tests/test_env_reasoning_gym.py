@@ -166,3 +166,19 @@ def test_two_tasks_train_through_one_command_then_resume(micro_model_dir, tmp_pa
     assert len(dumped) >= 6 * 16
     for d in dumped:
         assert d["reward"] == pytest.approx(_score(by_prompt[d["prompt"]], d["completion"]))
+
+
+def test_the_reasoning_gym_demo_config_generates_what_its_prepare_step_warms_up_on():
+    """examples/reasoning_gym: the config is valid, and every generated prompt ends with the word
+    to spell backward, which prepare.py cuts out for its copying warm-up answers."""
+    from conftest import REPO
+
+    from arealite.check import load_run_config
+    from arealite.data.reasoning_gym import reasoning_gym_items
+
+    cfg = load_run_config(REPO / "examples/reasoning_gym/config.yaml", check_paths=False)
+    train, held_out = reasoning_gym_items(cfg.data.reasoning_gym, cfg.experiment.seed)
+    assert len(train) == 4000 and 100 < len(held_out) <= 200  # held-out words seen in training are dropped
+    for row in list(train)[:200]:
+        word = row["reasoning_gym"]["entry"]["question"].rsplit(":", 1)[1].strip()
+        assert row["prompt"].endswith(f": {word} =") and row["answer"] == word[::-1]
