@@ -65,9 +65,21 @@ def _trainer_pass(model, comp, top_k: int, replay: bool) -> tuple[torch.Tensor, 
     return lp.gather(-1, out[:, None]).squeeze(-1), used
 
 
-def _measure(model, comps, top_k: int, replay: bool) -> dict[str, float]:
-    diffs, kls, mism = [], [], []
+def _flipped(model, comps, top_k: int) -> list[torch.Tensor]:
+    """Per completion, which output tokens the trainer's own routing scores with other experts
+    than the server's at some layer (the tokens routing replay is for)."""
+    out = []
     for c in comps:
+        _, used = _trainer_pass(model, c, top_k, replay=False)
+        server = c.routed_experts.view(used.shape[0], -1, top_k)
+        differs = (used.sort(-1).values != server.sort(-1).values).any(-1).any(-1)  # [rows]
+        out.append(differs[len(c.input_ids) - 1:])  # row n_prompt - 1 + j scores output token j
+    return out
+
+
+def _measure(model, comps, top_k: int, replay: bool, flipped: list[torch.Tensor]) -> dict[str, float]:
+    diffs, kls, mism, on_flipped = [], [], [], []
+    for c, f in zip(comps, flipped):
         lp, used = _trainer_pass(model, c, top_k, replay)
         server = c.routed_experts.view(used.shape[0], -1, top_k)
         same = (used.sort(-1).values == server.sort(-1).values).all(-1)  # [tokens, layers]
@@ -75,8 +87,11 @@ def _measure(model, comps, top_k: int, replay: bool) -> dict[str, float]:
         r = lp - torch.tensor(c.output_logprobs)
         diffs.append(r.abs())
         kls.append(r.exp() - 1 - r)
+        on_flipped.append(r.abs()[f])
+    flipped_diffs = torch.cat(on_flipped)
     return {"routing_mismatch": float(torch.cat(mism).mean()),
             "logprob_abs_diff": float(torch.cat(diffs).mean()),
+            "logprob_abs_diff_flipped": float(flipped_diffs.mean()) if flipped_diffs.numel() else float("nan"),
             "kl_k3": float(torch.cat(kls).mean())}
 
 
@@ -117,19 +132,27 @@ def main() -> None:
             comps = asyncio.run(_sample(url, prompts, args.new_tokens))
         finally:
             proc.stop()
-        plain = _measure(model, comps, top_k, replay=False)
-        r3 = _measure(model, comps, top_k, replay=True)
+        flipped = _flipped(model, comps, top_k)
+        plain = _measure(model, comps, top_k, replay=False, flipped=flipped)
+        r3 = _measure(model, comps, top_k, replay=True, flipped=flipped)
     n_tokens = sum(len(c.output_ids) for c in comps)
     print(f"{args.model or 'tiny ' + args.size}: served bfloat16, trained float32; {len(comps)} samples, {n_tokens} generated tokens")
-    print(f"{'':14}{'routing mismatch':>18}{'mean |dlogp|':>14}{'KL (k3)':>12}")
+    n_flipped = int(sum(int(f.sum()) for f in flipped))
+    print(f"{'':14}{'routing mismatch':>18}{'mean |dlogp|':>14}{'on flipped':>12}{'KL (k3)':>12}")
     for name, m in (("without R3", plain), ("with R3", r3)):
-        print(f"{name:14}{m['routing_mismatch']:>18.4f}{m['logprob_abs_diff']:>14.5f}{m['kl_k3']:>12.2e}")
+        print(f"{name:14}{m['routing_mismatch']:>18.4f}{m['logprob_abs_diff']:>14.5f}"
+              f"{m['logprob_abs_diff_flipped']:>12.5f}{m['kl_k3']:>12.2e}")
+    print(f"'on flipped': the {n_flipped} output tokens the trainer's own routing scores with other experts")
     ratio = plain["logprob_abs_diff"] / max(r3["logprob_abs_diff"], 1e-12)
     print(json.dumps({
         "bench": "moe", "size": args.size, "model": args.model, "samples": len(comps), "tokens": n_tokens,
         "routing_mismatch": round(plain["routing_mismatch"], 5), "routing_mismatch_r3": round(r3["routing_mismatch"], 5),
         "logprob_abs_diff": plain["logprob_abs_diff"], "logprob_abs_diff_r3": r3["logprob_abs_diff"],
         "kl": plain["kl_k3"], "kl_r3": r3["kl_k3"], "logprob_mismatch_ratio": round(ratio, 2),
+        "flipped_tokens": n_flipped, "logprob_abs_diff_flipped": plain["logprob_abs_diff_flipped"],
+        "logprob_abs_diff_flipped_r3": r3["logprob_abs_diff_flipped"],
+        "flipped_logprob_mismatch_ratio": round(plain["logprob_abs_diff_flipped"]
+                                                / max(r3["logprob_abs_diff_flipped"], 1e-12), 2),
     }))
 
 
