@@ -55,19 +55,40 @@ def _router_output(output: object, where: str) -> tuple[torch.Tensor, torch.Tens
     return output
 
 
-class RoutingCapture:
+class _RouterHooks:
+    """A forward hook on each of ``routers`` (one per MoE layer, in order) while the context is
+    entered; a subclass says what the hook of layer ``i`` does (`_hook`)."""
+
+    def __init__(self, routers: list[torch.nn.Module]):
+        self.routers = routers
+        self._handles: list[torch.utils.hooks.RemovableHandle] = []
+
+    def _hook(self, layer: int):
+        raise NotImplementedError
+
+    def __enter__(self):
+        for i, router in enumerate(self.routers):
+            self._handles.append(router.register_forward_hook(self._hook(i)))
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+
+
+class RoutingCapture(_RouterHooks):
     """Records the experts every router picks in each forward (``with RoutingCapture(model) as c``).
 
     After a forward, `take` returns ``[N, n_layers, k]`` int32 for that forward's N tokens.
     """
 
     def __init__(self, model: torch.nn.Module):
-        self.routers = moe_routers(model)
+        super().__init__(moe_routers(model))
         if not self.routers:
             raise ValueError(f"{type(model).__name__} has no MoE router: routed experts exist only for "
                              "mixture-of-experts models")
         self._last: list[torch.Tensor | None] = [None] * len(self.routers)
-        self._handles: list[torch.utils.hooks.RemovableHandle] = []
 
     @property
     def n_layers(self) -> int:
@@ -77,17 +98,7 @@ class RoutingCapture:
     def top_k(self) -> int:
         return int(self.routers[0].top_k)
 
-    def __enter__(self) -> "RoutingCapture":
-        for i, router in enumerate(self.routers):
-            self._handles.append(router.register_forward_hook(self._recorder(i)))
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        for h in self._handles:
-            h.remove()
-        self._handles.clear()
-
-    def _recorder(self, layer: int):
+    def _hook(self, layer: int):
         def hook(module: torch.nn.Module, args: tuple, output: object) -> None:
             self._last[layer] = _router_output(output, "RoutingCapture")[2].detach()
         return hook
@@ -101,15 +112,17 @@ class RoutingCapture:
         return out
 
 
-class RoutingReplay:
+class RoutingReplay(_RouterHooks):
     """Makes the routers use given experts (``with RoutingReplay(model, experts)``; see the module doc).
 
     ``experts``: ``[N, n_layers, k]`` integer ids for the N tokens of the next forward(s); a row of -1
-    keeps the router's own choice for that token and layer.
+    keeps the router's own choice for that token and layer. ``routers``: the model's, when the
+    caller has already found them (`moe_routers`).
     """
 
-    def __init__(self, model: torch.nn.Module, experts: torch.Tensor):
-        self.routers = moe_routers(model)
+    def __init__(self, model: torch.nn.Module, experts: torch.Tensor,
+                 routers: list[torch.nn.Module] | None = None):
+        super().__init__(moe_routers(model) if routers is None else routers)
         if not self.routers:
             raise ValueError(f"routing replay: {type(model).__name__} has no MoE router; "
                              "set algorithm.routing_replay=none for a dense model")
@@ -124,19 +137,8 @@ class RoutingReplay:
             raise ValueError(f"routing replay: routed_experts holds expert id {int(experts.max())}, but the model "
                              f"has {n_experts} experts per layer")
         self.experts = experts.long()
-        self._handles: list[torch.utils.hooks.RemovableHandle] = []
 
-    def __enter__(self) -> "RoutingReplay":
-        for i, router in enumerate(self.routers):
-            self._handles.append(router.register_forward_hook(self._replacer(i)))
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        for h in self._handles:
-            h.remove()
-        self._handles.clear()
-
-    def _replacer(self, layer: int):
+    def _hook(self, layer: int):
         def hook(module: torch.nn.Module, args: tuple, output: object) -> tuple:
             logits, _, own = _router_output(output, "RoutingReplay")
             replay = self.experts[:, layer].to(own.device)
@@ -181,5 +183,5 @@ def replay_routing(model: torch.nn.Module, mb: dict[str, torch.Tensor] | None) -
     if experts is None:
         yield
         return
-    with RoutingReplay(model, experts):
+    with RoutingReplay(model, experts, routers):  # the routers found above: one walk of the model
         yield

@@ -3,8 +3,8 @@
 A caller hands each rank of the engine its own rows of a right-padded ``[B, L]`` batch, whatever
 the parallel layout. The ranks of a sequence- or tensor-parallel group must compute the same
 micro-batches, so each of them gathers the group's rows (in rank order, each rank's tensors
-padded to the group's longest ``L``); they then pack the same micro-batches, and each keeps the
-per-token results of its own rows (`GroupRows.own`).
+padded to the group's longest ``L`` once received); they then pack the same micro-batches, and
+each keeps the per-token results of its own rows (`GroupRows.own`).
 """
 
 from __future__ import annotations
@@ -35,35 +35,33 @@ class GroupRows:
         return values[self.start:self.start + B, :L]
 
 
-def _padded(data: dict[str, torch.Tensor], B: int, L: int, to: int) -> dict[str, torch.Tensor]:
-    """``data`` on the CPU with its per-token tensors (``[B, L, ...]``) right-padded with zeros to ``to``."""
+def _padded(part: dict[str, torch.Tensor], to: int) -> dict[str, torch.Tensor]:
+    """One rank's rows with their per-token tensors (``[B, L, ...]``) right-padded with zeros to ``to``."""
+    B, L = part["input_ids"].shape
     out = {}
-    for k, v in data.items():
-        v = v.detach().cpu()
+    for k, v in part.items():
         if v.dim() >= 2 and v.shape[:2] == (B, L) and to > L:
-            pad = [0, 0] * (v.dim() - 2) + [0, to - L]
-            v = F.pad(v, pad)
+            v = F.pad(v, [0, 0] * (v.dim() - 2) + [0, to - L])
         out[k] = v
     return out
 
 
 def gather_rows(data: dict[str, torch.Tensor], group: dist.ProcessGroup) -> GroupRows:
-    """The rows of every rank of ``group`` (a collective over it: every rank calls it).
+    """The rows of every rank of ``group`` (one collective over it: every rank calls it).
 
     Every rank must give the same keys; per-sequence tensors (``[B, ...]``) are concatenated
     as they are.
     """
     B, L = data["input_ids"].shape
     size, rank = dist.get_world_size(group), dist.get_rank(group)
-    shapes: list[tuple[int, int, list[str]]] = [(0, 0, [])] * size  # filled by the collective
-    dist.all_gather_object(shapes, (B, L, sorted(data)), group=group)
-    keys = {tuple(s[2]) for s in shapes}
+    parts: list[dict[str, torch.Tensor]] = [{}] * size  # filled by the collective
+    dist.all_gather_object(parts, {k: v.detach().cpu() for k, v in data.items()}, group=group)
+    keys = {tuple(sorted(p)) for p in parts}
     if len(keys) != 1:
         raise ValueError(f"the ranks of a model-parallel group were given batches with different keys: "
                          f"{sorted(keys)}; every rank must get the same fields")
-    L_group = max(s[1] for s in shapes)
-    parts: list[dict[str, torch.Tensor]] = [{}] * size  # filled by the collective
-    dist.all_gather_object(parts, _padded(data, B, L, L_group), group=group)
+    width = max(p["input_ids"].shape[1] for p in parts)
+    parts = [_padded(p, width) for p in parts]
     device = data["input_ids"].device
     merged = {k: torch.cat([p[k] for p in parts]).to(device) for k in data}
-    return GroupRows(merged, start=sum(s[0] for s in shapes[:rank]), shape=(B, L))
+    return GroupRows(merged, start=sum(p["input_ids"].shape[0] for p in parts[:rank]), shape=(B, L))
