@@ -105,12 +105,15 @@ def main() -> None:
                     "default: random token ids)")
     ap.add_argument("--new-tokens", type=int, default=32)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=INT",
+                    help="override one of the size's dimensions (e.g. --set num_hidden_layers=12)")
     args = ap.parse_args()
+    dims = {k: int(v) for k, v in (item.split("=", 1) for item in args.set)}
     torch.manual_seed(args.seed)
     rng = random.Random(args.seed)
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = Path(args.model) if args.model else build_tiny_model(Path(tmp) / "moe", size=args.size,
-                                                                         seed=args.seed)
+                                                                         seed=args.seed, **dims)
         from transformers import AutoModelForCausalLM
 
         model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
@@ -145,7 +148,7 @@ def main() -> None:
     print(f"'on flipped': the {n_flipped} output tokens the trainer's own routing scores with other experts")
     ratio = plain["logprob_abs_diff"] / max(r3["logprob_abs_diff"], 1e-12)
     print(json.dumps({
-        "bench": "moe", "size": args.size, "model": args.model, "samples": len(comps), "tokens": n_tokens,
+        "bench": "moe", "size": args.size, "dims": dims, "model": args.model, "samples": len(comps), "tokens": n_tokens,
         "routing_mismatch": round(plain["routing_mismatch"], 5), "routing_mismatch_r3": round(r3["routing_mismatch"], 5),
         "logprob_abs_diff": plain["logprob_abs_diff"], "logprob_abs_diff_r3": r3["logprob_abs_diff"],
         "kl": plain["kl_k3"], "kl_r3": r3["kl_k3"], "logprob_mismatch_ratio": round(ratio, 2),

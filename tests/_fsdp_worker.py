@@ -8,13 +8,15 @@ then takes a PPO step with each sequence-mean loss aggregation (the ranks hold 5
 and 3 sequences, so a rank-local mean would show). Every process runs on the
 CPU (gloo), also on a GPU machine. Rank r writes ``result_rank{r}.pt``; tests/test_fsdp_dist.py compares worlds.
 
-    torchrun --nproc_per_node 2 tests/_fsdp_worker.py MODEL_DIR OUT_DIR [lora | sp | tp]
+    torchrun --nproc_per_node 2 tests/_fsdp_worker.py MODEL_DIR OUT_DIR [lora | sp | tp | ep]
 
 With ``lora`` the engine is `LoraFSDPEngine` (rank-3 adapters on every linear module, so
 that the A matrices split unevenly over 2 ranks): the same scenario trains only the
 adapters, and rank r also writes the adapter's tensors. With ``sp`` (``tp``) the 2 ranks
 are one sequence-parallel (tensor-parallel) group: each still hands the engine its own rows,
-and the engine computes all 8 together.
+and the engine computes all 8 together. With ``ep`` (a mixture-of-experts model) the 2 ranks
+split each layer's experts. On a mixture-of-experts model every layout replays a fixed routing
+(R3: the batch carries ``routed_experts``).
 """
 
 from __future__ import annotations
@@ -47,6 +49,21 @@ def global_batch(vocab: int, seed: int = 0) -> dict[str, torch.Tensor]:
     ids = ids * am
     loss_mask = am & (torch.arange(L)[None, :] >= 3)
     return {"input_ids": ids, "attention_mask": am, "loss_mask": loss_mask}
+
+
+def with_routing(batch: dict[str, torch.Tensor], hf_config, seed: int = 1) -> dict[str, torch.Tensor]:
+    """``batch`` with a server routing to replay (``routed_experts``: distinct random experts per
+    token and layer, -1 at position 0 and padding) when the model is a mixture of experts."""
+    n_experts = getattr(hf_config, "num_experts", None)
+    if not n_experts:
+        return batch
+    g = torch.Generator().manual_seed(seed)
+    B, L = batch["input_ids"].shape
+    layers, k = hf_config.num_hidden_layers, hf_config.num_experts_per_tok
+    experts = torch.rand(B, L, layers, n_experts, generator=g).argsort(-1)[..., :k].reshape(B, L, layers * k)
+    real = batch["attention_mask"].clone()
+    real[:, 0] = False
+    return {**batch, "routed_experts": torch.where(real[..., None], experts, -1).to(torch.int16)}
 
 
 def token_mean_ce(head, mb: dict) -> torch.Tensor:
@@ -104,7 +121,8 @@ def run(model_dir: str, out_dir: str, lora: bool = False, layout: str = "") -> N
     out = Path(out_dir)
     cfg = ActorConfig(model_path=model_dir, mb_max_tokens=32,
                       lora=LoraConfig(rank=3, alpha=6.0) if lora else None,
-                      sp_size=2 if layout == "sp" else 1, tp_size=2 if layout == "tp" else 1)
+                      sp_size=2 if layout == "sp" else 1, tp_size=2 if layout == "tp" else 1,
+                      ep_size=2 if layout == "ep" else 1)
     cfg.optimizer.lr = 1e-2 if lora else 2e-3
     cfg.optimizer.warmup_steps = 1
     cfg.optimizer.lr_scheduler = "cosine"
@@ -123,7 +141,10 @@ def run(model_dir: str, out_dir: str, lora: bool = False, layout: str = "") -> N
         rows = slice(0, GLOBAL_B)
     else:
         raise SystemExit("this scenario runs with 1 or 2 processes")
-    batch = {k: v[rows] for k, v in global_batch(engine.hf_config.vocab_size).items()}
+    full_batch = with_routing(global_batch(engine.hf_config.vocab_size), engine.hf_config)
+    batch = {k: v[rows] for k, v in full_batch.items()}
+    if "routed_experts" in batch:
+        engine.routing_replay = "r3"
     initial = full_weights(engine)
     pushed = out / "pushed"  # what a disk weight transfer writes, before any step
     if rank == 0:
@@ -184,6 +205,8 @@ def run(model_dir: str, out_dir: str, lora: bool = False, layout: str = "") -> N
             "layout": (engine.layout.dp, engine.layout.sp, engine.layout.tp),
             "tp_split": sorted(n for n, p in engine.model.named_parameters()
                                if "tp" in (getattr(getattr(p, "device_mesh", None), "mesh_dim_names", None) or ())),
+            "ep_split": {n: tuple(p.to_local().shape) for n, p in engine.model.named_parameters()
+                         if "ep" in (getattr(getattr(p, "device_mesh", None), "mesh_dim_names", None) or ())},
         },
         out / f"result_rank{rank}.pt",
     )
@@ -194,4 +217,4 @@ def run(model_dir: str, out_dir: str, lora: bool = False, layout: str = "") -> N
 
 if __name__ == "__main__":
     mode = sys.argv[3] if len(sys.argv) > 3 else ""
-    run(sys.argv[1], sys.argv[2], lora=mode == "lora", layout=mode if mode in ("sp", "tp") else "")
+    run(sys.argv[1], sys.argv[2], lora=mode == "lora", layout=mode if mode in ("sp", "tp", "ep") else "")

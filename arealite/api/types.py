@@ -86,6 +86,10 @@ class GenerationRequest:
     metadata: dict[str, object] = field(default_factory=dict)
     top_logprobs: int = 0
     """How many of the most likely tokens to report at each generated position (0: none)."""
+    image_data: list[str] | None = None
+    """Vision-language prompts: base64 of each image's encoded file bytes, in the order of the
+    prompt's image placeholders; ``input_ids`` is then the EXPANDED prompt (one ``<|image_pad|>``
+    per merged patch, as the model's processor renders it). None: a text-only prompt (docs/vision.md)."""
 
 
 @dataclass

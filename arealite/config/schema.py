@@ -463,6 +463,14 @@ class ActorConfig(Section):
     this many ranks (a data x tensor mesh, composed with FSDP2 over the data ranks), for
     Llama/Qwen2/Qwen3/Mistral-style models; heads, KV heads and the MLP width must divide by it.
     Not with `sp_size` > 1 or LoRA. See docs/training.md."""
+    ep_size: int = Field(1, ge=1)
+    """Expert parallelism for a mixture-of-experts model: each MoE layer's experts are split over
+    this many ranks (an expert x data mesh), tokens go to their experts' ranks and back by
+    all-to-all; FSDP2 shards the rest. The experts per layer and the world size must divide by
+    it. Not with `sp_size`, `tp_size` > 1 or LoRA. See docs/moe.md."""
+    router_aux_loss_coef: float = Field(0.0, ge=0)
+    """Weight of a mixture-of-experts router's load-balancing loss (Switch-style, 1 when balanced,
+    mean over MoE layers) added to the training loss; 0 = off, as the peers run RL. See docs/moe.md."""
     gradient_checkpointing: bool = False
     """Recompute activations in backward to save memory."""
     cpu_offload: bool = False
@@ -597,6 +605,12 @@ class DataConfig(Section):
     `source: reasoning_gym`, the task's own `score_answer` (`REASONING_GYM_REWARD`)."""
     max_prompt_len: int | None = Field(None, ge=1)
     """Prompts longer than this (in tokens) are an error before training starts."""
+    image_key: str = Field("images", min_length=1)
+    """Field holding a row's images (vision-language models, docs/vision.md): a list (or one) of
+    file paths relative to the data file, base64 strings, data URLs, bytes or `{bytes, path}`
+    (datasets' `Image` feature), in the order of the prompt's `<image>` placeholders."""
+    max_image_pixels: int = Field(12_845_056, ge=1)
+    """Images of more pixels (width x height) are an error before training starts."""
     total_train_epochs: int = Field(1, ge=1)
     """Epochs over the training prompts."""
     max_train_steps: int | None = Field(None, ge=1)
@@ -679,6 +693,8 @@ class CriticConfig(Section):
     """Sequence-parallel ranks, as `actor.sp_size`."""
     tp_size: int = Field(1, ge=1)
     """Tensor-parallel ranks, as `actor.tp_size`."""
+    ep_size: int = Field(1, ge=1)
+    """Expert-parallel ranks for a mixture-of-experts backbone, as `actor.ep_size`."""
     gradient_checkpointing: bool = False
     """Recompute activations in backward to save memory."""
     value_clip: float | None = Field(0.2, gt=0)

@@ -37,6 +37,7 @@ def load_items(
     answer_key: str | None = "answer",
     required_keys: Sequence[str] = (),
     max_rows: int | None = None,
+    image_key: str | None = None,
 ) -> "DatasetRows":
     """Read a dataset of prompts from ``path``, whatever its format; validate every row.
 
@@ -45,15 +46,27 @@ def load_items(
     ``prompt_key`` (a string or a list of chat messages) and, unless
     ``answer_key`` is None, ``answer_key`` (string or number); each gets a
     stable ``prompt_id`` (its index unless it has one). See ``load_jsonl``.
+    ``image_key``: the field of a row's images (vision-language data); its relative file
+    paths are made absolute against the data file's folder (`arealite.data.images`
+    checks the images themselves).
     """
     path = Path(path)
     if path.is_dir():
-        return _load_table(path, "saved dataset", prompt_key, answer_key, required_keys, max_rows)
-    if not path.exists():
+        rows = _load_table(path, "saved dataset", prompt_key, answer_key, required_keys, max_rows)
+    elif not path.exists():
         raise DatasetError(f"dataset not found: {path} (expected {FORMATS})")
-    if path.suffix.lower() == ".parquet":
-        return _load_table(path, "Parquet", prompt_key, answer_key, required_keys, max_rows)
-    return load_jsonl(path, prompt_key, answer_key, required_keys, max_rows)
+    elif path.suffix.lower() == ".parquet":
+        rows = _load_table(path, "Parquet", prompt_key, answer_key, required_keys, max_rows)
+    else:
+        rows = load_jsonl(path, prompt_key, answer_key, required_keys, max_rows)
+    if image_key is not None:
+        from arealite.data.images import as_list, resolve_paths
+
+        base = path if path.is_dir() else path.parent
+        for row in rows:
+            if image_key in row:
+                row[image_key] = resolve_paths(as_list(row[image_key]), base)
+    return rows
 
 
 def _check_prompt(value: JsonValue, where: str, key: str) -> None:
@@ -63,14 +76,24 @@ def _check_prompt(value: JsonValue, where: str, key: str) -> None:
         return
     if isinstance(value, list) and value:
         for i, m in enumerate(value):
-            if not (isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)):
+            if not (isinstance(m, dict) and isinstance(m.get("role"), str)
+                    and (isinstance(m.get("content"), str) or _is_parts(m.get("content")))):
                 raise DatasetError(
-                    f"{where}: field '{key}'[{i}] must be a message {{'role': str, 'content': str}}, got {m!r:.80}"
+                    f"{where}: field '{key}'[{i}] must be a message {{'role': str, 'content': str}} "
+                    f"(or content parts [{{'type': 'text' | 'image', ...}}]), got {m!r:.80}"
                 )
         return
     raise DatasetError(
         f"{where}: field '{key}' must be a non-empty string or a list of chat messages, got {type(value).__name__}"
     )
+
+
+def _is_parts(content: JsonValue) -> bool:
+    # Vision-language content: [{"type": "text", "text": ...}, {"type": "image"}, ...]
+    return isinstance(content, list) and bool(content) and all(
+        isinstance(p, dict) and (p.get("type") in ("image", "image_url")
+                                 or (p.get("type") == "text" and isinstance(p.get("text"), str)))
+        for p in content)
 
 
 class _RowChecker:

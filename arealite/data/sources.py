@@ -30,6 +30,7 @@ def load_prompt_sets(cfg: ArealiteConfig, environment: EnvironmentSets | None = 
             raise ValueError("data.source is environment: pass the workflow's datasets (environment=...)")
         train, held_out = environment(cfg)
     else:
-        train = load_items(d.train_path, d.prompt_key, d.answer_key)
-        held_out = load_items(d.eval_path, d.prompt_key, d.answer_key) if d.eval_path else DatasetRows()
+        train = load_items(d.train_path, d.prompt_key, d.answer_key, image_key=d.image_key)
+        held_out = (load_items(d.eval_path, d.prompt_key, d.answer_key, image_key=d.image_key)
+                    if d.eval_path else DatasetRows())
     return train, held_out[: cfg.evaluation.max_prompts or len(held_out)]

@@ -1,4 +1,4 @@
-"""Build a tiny but real Hugging Face causal LM directory, offline.
+"""Build a tiny but real Hugging Face model directory, offline.
 
 Nothing can be downloaded from a model hub on CI or a laptop without network,
 so tests, the demo and the benchmarks use a model written here: a Qwen2-style
@@ -11,6 +11,12 @@ the real one.
 
     python -m arealite.models.tiny OUT_DIR --size small --seed 0
     python -m arealite.models.tiny OUT_DIR --size moe-micro   # Qwen3-MoE, 8 experts, top-2
+    python -m arealite.models.tiny OUT_DIR --size vl-micro    # Qwen2.5-VL, vision tower + processor
+
+A ``vl-*`` size writes a vision-language model (``Qwen2_5_VLForConditionalGeneration``) with
+its processor (a Qwen2-VL image processor and the tokenizer extended with the image tokens)
+and a chat template that renders image content parts; it loads with ``AutoProcessor`` and
+``AutoModelForImageTextToText`` (docs/vision.md).
 """
 
 from __future__ import annotations
@@ -49,6 +55,24 @@ MOE_SIZES: dict[str, dict[str, int]] = {
     "moe-small": dict(hidden_size=128, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
                       head_dim=32, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=64,
                       vocab_size=512),
+    # ~10M, shaped like the real MoEs (many layers, top-8 of 64 narrow experts): bench_moe.
+    "moe-wide": dict(hidden_size=128, num_hidden_layers=24, num_attention_heads=4, num_key_value_heads=2,
+                     head_dim=32, num_experts=64, num_experts_per_tok=8, moe_intermediate_size=16,
+                     vocab_size=512),
+}
+
+#: Named vision-language sizes (``Qwen2_5_VLForConditionalGeneration``): the text decoder's
+#: dimensions as above, and the vision tower's under ``vision_*`` (patch 14, 2x2 merge, as the
+#: real model; images are resized to at most ``max_pixels`` so a CPU forward stays cheap).
+VL_SIZES: dict[str, dict[str, int]] = {
+    # ~0.2M parameters: unit tests and the vision demo.
+    "vl-micro": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                     intermediate_size=128, vocab_size=512, vision_depth=2, vision_hidden_size=32,
+                     vision_num_heads=2, vision_intermediate_size=64),
+    # ~1.2M: a larger vision model.
+    "vl-small": dict(hidden_size=128, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                     intermediate_size=384, vocab_size=512, vision_depth=4, vision_hidden_size=64,
+                     vision_num_heads=4, vision_intermediate_size=128),
 }
 
 PAD_TOKEN = "<|pad|>"
@@ -56,6 +80,15 @@ EOS_TOKEN = "<|endoftext|>"
 IM_START = "<|im_start|>"
 IM_END = "<|im_end|>"
 SPECIAL_TOKENS = [PAD_TOKEN, EOS_TOKEN, IM_START, IM_END]
+VISION_START = "<|vision_start|>"
+VISION_END = "<|vision_end|>"
+IMAGE_PAD = "<|image_pad|>"
+VIDEO_PAD = "<|video_pad|>"
+#: Added to the tokenizer of a ``vl-*`` size (the names Qwen2.5-VL's processor and SGLang use).
+VISION_TOKENS = [VISION_START, VISION_END, IMAGE_PAD, VIDEO_PAD]
+#: The image processor's pixel bounds for the tiny VLM: 56x56 (4 merged tokens) to 112x112 (16).
+VL_MIN_PIXELS = 56 * 56
+VL_MAX_PIXELS = 112 * 112
 
 # A Qwen-style chat template: turns are `<|im_start|>role\ncontent<|im_end|>\n`. With `tools=`
 # a short system turn names them; an assistant turn renders its tool calls in the Hermes/Qwen
@@ -78,6 +111,19 @@ CHAT_TEMPLATE = (
     "{% endif %}"
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
+# The vision-language template: the same turns, where a message's content may also be a list of
+# parts, `{"type": "text", "text": ...}` or `{"type": "image", ...}` (`image_url` too); an image part
+# renders as `<|vision_start|><|image_pad|><|vision_end|>`, which the processor expands to one
+# `<|image_pad|>` per merged patch, as Qwen2.5-VL's own template does.
+VL_CHAT_TEMPLATE = (
+    "{% macro render(content) %}{% if content is string %}{{ content }}{% else %}"
+    "{% for part in content or [] %}"
+    "{% if part['type'] in ['image', 'image_url'] %}{{ '<|vision_start|><|image_pad|><|vision_end|>' }}"
+    "{% elif part['type'] == 'text' %}{{ part['text'] }}{% endif %}"
+    "{% endfor %}{% endif %}{% endmacro %}"
+    + CHAT_TEMPLATE.replace("(message['content'] or '')", "render(message['content'])")
 )
 
 
@@ -115,7 +161,8 @@ QWEN2_SPLIT_REGEX = (
 )
 
 
-def build_tokenizer(vocab_size: int, seed: int = 0, extra_corpus: list[str] | None = None):
+def build_tokenizer(vocab_size: int, seed: int = 0, extra_corpus: list[str] | None = None,
+                    special_tokens: list[str] | None = None):
     """Train a byte-level BPE tokenizer with Qwen2's normalizer and pre-tokenizer.
 
     transformers loads every ``model_type: qwen2`` directory with its own
@@ -124,6 +171,7 @@ def build_tokenizer(vocab_size: int, seed: int = 0, extra_corpus: list[str] | No
     that pipeline keeps ``AutoTokenizer`` and the raw ``tokenizer.json`` (what
     any other engine reads) in agreement on every string. ``extra_corpus``: more lines to
     train on (a task's own vocabulary, e.g. tool-call markup, then gets merges of its own).
+    ``special_tokens``: replaces `SPECIAL_TOKENS` (the vision sizes add `VISION_TOKENS`).
     """
     from tokenizers import (
         Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers,
@@ -141,7 +189,7 @@ def build_tokenizer(vocab_size: int, seed: int = 0, extra_corpus: list[str] | No
     tok.post_processor = processors.ByteLevel(trim_offsets=False)
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
-        special_tokens=SPECIAL_TOKENS,
+        special_tokens=special_tokens or SPECIAL_TOKENS,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
@@ -165,48 +213,91 @@ def build_tiny_model(
     ``extra_corpus``: lines the tokenizer is also trained on (see `build_tokenizer`).
     """
     import torch
-    from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
-    named = {**SIZES, **MOE_SIZES}
+    named = {**SIZES, **MOE_SIZES, **VL_SIZES}
     if size not in named:
         raise ValueError(f"size={size!r} is not one of {sorted(named)}")
     dims = {**named[size], **overrides}
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
 
-    raw = build_tokenizer(dims["vocab_size"], seed=seed, extra_corpus=extra_corpus)
-    vocab_size = raw.get_vocab_size()  # may be below the target on a small corpus
+    vision = size in VL_SIZES
+    raw = build_tokenizer(dims["vocab_size"], seed=seed, extra_corpus=extra_corpus,
+                          special_tokens=SPECIAL_TOKENS + VISION_TOKENS if vision else None)
+    hf_tok = _save_tokenizer(raw, out, max_position_embeddings, VL_CHAT_TEMPLATE if vision else CHAT_TEMPLATE)
+    if vision:
+        _save_processor(hf_tok, out)
+
+    common = dict(
+        vocab_size=raw.get_vocab_size(),  # may be below the target on a small corpus
+        max_position_embeddings=max_position_embeddings, rope_theta=10000.0,
+        tie_word_embeddings=tie_word_embeddings, bos_token_id=None, eos_token_id=raw.token_to_id(EOS_TOKEN),
+        pad_token_id=raw.token_to_id(PAD_TOKEN), torch_dtype="float32",
+    )
+    if vision:
+        config = _vl_config(dims, common, {t: raw.token_to_id(t) for t in VISION_TOKENS})
+    else:
+        config = _model_config(size, dims, common)
+    auto = AutoModelForImageTextToText if vision else AutoModelForCausalLM
+    gen = torch.random.fork_rng(devices=[])
+    with gen:
+        torch.manual_seed(seed)
+        model = auto.from_config(config)
+    model.save_pretrained(out, safe_serialization=True)
+    (out / "generation_config.json").unlink(missing_ok=True)
+    return out
+
+
+def _save_tokenizer(raw, out: Path, max_length: int, chat_template: str):
+    """Save the trained tokenizer as a transformers fast tokenizer with ``chat_template``."""
+    from transformers import PreTrainedTokenizerFast
+
     hf_tok = PreTrainedTokenizerFast(
         tokenizer_object=raw,
         eos_token=EOS_TOKEN,
         pad_token=PAD_TOKEN,
         bos_token=None,
         unk_token=None,
-        model_max_length=max_position_embeddings,
+        model_max_length=max_length,
     )
-    hf_tok.chat_template = CHAT_TEMPLATE
+    hf_tok.chat_template = chat_template
     hf_tok.save_pretrained(out)
     # Keep the tokenizer class generic so that no library rebuilds it from a
     # model type: what we trained is exactly what loads.
     cfg_path = out / "tokenizer_config.json"
     tcfg = json.loads(cfg_path.read_text())
     tcfg["tokenizer_class"] = "PreTrainedTokenizerFast"
-    tcfg["chat_template"] = CHAT_TEMPLATE
+    tcfg["chat_template"] = chat_template
     cfg_path.write_text(json.dumps(tcfg, indent=2))
+    return hf_tok
 
-    common = dict(
-        vocab_size=vocab_size, max_position_embeddings=max_position_embeddings, rope_theta=10000.0,
-        tie_word_embeddings=tie_word_embeddings, bos_token_id=None, eos_token_id=raw.token_to_id(EOS_TOKEN),
-        pad_token_id=raw.token_to_id(PAD_TOKEN), torch_dtype="float32",
+
+def _save_processor(hf_tok, out: Path) -> None:
+    """Write the Qwen2.5-VL processor beside the tokenizer: a Qwen2-VL image processor (patch 14,
+    2x2 merge, pixels bounded by `VL_MIN_PIXELS`/`VL_MAX_PIXELS`) and the VL chat template, in
+    the files a hub checkpoint has (``preprocessor_config.json``, ``processor_config.json``)."""
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    from arealite.vision.processor import ImageOnlyQwen2_5_VLProcessor
+
+    image_processor = Qwen2VLImageProcessorPil(
+        size={"shortest_edge": VL_MIN_PIXELS, "longest_edge": VL_MAX_PIXELS},
+        patch_size=14, temporal_patch_size=2, merge_size=2,
     )
-    config = _model_config(size, dims, common)
-    gen = torch.random.fork_rng(devices=[])
-    with gen:
-        torch.manual_seed(seed)
-        model = AutoModelForCausalLM.from_config(config)
-    model.save_pretrained(out, safe_serialization=True)
-    (out / "generation_config.json").unlink(missing_ok=True)
-    return out
+    # Saved through the processor class without its video part (that one needs torchvision,
+    # absent on CPU machines), then named as the stock class so AutoProcessor builds that.
+    ImageOnlyQwen2_5_VLProcessor(image_processor, hf_tok, chat_template=VL_CHAT_TEMPLATE).save_pretrained(out)
+    image_processor.save_pretrained(out)
+    pcfg_path = out / "processor_config.json"
+    pcfg = json.loads(pcfg_path.read_text())
+    pcfg["processor_class"] = "Qwen2_5_VLProcessor"
+    pcfg_path.write_text(json.dumps(pcfg, indent=2))
+    tcfg_path = out / "tokenizer_config.json"
+    tcfg = json.loads(tcfg_path.read_text())
+    tcfg["tokenizer_class"] = "PreTrainedTokenizerFast"  # as `_save_tokenizer` leaves it
+    tcfg.pop("processor_class", None)
+    tcfg_path.write_text(json.dumps(tcfg, indent=2))
 
 
 def _model_config(size: str, dims: dict[str, int], common: dict):
@@ -221,6 +312,34 @@ def _model_config(size: str, dims: dict[str, int], common: dict):
                               mlp_only_layers=[], norm_topk_prob=True, output_router_logits=False,
                               router_aux_loss_coef=0.001, **common)
     return Qwen2Config(**dims, **common)
+
+
+def _vl_config(dims: dict[str, int], common: dict, token_ids: dict[str, int]):
+    """The Qwen2.5-VL config of a ``vl-*`` size: the text decoder with 3-D (mrope) rotary
+    sections in Qwen's 1/4, 3/8, 3/8 split of the rotary half, and a small vision tower."""
+    from transformers import Qwen2_5_VLConfig
+
+    text = {k: v for k, v in dims.items() if not k.startswith("vision_") and k != "vocab_size"}
+    half = text["hidden_size"] // text["num_attention_heads"] // 2
+    t = half // 4
+    mrope = [t, (half - t) // 2, half - t - (half - t) // 2]
+    rope_theta = common.pop("rope_theta")
+    tie = common.pop("tie_word_embeddings")
+    text_config = dict(**text, **common, rope_parameters={"rope_type": "default", "rope_theta": rope_theta,
+                                                          "mrope_section": mrope})
+    depth = dims["vision_depth"]
+    vision_config = dict(
+        depth=depth, hidden_size=dims["vision_hidden_size"], num_heads=dims["vision_num_heads"],
+        intermediate_size=dims["vision_intermediate_size"], out_hidden_size=text["hidden_size"],
+        patch_size=14, spatial_merge_size=2, temporal_patch_size=2, window_size=112,
+        fullatt_block_indexes=[depth - 1], in_channels=3,
+    )
+    return Qwen2_5_VLConfig(
+        text_config=text_config, vision_config=vision_config, tie_word_embeddings=tie,
+        image_token_id=token_ids[IMAGE_PAD], video_token_id=token_ids[VIDEO_PAD],
+        vision_start_token_id=token_ids[VISION_START], vision_end_token_id=token_ids[VISION_END],
+        eos_token_id=common["eos_token_id"], pad_token_id=common["pad_token_id"],
+    )
 
 
 def n_parameters(model_dir: str | os.PathLike) -> int:
@@ -244,7 +363,7 @@ def _prod(shape) -> int:
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("out_dir")
-    p.add_argument("--size", default="small", choices=sorted(SIZES) + sorted(MOE_SIZES))
+    p.add_argument("--size", default="small", choices=sorted(SIZES) + sorted(MOE_SIZES) + sorted(VL_SIZES))
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--max-position-embeddings", type=int, default=1024)
     p.add_argument("--untied", action="store_true", help="separate input and output embeddings")

@@ -33,6 +33,7 @@ by default.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import os
@@ -56,7 +57,8 @@ from arealite.train_engine.fsdp_model import build_optimizer, causal_lm, compute
 from arealite.train_engine.lm_head import ChunkedHead, capture_head, output_head
 from arealite.train_engine.microbatch import MicroBatch, MicroBatchPlanner
 from arealite.train_engine.packing import PackedIndex, unpack
-from arealite.train_engine.routing_replay import replay_routing  # MoE routing replay (R3)
+from arealite.train_engine.expert_parallel import finish_expert_gradients
+from arealite.train_engine.routing_replay import RouterLoadBalance, moe_routers, replay_routing  # MoE routing replay (R3)
 from arealite.train_engine.parallel_layout import Meshes, ParallelLayout, build_meshes, layout_error, layout_problems
 from arealite.train_engine.sequence_parallel import SequenceParallel
 from arealite.train_engine.tensor_parallel import clip_grad_norm
@@ -138,6 +140,9 @@ class FSDPEngine:
         # parameters (the head's weight among them) must stay gathered until the backward.
         self.model.set_reshard_after_forward(False, recurse=False)
         self._head_module = output_head(self.model, self.hf_config)
+        if self.config.router_aux_loss_coef > 0 and not moe_routers(self.model):
+            raise ValueError(f"{self.section}.router_aux_loss_coef={self.config.router_aux_loss_coef}: the model has "
+                             "no mixture-of-experts router to balance; set it to 0")
         if not self.frozen:
             self.optimizer, self.lr_scheduler = build_optimizer(self.model, self.config.optimizer, total_steps)
         logger.info(
@@ -162,10 +167,11 @@ class FSDPEngine:
         if device_type == "cuda":
             self.device = torch.device("cuda", torch.cuda.current_device())
         sp, tp = self.config.sp_size, self.config.tp_size
-        problems = layout_problems(self.section, sp, tp, self.world_size, lora=self.config.lora is not None)
+        ep = self.config.ep_size
+        problems = layout_problems(self.section, sp, tp, self.world_size, lora=self.config.lora is not None, ep=ep)
         if problems:
             raise layout_error(problems)
-        self.layout = ParallelLayout(self.world_size, sp=sp, tp=tp)
+        self.layout = ParallelLayout(self.world_size, sp=sp, tp=tp, ep=ep)
         self.meshes = build_meshes(self.layout, device_type)
         self.mesh = self.meshes.fsdp
         if sp > 1:
@@ -253,15 +259,24 @@ class FSDPEngine:
             # Reduce-scatter gradients once, after the last micro-batch.
             if not self.config.cpu_offload:
                 self.model.set_requires_gradient_sync(i == len(plan) - 1)
-            head = self._head(mb, index)
+            with self._load_balance() as balance:
+                head = self._head(mb, index)
             if mb is None:
-                (head.logits().sum() * 0.0).backward()
+                aux = balance.loss() * 0.0 if balance else 0.0
+                (head.logits().sum() * 0.0 + aux).backward()
                 continue
             loss = _checked_loss(loss_fn(head, mb))
-            (loss * (w * scale)).backward()
+            objective = loss
+            if balance:  # the reported loss stays the algorithm's; the stat says the balance
+                aux = balance.loss()
+                mb.setdefault("_stats", {})["router_aux_loss"] = aux.detach()
+                objective = loss + self.config.router_aux_loss_coef * aux
+            (objective * (w * scale)).backward()
             loss_sum += loss.detach().double() * w
             _add_stats(stat_sums, mb.get("_stats") or {}, w)
         self.model.set_requires_gradient_sync(True)
+        if self.layout.ep > 1:
+            finish_expert_gradients(self.model, self.meshes.ep_replicas, self.mesh.size())
 
         grad_norm, skipped = self._step_optimizer()
         dist.all_reduce(loss_sum)
@@ -329,6 +344,13 @@ class FSDPEngine:
                 acc[0] += s
                 acc[1] += w
         return {k: (s / w if w > 0 else 0.0) for k, (s, w) in merged.items()}
+
+    def _load_balance(self) -> RouterLoadBalance | contextlib.nullcontext:
+        """The routers' load-balancing loss of the training forward (``actor.router_aux_loss_coef``),
+        or a context giving None when it is off."""
+        if self.config.router_aux_loss_coef > 0:
+            return RouterLoadBalance(self.model)
+        return contextlib.nullcontext()
 
     # ---------------------------------------------------------------- forward
 

@@ -19,6 +19,7 @@ import torch.distributed as dist
 
 from arealite.config.schema import ActorConfig, OptimizerConfig
 from arealite.train_engine.attention import register_attention, resolve_attn_impl
+from arealite.train_engine.expert_parallel import apply_expert_parallel
 from arealite.train_engine.lr_schedule import build_lr_scheduler
 from arealite.train_engine.parallel_layout import Meshes, layout_error, layout_problems
 from arealite.train_engine.tensor_parallel import apply_tensor_parallel
@@ -109,7 +110,7 @@ def load_sharded_model(
     path = Path(config.model_path)
     hf_config = AutoConfig.from_pretrained(path)
     problems = layout_problems(section, config.sp_size, config.tp_size, dist.get_world_size(),
-                               lora=config.lora is not None, hf_config=hf_config.to_dict())
+                               lora=config.lora is not None, hf_config=hf_config.to_dict(), ep=config.ep_size)
     if problems:
         raise ValueError("; ".join(problems))
     attn = resolve_attn_impl(config.attn_impl, device_type, dtype, field=f"{section}.attn_impl")
@@ -121,11 +122,15 @@ def load_sharded_model(
         _enable_checkpointing(model)
     if meshes.tp is not None:
         apply_tensor_parallel(decoder_layers(model), meshes.tp)
+    experts = None
+    if meshes.ep is not None:  # each rank keeps its experts; FSDP2 shards the rest
+        device = torch.device(device_type, torch.cuda.current_device()) if device_type == "cuda" else torch.device("cpu")
+        experts = apply_expert_parallel(model, meshes.ep, device)
 
     mesh = meshes.fsdp
     world_size = mesh.size()
     # With one rank a shard is the whole tensor: re-gathering it for backward is pure copying.
-    kwargs: dict[str, object] = {"mesh": mesh, "reshard_after_forward": world_size > 1}
+    kwargs: dict[str, object] = {"mesh": mesh, "reshard_after_forward": world_size > 1, "ignored_params": experts}
     if dtype != torch.float32:
         # Low-precision compute, fp32 gradient reduction: the sum over ranks keeps its precision.
         kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING
 
 from arealite.config.problems import ConfigProblem
 from arealite.config.schema import ActorConfig, ArealiteConfig, CriticConfig
+from arealite.train_engine.expert_parallel import expert_parallel_problems
 from arealite.train_engine.tensor_parallel import tensor_parallel_problems
 
 if TYPE_CHECKING:
@@ -37,6 +38,8 @@ class ParallelLayout:
     world: int
     sp: int = 1
     tp: int = 1
+    ep: int = 1
+    """Expert-parallel ranks (``world = edp x ep``); the data stays data-parallel over all ranks."""
 
     @property
     def group_size(self) -> int:
@@ -58,15 +61,20 @@ class Meshes:
     """The tensor-parallel mesh (``tp > 1``)."""
     group: dist.ProcessGroup | None = None
     """The model-parallel group (``sp`` or ``tp`` ranks; None when both are 1)."""
+    ep: DeviceMesh | None = None
+    """The expert-parallel mesh (``ep > 1``): the ranks that split one copy of the experts."""
+    ep_replicas: dist.ProcessGroup | None = None
+    """The ranks holding the same experts as this one (``ep > 1``)."""
 
 
 def layout_problems(section: str, sp: int, tp: int, world: int, *, lora: bool = False,
-                    hf_config: dict | None = None) -> list[ConfigProblem]:
-    """What makes ``{section}.sp_size=sp``, ``{section}.tp_size=tp`` impossible on ``world`` ranks
-    (with ``hf_config``, the model's config.json as a dict: for that model too)."""
+                    hf_config: dict | None = None, ep: int = 1) -> list[ConfigProblem]:
+    """What makes ``{section}.sp_size=sp``, ``{section}.tp_size=tp`` (``{section}.ep_size=ep``)
+    impossible on ``world`` ranks (with ``hf_config``, the model's config.json as a dict: for that
+    model too)."""
     sp_field, tp_field = f"{section}.sp_size", f"{section}.tp_size"
     field, value = (tp_field, tp) if tp > 1 else (sp_field, sp)
-    problems = []
+    problems = expert_parallel_problems(section, ep, world, sp=sp, tp=tp, lora=lora, hf_config=hf_config)
     if sp > 1 and tp > 1:
         problems.append(ConfigProblem(sp_field, f"sequence and tensor parallelism are not combined "
                                       f"({tp_field}={tp}); set one of them to 1", sp))
@@ -107,10 +115,10 @@ def _model_config(path: str | None) -> dict | None:
 
 def _engine_problems(section: str, engine: ActorConfig | CriticConfig, world: int, model_path: str | None,
                      lora: bool = False) -> list[ConfigProblem]:
-    if engine.sp_size == 1 and engine.tp_size == 1:
+    if engine.sp_size == 1 and engine.tp_size == 1 and engine.ep_size == 1:
         return []
     return layout_problems(section, engine.sp_size, engine.tp_size, world, lora=lora,
-                           hf_config=_model_config(model_path))
+                           hf_config=_model_config(model_path), ep=engine.ep_size)
 
 
 def run_layout_problems(cfg: ArealiteConfig) -> list[ConfigProblem]:
@@ -132,6 +140,9 @@ def build_meshes(layout: ParallelLayout, device_type: str) -> Meshes:
         mesh = init_device_mesh(device_type, (layout.dp, layout.tp), mesh_dim_names=("dp", "tp"))
         return Meshes(fsdp=mesh["dp"], tp=mesh["tp"], group=mesh["tp"].get_group())
     fsdp = init_device_mesh(device_type, (layout.world,), mesh_dim_names=("dp",))
+    if layout.ep > 1:
+        mesh = init_device_mesh(device_type, (layout.world // layout.ep, layout.ep), mesh_dim_names=("edp", "ep"))
+        return Meshes(fsdp=fsdp, ep=mesh["ep"], ep_replicas=mesh["edp"].get_group())
     if layout.sp > 1:
         mesh = init_device_mesh(device_type, (layout.dp, layout.sp), mesh_dim_names=("dp", "sp"))
         return Meshes(fsdp=fsdp, group=mesh["sp"].get_group())

@@ -3,7 +3,7 @@
 A Hugging Face MoE block (``Qwen3MoeSparseMoeBlock`` and its kin in transformers 5) asks
 its router (``block.gate``) for ``(router_logits, scores, indices)``: the logits over all
 experts ``[N, E]``, the weights of the chosen experts ``[N, k]`` and their ids ``[N, k]``.
-Both classes here hook that router and touch nothing else of the model:
+The classes here hook that router and touch nothing else of the model:
 
 - `RoutingCapture` records the ids each router chose, per layer (the embedded server's
   ``return_routed_experts``).
@@ -15,6 +15,7 @@ Both classes here hook that router and touch nothing else of the model:
   only the choice of experts is fixed, never the weights. A row whose ids are -1 (no
   server routing: the last token of a sequence, a prompt the server did not report) keeps
   the router's own choice.
+- `RouterLoadBalance` computes the routers' load-balancing (auxiliary) loss of a forward.
 
 Layout: ``experts[t, layer, j]`` is the j-th expert the router of the ``layer``-th MoE block
 picked for token ``t`` of the forward's flattened ``[N]`` tokens (docs/moe.md).
@@ -27,7 +28,7 @@ from contextlib import contextmanager
 
 import torch
 
-__all__ = ["RoutingCapture", "RoutingReplay", "moe_routers", "micro_batch_experts", "replay_routing",
+__all__ = ["RouterLoadBalance", "RoutingCapture", "RoutingReplay", "moe_routers", "micro_batch_experts", "replay_routing",
            "ROUTED_EXPERTS_KEY"]
 
 #: The trajectory key holding the server's routing (``[B, L, n_moe_layers * top_k]``, int16/int32;
@@ -153,6 +154,42 @@ class RoutingReplay(_RouterHooks):
                 scores = scores / scores.sum(dim=-1, keepdim=True)
             return logits, scores.to(logits.dtype), chosen
         return hook
+
+
+class RouterLoadBalance(_RouterHooks):
+    """The routers' load-balancing loss of the forwards inside (``with RouterLoadBalance(model) as lb``).
+
+    Switch Transformer's loss per MoE layer, ``E * sum_i f_i * P_i`` over the E experts, with
+    ``f_i`` the share of the layer's (token, chosen expert) pairs that went to expert i (the
+    experts the block really used: the replayed ones under R3) and ``P_i`` the mean router
+    probability of i; 1 when balanced. `loss` is its mean over the MoE layers, with gradient
+    through the probabilities (the router's weight).
+    """
+
+    def __init__(self, model: torch.nn.Module):
+        super().__init__(moe_routers(model))
+        if not self.routers:
+            raise ValueError(f"{type(model).__name__} has no MoE router: the load-balancing loss is for "
+                             "mixture-of-experts models; set actor.router_aux_loss_coef=0")
+        self._terms: list[torch.Tensor] = []
+
+    def _hook(self, layer: int):
+        def hook(module: torch.nn.Module, args: tuple, output: object) -> None:
+            logits, _, chosen = _router_output(output, "RouterLoadBalance")
+            probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+            n_experts = probs.shape[-1]
+            counts = torch.bincount(chosen.reshape(-1), minlength=n_experts).to(probs.dtype)
+            share = counts / max(chosen.numel(), 1)
+            self._terms.append(n_experts * (share * probs.mean(dim=0)).sum())
+        return hook
+
+    def loss(self) -> torch.Tensor:
+        """The mean over MoE layers of the forwards run since entering (or since the last call)."""
+        if not self._terms:
+            raise RuntimeError("RouterLoadBalance.loss: no forward ran through the routers")
+        out = torch.stack(self._terms).mean()
+        self._terms = []
+        return out
 
 
 def micro_batch_experts(mb: dict[str, torch.Tensor], top_k: int) -> torch.Tensor | None:

@@ -96,7 +96,8 @@ def build_critic(cfg: ArealiteConfig, total_steps: int) -> Critic | None:
     c = cfg.critic
     engine_cfg = ActorConfig(model_path=c.model_path or cfg.actor.model_path, dtype=c.dtype, optimizer=c.optimizer,
                              mb_max_tokens=c.mb_max_tokens, attn_impl=c.attn_impl,
-                             sp_size=c.sp_size, tp_size=c.tp_size, gradient_checkpointing=c.gradient_checkpointing)
+                             sp_size=c.sp_size, tp_size=c.tp_size, ep_size=c.ep_size,
+                             gradient_checkpointing=c.gradient_checkpointing)
     engine = ValueEngine(engine_cfg).initialize(total_steps=total_steps)
     return Critic(engine, c.value_clip, cfg.algorithm.n_minibatches)
 

@@ -116,23 +116,26 @@ PAD_VALUES: dict[str, float | int | bool] = {
 
 
 def pad_and_stack(rows: Sequence[dict[str, torch.Tensor]], per_row: dict[str, torch.Tensor] | None = None) -> TensorDict:
-    """Right-pad 1-D per-token rows to the longest and stack them into ``[B, L]``."""
+    """Right-pad the rows' tensors along their first dim and stack them into ``[B, L, ...]``.
+
+    Per-token keys (1-D, length L of the row) pad to the longest row with ``PAD_VALUES``; a
+    key of more dims pads the same way along its first (a row's images' ``pixel_values``
+    ``[P, D]`` to ``[B, max P, D]``, with 0).
+    """
     if not rows:
         raise ValueError("pad_and_stack needs at least one row")
-    lengths = {r["input_ids"].shape[0] for r in rows}
     out: dict[str, torch.Tensor] = {}
-    if len(lengths) == 1:  # the common case (one sample, or equal lengths): no padding
-        for key in rows[0]:
-            out[key] = rows[0][key].unsqueeze(0) if len(rows) == 1 else torch.stack([r[key] for r in rows])
-        out.update(per_row or {})
-        return TensorDict(out, batch_size=[len(rows)])
-    L = max(lengths)
     for key in rows[0]:
-        pad = PAD_VALUES.get(key, 0)
-        t0 = rows[0][key]
-        out[key] = torch.full((len(rows), L), pad, dtype=t0.dtype)
-        for i, r in enumerate(rows):
-            out[key][i, : r[key].shape[0]] = r[key]
+        ts = [r[key] for r in rows]
+        if len(ts) == 1:
+            out[key] = ts[0].unsqueeze(0)
+        elif all(t.shape == ts[0].shape for t in ts):  # the common case (equal lengths): no padding
+            out[key] = torch.stack(ts)
+        else:
+            longest = max(t.shape[0] for t in ts)
+            out[key] = torch.full((len(ts), longest, *ts[0].shape[1:]), PAD_VALUES.get(key, 0), dtype=ts[0].dtype)
+            for i, t in enumerate(ts):
+                out[key][i, : t.shape[0]] = t
     out.update(per_row or {})
     return TensorDict(out, batch_size=[len(rows)])
 
@@ -155,8 +158,11 @@ def group_from_outputs(
 def concat_trajectories(tds: Sequence[TensorDict]) -> TensorDict:
     """Concatenate trajectory TensorDicts of different lengths along the batch.
 
-    Per-token keys (``[B, L]`` with L the width of ``input_ids``) are right-padded
-    to the longest L with ``PAD_VALUES``; per-row keys are concatenated as they are.
+    Every key of two or more dims is right-padded along dim 1 to the largest across the parts:
+    per-token keys (``[B, L, ...]``, L the width of ``input_ids``) to the longest L with
+    ``PAD_VALUES``, others (a vision run's ``pixel_values`` ``[B, P, D]`` and
+    ``image_grid_thw`` ``[B, N, 3]``) to the most patches / images with 0; 1-D per-row
+    keys are concatenated as they are.
     """
     if not tds:
         raise ValueError("concat_trajectories needs at least one TensorDict")
@@ -170,17 +176,14 @@ def concat_trajectories(tds: Sequence[TensorDict]) -> TensorDict:
                 f"trajectory {i} has keys {sorted(d)}, trajectory 0 has {sorted(keys)}; "
                 "all trajectories of one batch need the same keys"
             )
-    widths = [d["input_ids"].shape[1] for d in dicts]
-    L = max(widths)
     out: dict[str, torch.Tensor] = {}
     for key in dicts[0]:
-        parts = []
-        for d, width in zip(dicts, widths):
-            t = d[key]
-            if width < L and t.dim() >= 2 and t.shape[1] == width:
-                pad_shape = (t.shape[0], L - width, *t.shape[2:])
-                t = torch.cat([t, torch.full(pad_shape, PAD_VALUES.get(key, 0), dtype=t.dtype)], dim=1)
-            parts.append(t)
+        parts = [d[key] for d in dicts]
+        if parts[0].dim() >= 2:
+            widest = max(t.shape[1] for t in parts)
+            parts = [t if t.shape[1] == widest else torch.cat(
+                [t, torch.full((t.shape[0], widest - t.shape[1], *t.shape[2:]), PAD_VALUES.get(key, 0), dtype=t.dtype)],
+                dim=1) for t in parts]
         out[key] = torch.cat(parts, dim=0)
     return TensorDict(out, batch_size=[out["input_ids"].shape[0]])
 

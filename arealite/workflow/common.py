@@ -9,8 +9,14 @@ kept as token ids).
 
 from __future__ import annotations
 
+import asyncio
+import json
 import logging
+import os
+from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Sequence
+
+import torch
 
 from arealite.api.types import SamplingParams
 from arealite.config.schema import GenerationConfig, RolloutConfig
@@ -20,6 +26,8 @@ from arealite.utils.tokenizer import decode
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
+
+    from arealite.vision.prompt import VisionPrompt
 
 logger = logging.getLogger("arealite.workflow")
 
@@ -72,6 +80,55 @@ def encode_prompt(tokenizer: PreTrainedTokenizerBase, item: JsonObject, prompt_k
     if not ids:
         raise ValueError(f"item field '{prompt_key}' encodes to no tokens: {prompt!r:.80}")
     return text, list(ids)
+
+
+def is_vision_model(model_path: str | os.PathLike | None) -> bool:
+    """Whether the model directory holds a vision-language model (a ``vision_config``)."""
+    if not model_path:
+        return False
+    try:
+        return "vision_config" in json.loads((Path(model_path) / "config.json").read_text())
+    except (OSError, ValueError):
+        return False
+
+
+def processor_for(model_path: str | os.PathLike | None):
+    """The model's processor when it is a vision-language model, else None (a text run never
+    loads one). Workflows render image prompts with it (`encode_vision_prompt`)."""
+    if not is_vision_model(model_path):
+        return None
+    from arealite.vision.processor import load_processor
+
+    return load_processor(model_path)
+
+
+async def encode_vision_prompt(processor, item: JsonObject, prompt_key: str, image_key: str,
+                               apply_chat_template: bool, max_pixels: int | None = None) -> tuple[str, VisionPrompt]:
+    """Prompt text and `VisionPrompt` of an item of a vision run (its images under ``image_key``,
+    possibly none), rendered through ``processor`` in a worker thread (decoding and resizing
+    images is CPU work that must not hold the event loop)."""
+    from arealite.data.images import as_list, image_bytes
+    from arealite.vision.prompt import prompt_text, render_vision_prompt
+
+    if prompt_key not in item:
+        raise KeyError(f"item has no prompt field '{prompt_key}' (fields: {sorted(item)}); set the prompt key")
+    prompt = item[prompt_key]
+    where = f"item {item.get('prompt_id', '?')} field '{image_key}'"
+
+    def render() -> tuple[str, VisionPrompt]:
+        images = [image_bytes(s, f"{where}[{j}]") for j, s in enumerate(as_list(item.get(image_key)))]
+        vp = render_vision_prompt(processor, prompt, images, apply_chat_template=apply_chat_template,
+                                  max_pixels=max_pixels, where=where)
+        return prompt_text(processor, prompt, apply_chat_template), vp
+
+    return await asyncio.to_thread(render)
+
+
+def vision_tensors(vp: VisionPrompt, n: int) -> dict[str, torch.Tensor]:
+    """The trajectory keys of ``n`` rows that share ``vp``'s images: ``pixel_values``
+    ``[n, P, D]`` and ``image_grid_thw`` ``[n, N, 3]`` (docs/vision.md)."""
+    return {"pixel_values": vp.pixel_values.unsqueeze(0).repeat(n, 1, 1),
+            "image_grid_thw": vp.image_grid_thw.unsqueeze(0).repeat(n, 1, 1)}
 
 
 # Stands for the assistant's reply when a turn piece is cut from a rendered conversation.

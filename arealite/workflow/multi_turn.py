@@ -40,9 +40,12 @@ from arealite.workflow.common import (
     RewardFn,
     RewardScorer,
     encode_prompt,
+    encode_vision_prompt,
     item_fields,
+    processor_for,
     sampling_from_config,
     user_turn_piece,
+    vision_tensors,
 )
 from arealite.workflow.registry import builtin_workflow
 
@@ -78,6 +81,10 @@ class MultiTurnWorkflow(RolloutWorkflow):
     conversation, any other gets ``feedback`` as the next user turn.
     Built from a run's config by ``from_config`` (``rollout.workflow: multi_turn``,
     its settings in ``rollout.workflow_kwargs``), or by keyword.
+
+    With a ``processor`` (a vision-language model's), the item's images go into the first
+    prompt; every turn's request carries them (the conversation's ids hold their
+    placeholders) and every row ``pixel_values`` / ``image_grid_thw`` (docs/vision.md).
     """
 
     def __init__(
@@ -94,6 +101,9 @@ class MultiTurnWorkflow(RolloutWorkflow):
         env: Environment | None = None,
         per_step: bool = False,
         prompt_key: str = "prompt",
+        processor=None,
+        image_key: str = "images",
+        max_image_pixels: int | None = None,
     ):
         if max_turns < 1:
             raise ValueError(f"max_turns must be >= 1, got {max_turns}")
@@ -115,6 +125,9 @@ class MultiTurnWorkflow(RolloutWorkflow):
         self.env = env
         self.per_step = per_step
         self.prompt_key = prompt_key
+        self.processor = processor
+        self.image_key = image_key
+        self.max_image_pixels = max_image_pixels
         self.scorer = RewardScorer(reward_fn, rollout) if reward_fn is not None else None
         self.counters = {"reward_rejected_groups": 0, "turns": 0}
 
@@ -140,7 +153,8 @@ class MultiTurnWorkflow(RolloutWorkflow):
                  "success_reward": success_reward, "env": env, "per_step": per_step}
         reward_fn = load_reward_fn(cfg.data.reward_fn) if env is None else None
         return cls(reward_fn, cfg.generation, tokenizer, cfg.rollout, prompt_key=cfg.data.prompt_key,
-                   **{k: v for k, v in given.items() if v is not None})
+                   processor=processor_for(cfg.actor.model_path), image_key=cfg.data.image_key,
+                   max_image_pixels=cfg.data.max_image_pixels, **{k: v for k, v in given.items() if v is not None})
 
     def stats(self) -> dict[str, int]:
         return {**self.counters, **(self.scorer.stats() if self.scorer is not None else
@@ -164,14 +178,15 @@ class MultiTurnWorkflow(RolloutWorkflow):
         return StepResult(r, done, None if done else self.feedback)
 
     # -- one conversation ---------------------------------------------------
-    async def _conversation(self, client: InferenceClient, item: JsonObject, prompt_ids: list[int], affinity: str
-                            ) -> tuple[list[Piece], list[tuple[int, float]]]:
+    async def _conversation(self, client: InferenceClient, item: JsonObject, prompt_ids: list[int], affinity: str,
+                            image_data: list[str] | None = None) -> tuple[list[Piece], list[tuple[int, float]]]:
         ids = list(prompt_ids)
         pieces: list[Piece] = []
         steps: list[tuple[int, float]] = []  # (index into pieces of the model turn, reward)
         for turn in range(self.max_turns):
             comp: Completion = await client.agenerate(
-                GenerationRequest(input_ids=list(ids), sampling=self.sampling, affinity_key=affinity)
+                GenerationRequest(input_ids=list(ids), sampling=self.sampling, affinity_key=affinity,
+                                  image_data=image_data)
             )
             out = list(comp.output_ids)
             pieces.append((out, list(comp.output_logprobs), list(comp.output_versions)))
@@ -194,12 +209,18 @@ class MultiTurnWorkflow(RolloutWorkflow):
         return pieces, steps
 
     async def arun_episode(self, client: InferenceClient, item: JsonObject) -> TensorDict | None:
-        _, prompt_ids = encode_prompt(self.tokenizer, item, self.prompt_key, apply_chat_template=True)
+        vision = None
+        if self.processor is None:
+            _, prompt_ids = encode_prompt(self.tokenizer, item, self.prompt_key, apply_chat_template=True)
+        else:
+            _, vision = await encode_vision_prompt(self.processor, item, self.prompt_key, self.image_key, True,
+                                                   self.max_image_pixels)
+            prompt_ids = vision.input_ids
+        image_data = (vision.image_data or None) if vision is not None else None
         gid = new_group_id()
         try:
-            convs = await asyncio.gather(
-                *(self._conversation(client, item, prompt_ids, f"group-{gid}") for _ in range(self.generation.n_samples))
-            )
+            convs = await asyncio.gather(*(self._conversation(client, item, prompt_ids, f"group-{gid}", image_data)
+                                           for _ in range(self.generation.n_samples)))
         except RewardError:
             self.counters["reward_rejected_groups"] += 1
             return None
@@ -229,4 +250,6 @@ class MultiTurnWorkflow(RolloutWorkflow):
         }
         for k in ("traj_id", "step_id", "n_steps"):
             tensors[k] = torch.tensor(per_row[k], dtype=torch.int64)
+        if vision is not None:
+            tensors.update(vision_tensors(vision, n))
         return pad_and_stack(rows, tensors)

@@ -30,8 +30,11 @@ from arealite.workflow.common import (
     RewardFn,
     RewardScorer,
     encode_prompt,
+    encode_vision_prompt,
     item_fields,
+    processor_for,
     sampling_from_config,
+    vision_tensors,
 )
 from arealite.workflow.registry import builtin_workflow
 from arealite.workflow.routed_experts import ROUTED_EXPERTS_KEY, routed_experts_of
@@ -66,6 +69,10 @@ class RLVRWorkflow(RolloutWorkflow):
     ``truncated`` (the sample hit ``max_new_tokens``).
     Built from a run's config by ``from_config`` (``rollout.workflow: rlvr``), or
     by keyword: ``RLVRWorkflow(reward_fn=..., generation=..., tokenizer=..., rollout=...)``.
+
+    With a ``processor`` (a vision-language model's, `arealite.vision.processor`), the item's
+    images (``image_key``) are rendered into the prompt, every request carries them
+    (``image_data``) and every row ``pixel_values`` / ``image_grid_thw`` (docs/vision.md).
     """
 
     def __init__(
@@ -77,6 +84,9 @@ class RLVRWorkflow(RolloutWorkflow):
         *,
         prompt_key: str = "prompt",
         apply_chat_template: bool = False,
+        processor=None,
+        image_key: str = "images",
+        max_image_pixels: int | None = None,
     ):
         if not callable(reward_fn):
             raise TypeError(f"reward_fn must be callable, got {type(reward_fn).__name__}")
@@ -88,6 +98,9 @@ class RLVRWorkflow(RolloutWorkflow):
         prepare_decode(tokenizer)  # the decode table is built now, not on the event loop
         self.prompt_key = prompt_key
         self.apply_chat_template = apply_chat_template
+        self.processor = processor
+        self.image_key = image_key
+        self.max_image_pixels = max_image_pixels
         self.scorer = RewardScorer(reward_fn, rollout)
         self.dumper = TextDumper(rollout.dump_dir) if rollout.dump_dir else None
         self.rejected_groups = 0
@@ -95,9 +108,12 @@ class RLVRWorkflow(RolloutWorkflow):
     @classmethod
     def from_config(cls, cfg: ArealiteConfig, tokenizer: PreTrainedTokenizerBase) -> RLVRWorkflow:
         """The workflow of a run: ``generation``, ``rollout``, and from ``data`` the reward
-        function, prompt key and chat-template setting (it takes no ``workflow_kwargs``)."""
+        function, prompt key and chat-template setting (it takes no ``workflow_kwargs``); for a
+        vision-language model its processor and ``data.image_key`` / ``data.max_image_pixels``."""
         return cls(load_reward_fn(cfg.data.reward_fn), cfg.generation, tokenizer, cfg.rollout,
-                   prompt_key=cfg.data.prompt_key, apply_chat_template=cfg.data.apply_chat_template)
+                   prompt_key=cfg.data.prompt_key, apply_chat_template=cfg.data.apply_chat_template,
+                   processor=processor_for(cfg.actor.model_path), image_key=cfg.data.image_key,
+                   max_image_pixels=cfg.data.max_image_pixels)
 
     def stats(self) -> dict[str, int]:
         return {**self.scorer.stats(), "reward_rejected_groups": self.rejected_groups}
@@ -112,7 +128,13 @@ class RLVRWorkflow(RolloutWorkflow):
                                  item_fields(item) if fields is None else fields)
 
     async def arun_episode(self, client: InferenceClient, item: JsonObject) -> TensorDict | None:
-        prompt, prompt_ids = encode_prompt(self.tokenizer, item, self.prompt_key, self.apply_chat_template)
+        vision = None
+        if self.processor is None:  # text: the plain path, nothing more
+            prompt, prompt_ids = encode_prompt(self.tokenizer, item, self.prompt_key, self.apply_chat_template)
+        else:
+            prompt, vision = await encode_vision_prompt(self.processor, item, self.prompt_key, self.image_key,
+                                                        self.apply_chat_template, self.max_image_pixels)
+            prompt_ids = vision.input_ids
         gid = new_group_id()
         group = f"group-{gid}"
         n = self.generation.n_samples
@@ -122,6 +144,9 @@ class RLVRWorkflow(RolloutWorkflow):
         # lone sample (evaluation) has nothing to share and goes without one.
         key = group if n > 1 else None
         reqs = [GenerationRequest(list(prompt_ids), self.sampling, f"{rid}{i}", key) for i in range(n)]
+        if vision is not None and vision.image_data:
+            for r in reqs:
+                r.image_data = vision.image_data
         fields = item_fields(item)
         tok = self.tokenizer
         if n == 1:  # the common evaluation and benchmark case: no task per sample
@@ -153,6 +178,8 @@ class RLVRWorkflow(RolloutWorkflow):
         routing = routed_experts_of(comps, td["input_ids"].shape[1])  # MoE routing replay (R3)
         if routing is not None:
             td[ROUTED_EXPERTS_KEY] = routing
+        if vision is not None:
+            td.update(vision_tensors(vision, n))
         return td
 
     def _dump(self, item: JsonObject, prompt: str, comps: list[Completion], texts: list[str],
