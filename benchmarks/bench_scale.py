@@ -1,8 +1,8 @@
 """Cluster scale by simulation: the real controller, client and publisher against N simulated servers.
 
 Part (b), scaling: 8, 32, 128 and 256 simulated GPU servers (``python -m arealite.server --sim``,
-all of them in one child process, one event loop) at constant work per server: each server gets
-``--per-server`` requests in flight and ``--items`` prompts to answer, through the real
+spread over ``--sim-procs`` child processes, one event loop each) at constant work per server:
+each server gets ``--per-server`` requests in flight and ``--items`` prompts to answer, through the real
 ``RolloutController`` + ``RLVRWorkflow`` + ``SGLangClient`` in this process. Reported:
 
 - throughput per server (completed requests / s / server) relative to 8 servers;
@@ -11,16 +11,21 @@ all of them in one child process, one event loop) at constant work per server: e
 - p99 client wait: from ``agenerate`` being called to the server receiving the request (wall
   clocks of both processes; it includes the simulated servers' own HTTP parsing, so it is an
   upper bound of the time spent in the client before the first byte goes out);
-- controller RSS at the end of each run;
-- one weight update through the real ``WeightPublisher`` (disk transfer of a tiny model, the
+- controller RSS after every batch (at the end, and its growth from a quarter of the run on);
+- the admin fan-out alone: pause + continue to every server with nothing in flight (wall and
+  this process's CPU, median of ``--admin-rounds``);
+- weight updates through the real ``WeightPublisher`` (disk transfer of a tiny model, the
   simulated 7B transfer held on every server): pause -> resume wall time minus the simulated
-  transfer.
+  transfer, of the second of two updates (the first reported beside it; the first pause of a
+  client also asks every server whether its start-up warm-up is over, reported apart as
+  ``warm_check_ms``).
 
 Simulated compute runs ``--time-scale`` times real time; orchestration always runs in real time.
 The last line is JSON: ``scaling_efficiency_256``, ``cpu_per_request_growth_256``,
-``update_overhead_ms_256``. Part (a) (AReaL's setup) is not written yet.
+``update_overhead_ms_256``, ``admin_fanout_ms_256``, ``rss_growth_mb_256`` ... Part (a), AReaL's
+setup simulated (``eta4_of_bound``), is `scale_overlap.py`; ``--part a`` runs it alone.
 
-    python benchmarks/bench_scale.py [--quick] [--servers 8,32,128,256]
+    python benchmarks/bench_scale.py [--quick] [--servers 8,32,128,256] [--sim-procs 2] [--profile-update FILE]
 """
 
 from __future__ import annotations
@@ -41,6 +46,8 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench_controller import rss_mb  # noqa: E402  (the controller benchmark's RSS reading)
+from scale_overlap import add_arguments as add_overlap_arguments  # noqa: E402  (part a)
+from scale_overlap import run_part_a  # noqa: E402
 
 PROMPT_LEN = 64
 
@@ -59,19 +66,30 @@ def free_ports(n: int) -> list[int]:
     return ports
 
 
-def start_sim(model_dir: Path, n: int, args, trace: Path, log: Path) -> tuple[subprocess.Popen, list[str]]:
+def start_sim(model_dir: Path, n: int, args, work: Path) -> tuple[list[subprocess.Popen], list[str], list[Path]]:
+    """``n`` simulated servers over ``args.sim_procs`` child processes (one event loop each);
+    returns the processes, every server's address and each process's trace file."""
     ports = free_ports(n)
-    cmd = [sys.executable, "-m", "arealite.server", "--sim", "--model-path", str(model_dir),
-           "--sim-ports", ",".join(map(str, ports)), "--sim-time-scale", str(args.time_scale),
-           "--sim-length-median", str(args.length_median), "--sim-trace", str(trace), "--log-level", "warning",
-           "--context-length", "32768"]
-    proc = subprocess.Popen(cmd, stdout=open(log, "wb"), stderr=subprocess.STDOUT,
-                            env=dict(os.environ, OMP_NUM_THREADS="1"), start_new_session=True)
-    addrs = [f"127.0.0.1:{p}" for p in ports]
+    k = max(1, min(args.sim_procs, n))
+    procs, traces, addrs = [], [], [f"127.0.0.1:{p}" for p in ports]
+    for j in range(k):
+        mine = ports[j::k]
+        trace, log = work / f"trace{n}_{j}.jsonl", work / f"sim{n}_{j}.log"
+        cmd = [sys.executable, "-m", "arealite.server", "--sim", "--model-path", str(model_dir),
+               "--sim-ports", ",".join(map(str, mine)), "--sim-time-scale", str(args.time_scale),
+               "--sim-length-median", str(args.length_median), "--sim-trace", str(trace), "--log-level", "warning",
+               "--context-length", "32768"]
+        procs.append(subprocess.Popen(cmd, stdout=open(log, "wb"), stderr=subprocess.STDOUT,
+                                      env=dict(os.environ, OMP_NUM_THREADS="1"), start_new_session=True))
+        traces.append(trace)
     deadline = time.monotonic() + 300
-    for a in addrs:
+    for i, a in enumerate(addrs):
+        proc = procs[i % k]
         while True:
             if proc.poll() is not None or time.monotonic() > deadline:
+                for other in procs:  # none left behind
+                    other.kill()
+                log = work / f"sim{n}_{i % k}.log"
                 raise RuntimeError(f"simulated servers did not start:\n{log.read_text()[-2000:]}")
             try:
                 with urllib.request.urlopen(f"http://{a}/health", timeout=2) as r:
@@ -80,7 +98,7 @@ def start_sim(model_dir: Path, n: int, args, trace: Path, log: Path) -> tuple[su
             except OSError:
                 pass
             time.sleep(0.2)
-    return proc, addrs
+    return procs, addrs, traces
 
 
 def timed_client_class():
@@ -103,8 +121,7 @@ def run_one(n: int, model_dir: Path, tokenizer, args, work: Path) -> dict:
     from arealite.rollout.controller import RolloutController
     from arealite.workflow.rlvr import RLVRWorkflow
 
-    trace, log = work / f"trace{n}.jsonl", work / f"sim{n}.log"
-    proc, addrs = start_sim(model_dir, n, args, trace, log)
+    procs, addrs, traces = start_sim(model_dir, n, args, work)
     conc, batch = args.per_server * n, max(1, args.per_server * n // 2)
     items = [{"input_ids": [1 + (i + j) % 400 for j in range(PROMPT_LEN)], "answer": 1}
              for i in range(args.items * n)]
@@ -115,35 +132,65 @@ def run_one(n: int, model_dir: Path, tokenizer, args, work: Path) -> dict:
     client = timed_client_class()(addrs, rc)
     ctl = RolloutController(client, rc).start(init_timeout=120)
     try:
+        fanout = admin_rounds(ctl, client, args.admin_rounds)
         steps = len(items) // batch
         loader = StatefulDataLoader(items, batch_size=batch, shuffle=False)
+        rss_steps = []  # RSS after each batch: flat in the number of completed requests?
         t0, c0 = time.perf_counter(), time.process_time()
         for step in range(steps):
             ctl.prepare_batch(loader, wf)
+            rss_steps.append(rss_mb())
         wall, cpu = time.perf_counter() - t0, time.process_time() - c0
         done = steps * batch
-        rss = rss_mb()
+        rss = rss_steps[-1]
         update = weight_update(ctl, client, model_dir, args, work)
     finally:
         ctl.stop()
-        proc.terminate()
-        proc.wait(60)
-    waits = client_waits(client.sent, trace)
+        for proc in procs:
+            proc.terminate()
+        for proc in procs:
+            proc.wait(60)
+    waits = client_waits(client.sent, traces)
     return {"n": n, "done": done, "wall_s": wall, "per_server_rps": done / wall / n,
             "cpu_us_per_req": cpu / done * 1e6, "p99_wait_ms": float(np.percentile(waits, 99)) * 1e3,
-            "rss_mb": rss, **update}
+            "rss_mb": rss, "rss_quarter_mb": rss_steps[(len(rss_steps) - 1) // 4], "rss_steps_mb": rss_steps,
+            **fanout, **update}
 
 
-def client_waits(sent: dict[str, float], trace: Path) -> np.ndarray:
+def admin_rounds(ctl, client, rounds: int) -> dict:
+    """The client's admin fan-out alone: pause (abort mode) then continue to every server with
+    nothing in flight, ``rounds`` times after one warm-up round (the first pause also asks
+    every server whether its start-up warm-up is over: ``warm_check_ms``, that round's wall).
+    Wall ms per round and this process's CPU ms per round: medians, with the spread (min-max)."""
+    async def one() -> None:
+        await client.admin.pause_generation()
+        await client.admin.continue_generation()
+
+    t0 = time.perf_counter()
+    ctl.run(one())
+    first = (time.perf_counter() - t0) * 1e3
+    walls, cpus = [], []
+    for _ in range(rounds):
+        t0, c0 = time.perf_counter(), time.process_time()
+        ctl.run(one())
+        walls.append((time.perf_counter() - t0) * 1e3)
+        cpus.append((time.process_time() - c0) * 1e3)
+    return {"warm_check_ms": first, "fanout_ms": float(np.median(walls)), "fanout_ms_range": [min(walls), max(walls)],
+            "fanout_client_cpu_ms": float(np.median(cpus))}
+
+
+def client_waits(sent: dict[str, float], traces: list[Path]) -> np.ndarray:
     arrived = {}
-    for line in trace.read_text().splitlines():
-        r = json.loads(line)
-        arrived.setdefault(r["rid"], r["t"])
+    for trace in traces:
+        for line in trace.read_text().splitlines():
+            r = json.loads(line)
+            arrived.setdefault(r["rid"], r["t"])
     return np.array([arrived[rid] - t for rid, t in sent.items() if rid in arrived])
 
 
 def weight_update(ctl, client, model_dir: Path, args, work: Path) -> dict:
-    """One publish through the real publisher (disk transfer), servers generating meanwhile."""
+    """Two publishes through the real publisher (disk transfer), servers generating meanwhile;
+    the second is measured, the first reported beside it."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -157,18 +204,27 @@ def weight_update(ctl, client, model_dir: Path, args, work: Path) -> dict:
                             work / "weights", str(model_dir))
     pub = WeightPublisher(transfer, StateDictSource(state), client.admin, ctl.run, parties=[client], controller=ctl)
     pub.init()
-    sim_cpu0, cpu0 = sim_cpu_s(client.servers[0]), time.process_time()
+    heads = client.servers[:max(1, min(args.sim_procs, len(client.servers)))]  # one server per process
+    first = pub.publish(1)  # generation settles back after it; the second one is measured
+    time.sleep(args.resume_s)  # generation back under way, requests in flight again
+    sim_cpu0, cpu0 = sim_cpu_s(heads), time.process_time()
     profiler = start_profile(args.profile_update)
-    out = pub.publish(1)
+    out = pub.publish(2)
     stop_profile(profiler, args.profile_update)
-    sim_cpu, cpu = sim_cpu_s(client.servers[0]) - sim_cpu0, time.process_time() - cpu0
+    sim_cpu, cpu = sim_cpu_s(heads) - sim_cpu0, time.process_time() - cpu0
     pub.close()
     sim_s = SimSpec().transfer_s() * args.time_scale
-    paused = out["pause_s"] + out["transfer_s"] + out.get("verify_s", 0.0) + out["continue_s"]
+    paused = paused_s(out)
     return {"update_s": paused, "update_overhead_ms": (paused - sim_s) * 1e3, "sim_transfer_ms": sim_s * 1e3,
+            "update1_overhead_ms": (paused_s(first) - sim_s) * 1e3,
             "pause_ms": out["pause_s"] * 1e3, "transfer_ms": out["transfer_s"] * 1e3,
             "continue_ms": out["continue_s"] * 1e3, "update_sim_cpu_ms": sim_cpu * 1e3,
             "update_client_cpu_ms": cpu * 1e3}
+
+
+def paused_s(out: dict) -> float:
+    """A publish's pause -> resume wall time."""
+    return out["pause_s"] + out["transfer_s"] + out.get("verify_s", 0.0) + out["continue_s"]
 
 
 def start_profile(path: str | None):
@@ -193,10 +249,14 @@ def stop_profile(yappi, path: str | None) -> None:
     yappi.clear_stats()
 
 
-def sim_cpu_s(addr: str) -> float:
-    """CPU seconds of the process serving every simulated server (they share it)."""
-    with urllib.request.urlopen(f"http://{addr}/server_info", timeout=30) as r:
-        return json.loads(r.read())["internal_states"][0]["cpu_time_s"]
+def sim_cpu_s(heads: list[str]) -> float:
+    """CPU seconds of the simulated servers' processes (``heads``: one server of each; the
+    servers of a process share its CPU time)."""
+    total = 0.0
+    for addr in heads:
+        with urllib.request.urlopen(f"http://{addr}/server_info", timeout=30) as r:
+            total += json.loads(r.read())["internal_states"][0]["cpu_time_s"]
+    return total
 
 
 def main() -> None:
@@ -209,11 +269,26 @@ def main() -> None:
     p.add_argument("--length-median", type=float, default=512)
     p.add_argument("--time-scale", type=float, default=1.0,
                    help="real seconds per simulated second (below ~1, 256 servers saturate two cores)")
+    p.add_argument("--admin-rounds", type=int, default=5,
+                   help="pause+continue rounds to every idle server, timed (the admin fan-out alone)")
+    p.add_argument("--resume-s", type=float, default=3.0,
+                   help="seconds of generation between the first (warm-up) update and the measured one")
+    p.add_argument("--sim-procs", type=int, default=2,
+                   help="spread the simulated servers over this many processes (round-robin by port; "
+                        "2 on a 2-core machine, so that the client's share of an update can be told apart)")
     p.add_argument("--profile-update", default=None, metavar="FILE",
                    help="profile this process's CPU during each weight update (yappi), functions by own time")
+    p.add_argument("--part", choices=["a", "b", "all"], default="all",
+                   help="a: AReaL's setup, sync against async (scale_overlap.py); b: scaling")
+    add_overlap_arguments(p)
     args = p.parse_args()
     if args.quick:
         args.servers, args.items = "8,32", 4
+        args.etas, args.steps = "0,4", 6
+    part_a = run_part_a(args) if args.part in ("a", "all") else {}
+    if args.part == "a":
+        print(json.dumps(part_a))
+        return
     from arealite.models.tiny import build_tiny_model
     from transformers import AutoTokenizer
 
@@ -226,25 +301,35 @@ def main() -> None:
         shutil.rmtree(work, ignore_errors=True)
     base = rows[0]
     print(f"{'servers':>7} {'done':>6} {'req/s/server':>12} {'rel':>5} {'CPU us/req':>10} {'growth':>6} "
-          f"{'p99 wait ms':>11} {'RSS MB':>7} {'update ms':>9} {'- transfer':>10} {'pause':>6} {'load':>6} "
-          f"{'cont.':>6} {'sim CPU':>7} {'our CPU':>7}")
+          f"{'p99 wait ms':>11} {'RSS MB':>7} {'RSS +MB':>7} {'fan-out ms':>10} {'its CPU':>7} {'update ms':>9} "
+          f"{'- transfer':>10} {'1st':>6} {'pause':>6} {'load':>6} {'cont.':>6} {'sim CPU':>7} {'our CPU':>7}")
     for r in rows:
         r["rel"] = r["per_server_rps"] / base["per_server_rps"]
         r["cpu_growth"] = r["cpu_us_per_req"] / base["cpu_us_per_req"]
+        r["rss_growth_mb"] = r["rss_mb"] - r["rss_quarter_mb"]
         print(f"{r['n']:>7} {r['done']:>6} {r['per_server_rps']:>12.2f} {r['rel']:>5.2f} {r['cpu_us_per_req']:>10.0f} "
-              f"{r['cpu_growth']:>6.2f} {r['p99_wait_ms']:>11.1f} {r['rss_mb']:>7.0f} {r['update_s'] * 1e3:>9.1f} "
-              f"{r['update_overhead_ms']:>10.1f} {r['pause_ms']:>6.0f} {r['transfer_ms']:>6.0f} {r['continue_ms']:>6.0f} "
-              f"{r['update_sim_cpu_ms']:>7.0f} {r['update_client_cpu_ms']:>7.0f}")
+              f"{r['cpu_growth']:>6.2f} {r['p99_wait_ms']:>11.1f} {r['rss_mb']:>7.0f} {r['rss_growth_mb']:>7.1f} "
+              f"{r['fanout_ms']:>10.1f} {r['fanout_client_cpu_ms']:>7.1f} {r['update_s'] * 1e3:>9.1f} "
+              f"{r['update_overhead_ms']:>10.1f} {r['update1_overhead_ms']:>6.0f} {r['pause_ms']:>6.0f} "
+              f"{r['transfer_ms']:>6.0f} {r['continue_ms']:>6.0f} {r['update_sim_cpu_ms']:>7.0f} "
+              f"{r['update_client_cpu_ms']:>7.0f}")
+    print("RSS after each batch (MB), largest run: " + ", ".join(f"{x:.0f}" for x in rows[-1]["rss_steps_mb"]))
     last = rows[-1]
     tag = last["n"]
     print(json.dumps({f"scaling_efficiency_{tag}": round(last["rel"], 3),
                       f"cpu_per_request_growth_{tag}": round(last["cpu_growth"], 3),
                       f"update_overhead_ms_{tag}": round(last["update_overhead_ms"], 1),
+                      f"update1_overhead_ms_{tag}": round(last["update1_overhead_ms"], 1),
+                      f"warm_check_ms_{tag}": round(last["warm_check_ms"], 1),
+                      f"admin_fanout_ms_{tag}": round(last["fanout_ms"], 1),
+                      f"admin_fanout_client_cpu_ms_{tag}": round(last["fanout_client_cpu_ms"], 1),
                       f"p99_client_wait_ms_{tag}": round(last["p99_wait_ms"], 1),
                       f"controller_rss_mb_{tag}": round(last["rss_mb"], 1),
+                      f"rss_growth_mb_{tag}": round(last["rss_growth_mb"], 1),
                       f"update_sim_process_cpu_ms_{tag}": round(last["update_sim_cpu_ms"], 1),
                       f"update_client_cpu_ms_{tag}": round(last["update_client_cpu_ms"], 1),
-                      "time_scale": args.time_scale, "servers": [r["n"] for r in rows]}))
+                      "time_scale": args.time_scale, "sim_procs": args.sim_procs,
+                      "servers": [r["n"] for r in rows], **part_a}))
 
 
 if __name__ == "__main__":

@@ -720,6 +720,39 @@ async def test_admin_failure_names_the_server(fakes):
     assert a.calls == [("/update_weights_from_disk", {"model_path": "/nope", "weight_version": "3"})]
 
 
+async def test_admin_calls_reuse_one_keep_alive_connection_and_name_a_dead_server(fakes):
+    # Admin POSTs go over the server's own HTTP/1.1 pool: one connection for every call,
+    # the api key sent, a server that stopped answering named with its connection error.
+    a, b = await fakes(2, api_key="k")
+    async with SGLangClient([a.addr, b.addr], cfg(), api_key="k") as eng:
+        await eng.initialize(timeout=5)
+        for _ in range(3):
+            await eng.admin.pause_generation()
+            await eng.admin.continue_generation()
+        assert eng.pool.get(a.addr).conns.stats() == {"idle": 1, "live": 1}
+        assert [r for r, _ in a.calls] == ["/pause_generation", "/continue_generation"] * 3
+        assert a.auth_headers[-1] == "Bearer k"
+        await b.stop()
+        with pytest.raises(ServerAdminError, match=b.addr) as ei:
+            await eng.admin.pause_generation()
+        assert "cannot connect" in str(ei.value) and a.addr in ei.value.results
+
+
+async def test_answers_aborted_by_a_pause_are_parsed_after_its_fan_out_even_a_failed_one(fakes):
+    a = (await fakes(1))[0]
+    async with SGLangClient([a.addr], cfg()) as eng:
+        await eng.initialize(timeout=5)
+        seen = []
+
+        async def fan_out():
+            seen.append(eng.pool.pause_sent.is_set())
+            raise RuntimeError("a server did not answer")
+
+        with pytest.raises(RuntimeError):
+            await eng.pool.pausing(fan_out())
+        assert seen == [False] and eng.pool.pause_sent.is_set()
+
+
 async def test_weight_group_rank_offsets_follow_tp_size(fakes):
     a = (await fakes(1, tp_size=2))[0]
     b = (await fakes(1, tp_size=None))[0]  # no tp_size reported -> 1 rank

@@ -17,6 +17,7 @@ from arealite.vision.processor import load_processor
 from arealite.workflow.base import concat_trajectories, pad_and_stack
 from arealite.workflow.multi_turn import MultiTurnWorkflow
 from arealite.workflow.rlvr import RLVRWorkflow
+from tests.test_client import fakes  # noqa: F401  (the fake SGLang servers fixture)
 
 
 def png(w: int, h: int, color=(255, 0, 0)) -> bytes:
@@ -130,3 +131,51 @@ def test_from_config_loads_the_processor_of_a_vision_model(vl_dir, micro_model_d
     assert wf.processor is not None and (wf.image_key, wf.max_image_pixels) == ("pics", 5000)
     assert MultiTurnWorkflow.from_config(cfg(vl_dir), processor.tokenizer).processor is not None
     assert RLVRWorkflow.from_config(cfg(micro_model_dir), processor.tokenizer).processor is None
+
+
+async def test_rlvr_images_reach_sglangs_wire_form(processor, fakes):  # noqa: F811
+    """Workflow -> the real SGLang client -> a fake SGLang server: every request of the group
+    carries the expanded prompt and the item's images as ``image_data`` (base64, in order)."""
+    from arealite.inference_client.sglang_client import SGLangClient
+    from tests.test_client import cfg
+
+    (f,) = await fakes(1)
+    wf = RLVRWorkflow(reward, GenerationConfig(n_samples=2, max_new_tokens=3), processor.tokenizer,
+                      apply_chat_template=True, processor=processor)
+    images = [png(56, 56), png(56, 112, (0, 0, 255))]
+    async with SGLangClient([f.addr], cfg()) as client:
+        td = await wf.arun_episode(client, {"prompt": "<image> <image> where?", "answer": "1", "images": images})
+    assert len(f.generate_payloads) == 2
+    pad = processor.tokenizer.convert_tokens_to_ids(IMAGE_PAD)
+    for sent in f.generate_payloads:
+        assert [base64.b64decode(b) for b in sent["image_data"]] == images
+        assert sent["input_ids"].count(pad) == 4 + 8
+        assert sent["input_ids"] == td["input_ids"][0, : len(sent["input_ids"])].tolist()
+    assert td["image_grid_thw"].tolist() == [[[1, 4, 4], [1, 8, 4]]] * 2
+
+
+@pytest.mark.slow
+async def test_rlvr_against_the_embedded_server_running_the_vlm(vl_dir, processor):
+    """The real path: workflow -> SGLang client -> the embedded server running vl-micro with the
+    images. Every sample comes back on the expanded prompt and the rows carry the image keys."""
+    from arealite.inference_client.sglang_client import SGLangClient
+    from arealite.server.process import ServerProcess
+    from tests.conftest import free_port
+    from tests.test_client import cfg
+
+    proc = ServerProcess(vl_dir, free_port(), threads=1, extra_args=["--random-seed", "0"])
+    try:
+        addr = proc.wait_healthy(120).url.removeprefix("http://")
+        wf = RLVRWorkflow(reward, GenerationConfig(n_samples=3, max_new_tokens=3), processor.tokenizer,
+                          apply_chat_template=True, processor=processor)
+        items = [{"prompt": "<image> and <image>?", "answer": "1", "images": [png(56, 56), png(112, 56, (0, 0, 255))]},
+                 {"prompt": "no image", "answer": "1"}]
+        async with SGLangClient([addr], cfg()) as client:
+            two, text = [await wf.arun_episode(client, it) for it in items]
+    finally:
+        proc.stop()
+    batch = concat_trajectories([two, text])
+    assert batch["image_grid_thw"].tolist()[:3] == [[[1, 4, 4], [1, 4, 8]]] * 3 and not batch["image_grid_thw"][3:].any()
+    pad = processor.tokenizer.convert_tokens_to_ids(IMAGE_PAD)
+    assert two["input_ids"][0].tolist().count(pad) == 12
+    assert (two["loss_mask"].sum(1) >= 1).all() and (two["logprobs"][two["loss_mask"]] < 0).all()

@@ -14,10 +14,13 @@ does to earlier turns (re-formatting tool calls, dropping reasoning).
 
 from __future__ import annotations
 
+import hashlib
 import json
 from typing import TYPE_CHECKING, Sequence
 
 from arealite.agent.errors import RequestError
+from arealite.agent.images import ImagePolicy, image_of_part
+from arealite.data.images import IMAGE_PLACEHOLDER
 from arealite.utils.json_types import JsonObject, JsonValue
 
 if TYPE_CHECKING:
@@ -29,8 +32,10 @@ _SENTINEL = "\u2063AREALITE_TURN\u2063"
 _ROLES = ("system", "developer", "user", "assistant", "tool")
 
 
-def _text(content: JsonValue, where: str) -> str:
-    """A message's content as one string (OpenAI allows a list of text parts)."""
+def _text(content: JsonValue, where: str, images: list | None = None, policy: ImagePolicy | None = None) -> str:
+    """A message's content as one string (OpenAI allows a list of text parts). With ``policy``,
+    ``image_url`` parts are taken too: each becomes ``<image>`` in the text and its image is
+    appended to ``images`` (`arealite.agent.images`)."""
     if content is None:
         return ""
     if isinstance(content, str):
@@ -38,6 +43,10 @@ def _text(content: JsonValue, where: str) -> str:
     if isinstance(content, list):
         parts = []
         for i, part in enumerate(content):
+            if policy is not None and images is not None and isinstance(part, dict) and part.get("type") == "image_url":
+                images.append(image_of_part(part, f"{where}.content[{i}]", policy))
+                parts.append(IMAGE_PLACEHOLDER)
+                continue
             if not isinstance(part, dict) or part.get("type") not in ("text", "input_text"):
                 kind = part.get("type") if isinstance(part, dict) else type(part).__name__
                 raise RequestError(f"{where}.content[{i}] is of type {kind!r}; only text parts are supported",
@@ -64,9 +73,10 @@ def _tool_calls(calls: JsonValue, where: str) -> list[JsonObject]:
     return out
 
 
-def normalize_messages(messages: JsonValue) -> list[JsonObject]:
+def normalize_messages(messages: JsonValue, images: ImagePolicy | None = None) -> list[JsonObject]:
     """Validate OpenAI chat messages and return them in one plain form for the chat template:
-    ``{role, content: str}`` (+ ``tool_calls`` on assistant turns, ``tool_call_id`` on tool turns).
+    ``{role, content: str}`` (+ ``tool_calls`` on assistant turns, ``tool_call_id`` on tool turns,
+    ``images`` on messages with ``image_url`` parts when ``images`` allows them).
     ``developer`` becomes ``system``. Raises `RequestError` naming the bad message."""
     if not isinstance(messages, list) or not messages:
         raise RequestError("'messages' must be a non-empty list", param="messages")
@@ -78,8 +88,11 @@ def normalize_messages(messages: JsonValue) -> list[JsonObject]:
         role = m.get("role")
         if role not in _ROLES:
             raise RequestError(f"{where}.role is {role!r}; expected one of {', '.join(_ROLES)}", param=f"{where}.role")
+        found: list = []
         msg: JsonObject = {"role": "system" if role == "developer" else role,
-                               "content": _text(m.get("content"), where)}
+                           "content": _text(m.get("content"), where, found, images)}
+        if found:
+            msg["images"] = found
         if role == "assistant":
             calls = _tool_calls(m.get("tool_calls"), where)
             if calls:
@@ -106,7 +119,8 @@ def message_key(msg: JsonObject) -> tuple:
     the spacing of their JSON arguments aside)."""
     calls = tuple((c["function"]["name"], _canonical_args(c["function"]["arguments"]))
                   for c in msg.get("tool_calls", ()))
-    return (msg["role"], msg["content"], calls, msg.get("tool_call_id"))
+    images = tuple(hashlib.sha256(b).hexdigest() if isinstance(b, bytes) else b for b in msg.get("images", ()))
+    return (msg["role"], msg["content"], calls, msg.get("tool_call_id"), images)
 
 
 def tools_key(tools: Sequence[JsonObject] | None, template_kwargs: JsonObject | None) -> str:

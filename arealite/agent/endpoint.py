@@ -26,6 +26,7 @@ from aiohttp import web
 
 from arealite.agent.chat import ChatRenderer, message_key, normalize_messages, tools_key
 from arealite.agent.errors import RequestError, invalid_session
+from arealite.agent.images import ImagePolicy, render_images, resolve_images
 from arealite.agent.protocol import (
     Choice, ParsedRequest, SamplingPolicy, assistant_message, chat_chunks, chat_response,
     completion_chunks, completion_response, finish_choice, parse_request,
@@ -45,6 +46,8 @@ from arealite.inference_client.wire import loads as strict_json  # no NaN, bound
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
+    from arealite.vision.prompt import VisionPrompt
+
 logger = logging.getLogger("arealite.agent")
 
 __all__ = ["AgentEndpoint"]
@@ -57,9 +60,12 @@ _COUNTERS = ("requests", "stream_requests", "request_errors", "unknown_session",
 class AgentEndpoint:
     """An aiohttp server on the running event loop; `start()` it there, `aclose()` it there."""
 
-    def __init__(self, tokenizer: PreTrainedTokenizerBase, generation: GenerationConfig, agent: AgentConfig):
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, generation: GenerationConfig, agent: AgentConfig,
+                 processor=None):
         self.tok = tokenizer
         self.agent = agent
+        self.processor = processor  # a vision-language model's processor: chat image_url parts (else refused)
+        self.images = ImagePolicy(agent.allow_remote_images, agent.max_image_bytes)
         self.renderer = ChatRenderer(tokenizer)
         self.parser = make_tool_parser(agent.tool_parser)
         prepare_decode(tokenizer)
@@ -177,7 +183,7 @@ class AgentEndpoint:
                 body = await request.json(loads=strict_json)
             except ValueError:
                 raise RequestError("We could not parse the JSON body of your request.") from None
-            req = parse_request(kind, body, self.policy, self._chat_stop_ids if kind == "chat" else [])
+            req = parse_request(kind, body, self.policy, self._chat_stop_ids if kind == "chat" else [], self.images)
             if len(session.calls) + req.n > session.max_calls:
                 raise RequestError(f"this episode made {len(session.calls)} calls; agent.max_calls_per_episode="
                                    f"{session.max_calls} allows no more", code="calls_exhausted")
@@ -255,14 +261,17 @@ class AgentEndpoint:
                         hooks: list[Callable[[list[int]], None]] | None = None) -> tuple[str, int, list[Choice]]:
         """Render the prompt, generate ``n`` choices, record them in the session. ``hooks[i]``
         gets choice i's tokens segment by segment (clients that support it)."""
-        prompt_ids, parent, key_prefix = self._prompt(s, req)
+        with_images = req.kind == "chat" and any("images" in m for m in req.messages)
+        prompt_ids, parent, key_prefix, vision = (await self._vision_prompt(s, req) if with_images
+                                                  else (*self._prompt(s, req), None))
+        images = vision.image_data if vision is not None else None
         task = asyncio.current_task()
         s.tasks.add(task)
         try:
             comps = await asyncio.gather(*(
                 s.client.agenerate(GenerationRequest(list(prompt_ids), req.sampling, affinity_key=s.affinity_key,
                                                      metadata={"on_segment": hooks[i]} if hooks else {},
-                                                     top_logprobs=req.top_logprobs))
+                                                     top_logprobs=req.top_logprobs, image_data=images))
                 for i in range(req.n)))
         finally:
             s.tasks.discard(task)
@@ -277,9 +286,26 @@ class AgentEndpoint:
             else:
                 key = key_prefix + c.text if isinstance(key_prefix, str) else None
             s.record(LLMCall(rid, 0, list(prompt_ids), c.output_ids, c.logprobs, c.versions, c.finish_reason,
-                             parent, key, tool_calls=len(c.tool_calls)))
+                             parent, key, tool_calls=len(c.tool_calls), vision=vision))
         self._count(req, choices, len(prompt_ids))
         return rid, len(prompt_ids), choices
+
+    async def _vision_prompt(self, s: Session, req: ParsedRequest) -> tuple[list[int], int | None, CallKey, VisionPrompt]:
+        """`_prompt` of a chat with images: a conversation continues its parent call token-exactly
+        (and keeps its images) while the new messages bring no image; else the processor renders it."""
+        if req.tools:
+            raise RequestError("tools together with image_url parts are not supported", param="tools")
+        await resolve_images(req.messages, self.images)
+        mkeys = [message_key(m) for m in req.messages]
+        tkey = tools_key(req.tools, req.template_kwargs)
+        found = s.chat_parent(tkey, mkeys)
+        if found is not None and found[0].vision is not None and not any("images" in m for m in req.messages[found[1]:]):
+            call, at = found
+            piece = self.renderer.continuation_ids(req.messages, req.tools, req.template_kwargs, at, call.output_ids)
+            return call.prompt_ids + call.output_ids + piece, call.index, (tkey, mkeys), call.vision
+        self.counters["rerendered"] += bool(s.calls)
+        vp = await asyncio.to_thread(render_images, self.processor, req.messages)
+        return list(vp.input_ids), None, (tkey, mkeys), vp
 
     def _prompt(self, s: Session, req: ParsedRequest) -> tuple[list[int], int | None, CallKey]:
         """Prompt token ids, the call they continue (index) and the key prefix of the new calls."""

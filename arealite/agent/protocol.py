@@ -25,6 +25,8 @@ from arealite.utils.tokenizer import decode
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
+    from arealite.agent.images import ImagePolicy
+
 _COMMON = {"model", "frequency_penalty", "logit_bias", "logprobs", "max_tokens", "n", "presence_penalty",
            "seed", "stop", "stream", "stream_options", "temperature", "top_p", "user", "top_k", "min_p"}
 CHAT_KEYS = _COMMON | {"messages", "top_logprobs", "max_completion_tokens", "response_format", "tools",
@@ -166,8 +168,10 @@ def _tools(body: JsonObject) -> tuple[list[JsonObject] | None, bool]:
     return tools or None, bool(tools) and choice != "none"
 
 
-def parse_request(kind: str, body: JsonValue, policy: SamplingPolicy, extra_stop_ids: list[int]) -> ParsedRequest:
-    """Validate a body of ``/v1/chat/completions`` (``kind="chat"``) or ``/v1/completions``."""
+def parse_request(kind: str, body: JsonValue, policy: SamplingPolicy, extra_stop_ids: list[int],
+                  images: ImagePolicy | None = None) -> ParsedRequest:
+    """Validate a body of ``/v1/chat/completions`` (``kind="chat"``) or ``/v1/completions``;
+    ``images``: which chat ``image_url`` parts are taken (None: none)."""
     from arealite.agent.chat import normalize_messages
 
     if not isinstance(body, dict):
@@ -189,7 +193,7 @@ def parse_request(kind: str, body: JsonValue, policy: SamplingPolicy, extra_stop
         if req.top_logprobs and not req.logprobs:
             raise RequestError("'top_logprobs' needs 'logprobs' set to true", param="top_logprobs",
                                code="invalid_value")
-        req.messages = normalize_messages(body.get("messages"))
+        req.messages = normalize_messages(body.get("messages"), images)
         req.tools, req.parse_tools = _tools(body)
         kw = body.get("chat_template_kwargs")
         if kw is not None and not isinstance(kw, dict):

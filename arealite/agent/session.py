@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Union
 
 from arealite.api.contracts import InferenceClient
+from arealite.vision.prompt import VisionPrompt
 
 __all__ = ["CallKey", "LLMCall", "Session", "SessionStore"]
 
@@ -39,6 +40,7 @@ class LLMCall:
     key: CallKey = None  # how a later request recognises this call (`CallKey`)
     reward: float | None = None
     tool_calls: int = 0
+    vision: VisionPrompt | None = None  # the images of a vision-language prompt (its first render)
 
 
 @dataclass

@@ -81,11 +81,21 @@ def _conversation_row(path: list[LLMCall], trained: set[int]) -> tuple[Row, int]
     return trajectory_row(path[0].prompt_ids, pieces), first
 
 
+def _with_images(row: Row, call: LLMCall) -> Row:
+    """A row of a prompt with images carries them as the trainer's forward takes them (a
+    continuation keeps its first call's images: sessions continue only without new ones)."""
+    if call.vision is not None:
+        row["pixel_values"] = call.vision.pixel_values.unsqueeze(0)
+        row["image_grid_thw"] = call.vision.image_grid_thw.unsqueeze(0)
+    return row
+
+
 def episode_rows(calls: Sequence[LLMCall], rows: str) -> list[tuple[Row, int, LLMCall]]:
     """``(row, index of the first call trained in it, last call of the row)`` for every row;
     rows that train nothing (a branch fully trained elsewhere) are left out."""
     if rows == "call":
-        return [(trajectory_row(c.prompt_ids, [(c.output_ids, c.logprobs, c.versions)]), c.index, c) for c in calls]
+        return [(_with_images(trajectory_row(c.prompt_ids, [(c.output_ids, c.logprobs, c.versions)]), c), c.index, c)
+                for c in calls]
     by_index = {c.index: c for c in calls}
     kids = _children(calls)
     trained: set[int] = set()
@@ -93,7 +103,8 @@ def episode_rows(calls: Sequence[LLMCall], rows: str) -> list[tuple[Row, int, LL
     for leaf in calls:
         if kids[leaf.index]:
             continue
-        row, first = _conversation_row(_chain(leaf, by_index), trained)
+        path = _chain(leaf, by_index)
+        row, first = _conversation_row(path, trained)
         if first >= 0:
-            out.append((row, first, leaf))
+            out.append((_with_images(row, path[0]), first, leaf))
     return out

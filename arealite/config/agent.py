@@ -132,6 +132,11 @@ class AgentConfig(Section):
     `generation.max_new_tokens`, also the default when a request sets none)."""
     max_n: int = Field(8, ge=1)
     """Largest `n` (choices per request) a request may ask."""
+    allow_remote_images: bool = False
+    """Chat ``image_url`` parts may name ``http(s)://`` URLs, fetched by the endpoint (false:
+    only ``data:`` URLs; a remote URL is a 400)."""
+    max_image_bytes: int = Field(8 << 20, ge=1)
+    """Largest encoded image (bytes) one ``image_url`` part may carry or fetch."""
     max_calls_per_episode: int = Field(64, ge=1)
     """LLM calls one episode may make; the next one is refused (HTTP 400, code `calls_exhausted`)."""
     sandbox: SandboxConfig = Field(default_factory=SandboxConfig)

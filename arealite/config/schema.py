@@ -406,6 +406,19 @@ class OptimizerConfig(Section):
     """Clip the global gradient norm to this (0 = no clipping)."""
 
 
+class SimTrainOptions(Section):
+    """A simulated train engine's cluster (`actor.backend: sim`; docs/scale.md)."""
+
+    gpu: Literal["a100", "h100", "h800", "h200"] = "h800"
+    """The training GPUs (their dense bf16 peak)."""
+    model: Literal["1.5b", "7b", "14b", "32b"] = "7b"
+    """The model size trained (parameters)."""
+    n_gpus: int = Field(8, ge=1)
+    """Training GPUs; a step's FLOPs are spread over all of them."""
+    mfu: float = Field(0.4, gt=0, le=1)
+    """Achieved share of peak FLOPs in training."""
+
+
 class LoraConfig(Section):
     rank: int = Field(16, ge=1)
     """LoRA rank r: each adapted weight W [out, in] gets B [out, r] @ A [r, in]."""
@@ -475,11 +488,19 @@ class ActorConfig(Section):
     """Recompute activations in backward to save memory."""
     cpu_offload: bool = False
     """Offload parameters and gradients to CPU (FSDP2 CPUOffloadPolicy)."""
+    freeze_vision: bool = False
+    """A vision-language model: train its language model only; the vision tower keeps its
+    weights (no gradient, no optimizer state). See docs/vision.md."""
     temperature: float | None = Field(None, gt=0)
     """Temperature used to recompute log-probs (None = `generation.temperature`)."""
     lora: LoraConfig | None = None
     """LoRA adapters (PEFT) instead of full fine-tuning: only the adapters train, have optimizer
     state and are pushed to the servers (see docs/lora.md); null = full fine-tuning."""
+    backend: Literal["fsdp", "sim"] = "fsdp"
+    """`fsdp` trains the model; `sim` simulates a GPU cluster's training time (`actor.sim`,
+    docs/scale.md) and pushes `model_path`'s small tensors in place of the simulated model's."""
+    sim: SimTrainOptions = Field(default_factory=SimTrainOptions)
+    """Options used only when `backend` is `sim`."""
 
 
 class MismatchConfig(Section):

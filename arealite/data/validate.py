@@ -186,7 +186,7 @@ def model_context_length(cfg: ArealiteConfig) -> tuple[int | None, str]:
     """The servers' context length and where it comes from (a config field or the model's config.json)."""
     if cfg.launch.server_backend == "sglang" and cfg.server.sglang.context_length is not None:
         return cfg.server.sglang.context_length, "server.sglang.context_length"
-    if cfg.launch.server_backend == "embedded" and cfg.server.context_length is not None:
+    if cfg.launch.server_backend in ("embedded", "sim") and cfg.server.context_length is not None:
         return cfg.server.context_length, "server.context_length"
     model = Path(cfg.server.model_path or cfg.actor.model_path)
     hf = _hf_config(model)

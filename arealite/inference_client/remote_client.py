@@ -302,6 +302,8 @@ class RemoteInferenceClient:
         else:
             body = self.wire.generate_body(p.prompt, p.params, rid if p.segment == 0 else f"{rid}-{p.segment}",
                                            top_logprobs=top)
+        if p.req.image_data:  # every segment carries the images: a continuation re-reads the prompt
+            body["image_data"] = list(p.req.image_data)
         p.segment += 1
         return body
 
@@ -436,6 +438,8 @@ class RemoteInferenceClient:
             server.attempts.discard(att)
         if status != 200:
             raise _status_failure(self.wire, server, status, answer)
+        if not self.pool.pause_sent.is_set():  # answered (aborted) while a pause is fanned out
+            await self.pool.pause_sent.wait()
         seg = self.wire.parse_generate(answer) if type(answer) is bytes else self.wire.parse_answer(answer)
         if seg.version is None:
             # No version reported (SGLang says "default" before its first update): fall back to

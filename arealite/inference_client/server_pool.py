@@ -22,7 +22,8 @@ import asyncio
 import logging
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Sequence
+from typing import TypeVar
 import aiohttp
 
 from arealite.inference_client.errors import NoHealthyServerError, ServerAdminError, ServerStartupError
@@ -31,6 +32,8 @@ from arealite.inference_client.wire import JSON_HEADERS, WireFormat, describe, d
 from arealite.utils.json_types import JsonObject, JsonValue
 
 logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 __all__ = ["Attempt", "Router", "ServerPool", "ServerState", "normalize_addr"]
 
@@ -152,6 +155,10 @@ class ServerPool:
         self.running = asyncio.Event()
         self.running.set()
         self.paused_at = 0.0
+        # Clear while the pause is being fanned out (`pausing`): the answers it aborts wait for
+        # it before they are parsed, so that the fan-out is not queued behind hundreds of them.
+        self.pause_sent = asyncio.Event()
+        self.pause_sent.set()
         # How long the servers may take to start (`initialize`'s timeout); also bounds the wait
         # for their start-up warm-up before the first pause.
         self.startup_timeout_s = 300.0
@@ -189,6 +196,16 @@ class ServerPool:
     def release(self) -> None:
         """The servers continue: release what `hold` kept."""
         self.running.set()
+
+    async def pausing(self, fan_out: Awaitable[T]) -> T:
+        """Run the pause's ``fan_out`` (after `hold`) with ``pause_sent`` clear: the answers it
+        aborts are parsed once every server answered it (their resubmissions wait for the
+        continue anyway), in the transfer's time rather than on the pause's path."""
+        self.pause_sent.clear()
+        try:
+            return await fan_out
+        finally:
+            self.pause_sent.set()
 
     # --------------------------------------------------------------- rotation
 
@@ -455,16 +472,11 @@ class ServerPool:
                         t: aiohttp.ClientTimeout, method: str) -> tuple[JsonValue, str | None]:
         """(answer, None) or (answer or None, why it failed)."""
         try:
-            async with self.ensure_session().request(
-                method, s.base_url + route, data=dumps(body) if body is not None else None,
-                headers=JSON_HEADERS if body is not None else None, timeout=t,
-            ) as resp:
-                raw = await read_body(resp, self.max_response_bytes)
-                status = resp.status
+            status, raw = await self._exchange(s, route, body, t, method)
         except TimeoutError:
             self.record_admin_fault(s)
             return None, f"no answer within {t.total:g}s"
-        except (aiohttp.ClientError, HttpResponseTooLarge) as e:
+        except (aiohttp.ClientError, ConnectionError) as e:  # Http1Pool's errors are ConnectionErrors
             self.record_admin_fault(s)
             return None, describe(e)
         try:
@@ -476,6 +488,19 @@ class ServerPool:
         if isinstance(result, dict) and result.get("success") is False:
             return result, f"success false: {result.get('message', '(no message)')}"
         return result, None
+
+    async def _exchange(self, s: ServerState, route: str, body: JsonObject | None,
+                        t: aiohttp.ClientTimeout, method: str) -> tuple[int, bytes]:
+        """One admin exchange: a POST with a body over the server's own HTTP/1.1 pool when it
+        has one (a fan-out to hundreds of servers costs a fraction of aiohttp's CPU per call),
+        anything else over the aiohttp session."""
+        if s.conns is not None and method == "POST" and body is not None:
+            return await s.conns.post(route, dumps(body), t.total, max_body=self.max_response_bytes)
+        async with self.ensure_session().request(
+            method, s.base_url + route, data=dumps(body) if body is not None else None,
+            headers=JSON_HEADERS if body is not None else None, timeout=t,
+        ) as resp:
+            return resp.status, await read_body(resp, self.max_response_bytes)
 
 
 class Router:

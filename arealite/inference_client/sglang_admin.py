@@ -90,7 +90,7 @@ class SGLangAdmin:
         if self.pool.running.is_set():  # not paused by us already
             await wait_until_warm(self.pool)
         self.pool.hold()
-        return await self.pool.call_all("/pause_generation", {"mode": "abort"})
+        return await self.pool.pausing(self.pool.call_all("/pause_generation", {"mode": "abort"}))
 
     async def continue_generation(self) -> dict[str, JsonValue]:
         """Resume generation on every server after ``pause_generation``; held requests go out."""

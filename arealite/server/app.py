@@ -29,6 +29,7 @@ from .runner import ModelRunner, Sequence
 from .strict import SGLangBehaviour
 from .sampling import GenerateInput, RequestCaps, SamplingConfig, parse_generate
 from .lora import LoraRoutes
+from .vision import VisionSupport, is_vision_config, load_vision_model
 from .warm_up import WarmUp, self_url
 from .weight_routes import WeightRoutes
 from .weights import model_state, parse_dtype
@@ -55,14 +56,17 @@ def load_model(args: ServerArgs):
 
     hf_logging.disable_progress_bar()
     device = resolve_device(args.device)
+    cfg = AutoConfig.from_pretrained(args.model_path)
     if args.dtype == "auto":
-        cfg = AutoConfig.from_pretrained(args.model_path)
         dtype = getattr(cfg, "dtype", None) or getattr(cfg, "torch_dtype", None) or torch.float32
         if isinstance(dtype, str):
             dtype = parse_dtype(dtype)
     else:
         dtype = parse_dtype(args.dtype)
-    model = AutoModelForCausalLM.from_pretrained(args.model_path, dtype=dtype).to(device).eval()
+    if is_vision_config(cfg):  # vision tower + language model (`arealite.server.vision`)
+        model = load_vision_model(args.model_path, dtype).to(device).eval()
+    else:
+        model = AutoModelForCausalLM.from_pretrained(args.model_path, dtype=dtype).to(device).eval()
     model.requires_grad_(False)
     tokenizer = None if args.skip_tokenizer_init else AutoTokenizer.from_pretrained(args.model_path)
     return model, tokenizer, device
@@ -111,6 +115,11 @@ class EmbeddedServer:
         self.weights = WeightRoutes(model, self.state, self.runner, behaviour=self.behaviour, device=device,
                                     timeout_s=args.weight_sync_timeout_s, model_path=str(args.model_path))
         self.lora = LoraRoutes(model, self.runner)
+        # A VLM takes /generate's image_data; a text-only model refuses it (`parse_generate`).
+        self.vision = VisionSupport(
+            str(args.model_path), cfg, max_image_bytes=getattr(args, "max_image_bytes", None) or (32 << 20),
+            max_image_pixels=getattr(args, "max_image_pixels", None) or 4096 * 4096,
+        ) if is_vision_config(cfg) else None
         # Cleared by pause_generation, set by continue_generation: SGLang's tokenizer manager
         # holds new requests here (``is_pause``) before it resolves their LoRA adapter.
         self.unpaused = asyncio.Event()
@@ -210,7 +219,7 @@ class EmbeddedServer:
             "is_generation": True,
             "preferred_sampling_params": None,
             "weight_version": self.runner.weight_version,
-            "has_image_understanding": False,
+            "has_image_understanding": self.vision is not None,
             "has_audio_understanding": False,
             "model_type": getattr(cfg, "model_type", None),
             "architectures": getattr(cfg, "architectures", None),
@@ -265,6 +274,7 @@ class EmbeddedServer:
 
     async def generate(self, request: web.Request) -> web.Response:
         body = await json_body(request)
+        images = self.vision.take_image_data(body) if self.vision is not None and isinstance(body, dict) else None
 
         def parse() -> tuple[list[GenerateInput], bool, list[str | None]]:
             inputs, batch = parse_generate(
@@ -272,11 +282,13 @@ class EmbeddedServer:
                 encode=self.encode if self.tokenizer is not None else None, caps=self.caps,
                 routed_experts=self.args.enable_return_routed_experts,
             )
+            if self.vision is not None:  # every prompt: its image blocks must match its images
+                self.vision.attach(inputs, images, batch)
             return inputs, batch, self.lora.lora_names(body, len(inputs))
 
-        # Tokenizing and checking a large request runs off the loop; a small one is
-        # cheaper inline than a thread hop.
-        big = request.content_length is None or request.content_length > OFFLOAD_BYTES
+        # Tokenizing and checking a large request (or decoding images) runs off the loop; a
+        # small one is cheaper inline than a thread hop.
+        big = request.content_length is None or request.content_length > OFFLOAD_BYTES or images is not None
         inputs, batch, names = await off_loop(parse) if big else parse()
         if any(names):  # as SGLang: the adapter is looked up once a pause is over
             await self.unpaused.wait()

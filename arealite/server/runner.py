@@ -34,6 +34,7 @@ from arealite.train_engine.routing_replay import RoutingCapture
 
 from .prompt_cache import PromptCache, cached_row, stack_cached
 from .sampling import BatchSamplingState, GenerateInput, sample_next
+from .vision import prefill_inputs, prompt_key, rope_deltas
 
 logger = logging.getLogger("arealite.server")
 
@@ -110,8 +111,8 @@ def _keep_routing(seqs: list[Sequence], routing: torch.Tensor | None, starts: li
 
 
 def _prompt_key(s: Sequence) -> tuple:
-    """What a prompt's KV cache depends on besides the weights: its adapter and its ids."""
-    return (id(s.inp.lora), *s.inp.input_ids)
+    """What a prompt's KV cache depends on besides the weights: its adapter, images and ids."""
+    return (id(s.inp.lora), prompt_key(s.inp), *s.inp.input_ids)
 
 
 def _shared_prompts(seqs: list[Sequence]) -> tuple[list[Sequence], list[int] | None]:
@@ -331,11 +332,12 @@ class ModelRunner:
         seq.end_time = time.perf_counter()
         seq.loop.call_soon_threadsafe(_deliver, seq.future, seq)
 
-    def _forward(self, input_ids, mask, positions, cache, all_positions: bool = False, seqs=()):
+    def _forward(self, input_ids, mask, positions, cache, all_positions: bool = False, seqs=(), extra=None):
         if self.lora is not None:  # the adapter of each row (`lora_path`)
             self.lora.select([s.inp.lora for s in seqs])
         out = self.model(input_ids=input_ids, attention_mask=mask, position_ids=positions,
-                         past_key_values=cache, use_cache=True, logits_to_keep=0 if all_positions else 1)
+                         past_key_values=cache, use_cache=True, logits_to_keep=0 if all_positions else 1,
+                         **(extra or {}))  # images: `arealite.server.vision.prefill_inputs`
         self._last_routing = _routing_of(self.routing, seqs, input_ids.shape)
         return out.logits if all_positions else out.logits[:, -1, :]
 
@@ -365,7 +367,9 @@ class ModelRunner:
             self.stats["shared_prefill_rows"] += len(ready) - len(uniq)
 
         b_old = len(self._running)
-        self._merge(ready, cache, mask, torch.tensor(lens, device=self.device))
+        # Decode positions: a row's length plus its rope delta (0 but for rows with images).
+        self._merge(ready, cache, mask, torch.tensor(lens, device=self.device)
+                    + torch.tensor(rope_deltas(ready), device=self.device))
         state = BatchSamplingState.build([s.inp.sampling for s in ready], [s.generator for s in ready],
                                          self.vocab_size, self.device)
         tokens, logprobs, top = self._sample(logits, state, ready)
@@ -408,8 +412,9 @@ class ModelRunner:
             mask[i, T - lens[i]:] = 1
         ids, mask = ids.to(self.device), mask.to(self.device)
         positions = (mask.cumsum(dim=1) - 1).clamp(min=0)
+        positions, extra = prefill_inputs(seqs, positions, lens, self.model.dtype)
         cache = DynamicCache()
-        logits = self._forward(ids, mask, positions, cache, all_positions=want_input, seqs=seqs)
+        logits = self._forward(ids, mask, positions, cache, all_positions=want_input, seqs=seqs, extra=extra)
         if want_input:
             _input_logprobs(seqs, logits, ids, lens)
             logits = logits[:, -1, :]

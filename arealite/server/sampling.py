@@ -64,6 +64,8 @@ class GenerateInput:
     """Return the experts routed per token and MoE layer (``meta_info.routed_experts``)."""
     lora: object = None
     """The LoRA adapter the sequence runs with (``lora_path``; `arealite.server.lora`); None: the base."""
+    vision: object = None
+    """The prompt's images (`arealite.server.vision.VisionInputs`); None: text only."""
 
 
 # --------------------------------------------------------------------------
@@ -242,6 +244,9 @@ def _check_top_level(body: JsonObject) -> None:
     for key, v in body.items():
         check = _UNSUPPORTED_TOP.get(key) or _IGNORED_TOP_NEUTRAL.get(key)
         if check is not None and not check(v):
+            if key == "image_data":  # SGLang would drop the images of a text-only model silently
+                raise RequestError("image_data is not supported: the arealite embedded server runs text-only "
+                                   "models; serve a vision-language model with SGLang (docs/sglang.md, Images)")
             raise RequestError(f"{key}={short(v)} is not supported by the arealite embedded server "
                                "(leave it unset)")
 

@@ -62,6 +62,7 @@ from arealite.train_engine.routing_replay import RouterLoadBalance, moe_routers,
 from arealite.train_engine.parallel_layout import Meshes, ParallelLayout, build_meshes, layout_error, layout_problems
 from arealite.train_engine.sequence_parallel import SequenceParallel
 from arealite.train_engine.tensor_parallel import clip_grad_norm
+from arealite.train_engine.vision_inputs import is_vision_config
 from arealite.utils.buckets import buckets_of
 from arealite.utils.checkpoint_names import checkpoint_tensors
 from arealite.utils.dist import default_backend, init_default_group, resolve_device_type
@@ -134,8 +135,10 @@ class FSDPEngine:
             self.config, self.meshes, self.dtype, device_type, self.frozen, build=self.build_model,
             section=self.section,
         )
-        self.planner = MicroBatchPlanner(self.config.mb_max_tokens, self.device, int(self.hf_config.pad_token_id or 0),
-                                         group=self.meshes.group, sp=self._sp)
+        vision = is_vision_config(self.hf_config)
+        self.planner = MicroBatchPlanner(self.config.mb_max_tokens, self.device, _pad_id(self.hf_config),
+                                         group=self.meshes.group, sp=self._sp,
+                                         hf_config=self.hf_config if vision else None)
         # The loss applies the output head after the model's forward returns: the root's
         # parameters (the head's weight among them) must stay gathered until the backward.
         self.model.set_reshard_after_forward(False, recurse=False)
@@ -448,6 +451,14 @@ class FSDPEngine:
                 yield from checkpoint_tensors(self.model, name, t.full_tensor() if hasattr(t, "full_tensor") else t)
 
         yield from buckets_of(full_weights(), bucket_bytes)
+
+
+def _pad_id(hf_config) -> int:
+    """The pad token id of a HF config (a vision-language model's may be in its text config)."""
+    pad = getattr(hf_config, "pad_token_id", None)
+    if pad is None and hasattr(hf_config, "get_text_config"):
+        pad = getattr(hf_config.get_text_config(), "pad_token_id", None)
+    return int(pad or 0)
 
 
 def _checked_loss(loss: object) -> torch.Tensor:

@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from arealite.api.contracts import StateDict
+from arealite.utils.checkpoint_names import checkpoint_tensors
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
@@ -116,7 +117,10 @@ def export_hf_dir(path: Path, model: torch.nn.Module, rank: int, source_dir: Pat
     full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     if rank == 0:
         skip = tied_duplicate_names(hf_config)
-        write_hf_dir(path, {k: v for k, v in full.items() if k not in skip}, source_dir, hf_config)
+        # The checkpoint's names and shapes (a mixture of experts: one tensor per expert, as
+        # SGLang's loaders and the weight pushes name them).
+        tensors = {n: t for k, v in full.items() if k not in skip for n, t in checkpoint_tensors(model, k, v)}
+        write_hf_dir(path, tensors, source_dir, hf_config)
     dist.barrier()
 
 

@@ -23,6 +23,7 @@ from arealite.train_engine.expert_parallel import apply_expert_parallel
 from arealite.train_engine.lr_schedule import build_lr_scheduler
 from arealite.train_engine.parallel_layout import Meshes, layout_error, layout_problems
 from arealite.train_engine.tensor_parallel import apply_tensor_parallel
+from arealite.train_engine.vision_inputs import is_vision_config, vision_blocks, vision_language_model, vision_tower
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
@@ -61,6 +62,7 @@ def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
     if callable(getattr(model, "get_base_model", None)):  # a PEFT model: the HF model it wraps
         model = model.get_base_model()
     inner = getattr(model, "model", None)
+    inner = getattr(inner, "language_model", inner)  # a vision-language model's text decoder
     layers = getattr(inner, "layers", None)
     if layers is None:
         raise ValueError(
@@ -81,8 +83,12 @@ def _enable_checkpointing(model: torch.nn.Module) -> None:
 
 def causal_lm(path: Path, hf_config: PretrainedConfig, attn_implementation: str | None = None) -> torch.nn.Module:
     """The Hugging Face causal LM at ``path`` (fp32, dropout off, packed-sequence attention:
-    ``attn_implementation`` as ``register_attention`` names it; None = the SDPA loop)."""
+    ``attn_implementation`` as ``register_attention`` names it; None = the SDPA loop); a
+    vision-language model's config gets that model (`vision_inputs.vision_language_model`)."""
     from transformers import AutoModelForCausalLM
+
+    if is_vision_config(hf_config):
+        return vision_language_model(path, hf_config, attn_implementation)
 
     return AutoModelForCausalLM.from_pretrained(
         path, config=without_dropout(hf_config), dtype=torch.float32,
@@ -140,7 +146,7 @@ def load_sharded_model(
         else:
             kwargs["offload_policy"] = CPUOffloadPolicy()
     layers = decoder_layers(model)
-    for layer in layers:
+    for layer in vision_blocks(model) + layers:
         fully_shard(layer, **kwargs)
     fully_shard(model, **kwargs)
     if frozen:
@@ -148,7 +154,18 @@ def load_sharded_model(
         model.requires_grad_(False)
     else:
         model.train()
+    _freeze_vision(model, config, section)
     return model, hf_config, len(layers)
+
+
+def _freeze_vision(model: torch.nn.Module, config: ActorConfig, section: str) -> None:
+    """``{section}.freeze_vision``: the vision tower without gradients (so without optimizer state)."""
+    if not getattr(config, "freeze_vision", False):
+        return
+    tower = vision_tower(model)
+    if tower is None:
+        raise ValueError(f"{section}.freeze_vision=true but {config.model_path} has no vision tower; set it to false")
+    tower.requires_grad_(False)
 
 
 def build_optimizer(

@@ -16,6 +16,7 @@ from arealite.api.contracts import TrainBatch
 from arealite.train_engine.packing import PackedIndex, pack, sequence_lengths, split_into_microbatches
 from arealite.train_engine.row_gather import GroupRows, gather_rows
 from arealite.train_engine.sequence_parallel import SequenceParallel
+from arealite.train_engine.vision_inputs import check_images_line_up, pack_images, split_vision_keys
 
 __all__ = ["MicroBatch", "MicroBatchPlanner", "as_tensor_dict"]
 
@@ -45,9 +46,11 @@ class MicroBatchPlanner:
     group (None: data parallelism alone); ``sp``: its sequence-parallel split (None: whole rows)."""
 
     def __init__(self, max_tokens: int, device: torch.device, pad_id: int,
-                 group: dist.ProcessGroup | None = None, sp: SequenceParallel | None = None):
+                 group: dist.ProcessGroup | None = None, sp: SequenceParallel | None = None,
+                 hf_config=None):
         self.max_tokens, self.device, self.pad_id = max_tokens, device, pad_id
         self.group, self.sp = group, sp
+        self.hf_config = hf_config  # a vision-language model's config (images are packed), else None
 
     def rows(self, batch: TrainBatch) -> GroupRows:
         """The rows this rank computes: its own, or those of its whole model-parallel group."""
@@ -58,7 +61,11 @@ class MicroBatchPlanner:
 
     def plan(self, data: dict[str, torch.Tensor]) -> list[MicroBatch]:
         """Pack the rows into micro-batches; every rank gets the same count (the ranks of a
-        model-parallel group, given the same rows, the same micro-batches). A collective."""
+        model-parallel group, given the same rows, the same micro-batches). A collective. A vision
+        batch's micro-batches also get their rows' images and 3-D positions (`pack_images`)."""
+        data, images = split_vision_keys(data)
+        if images and self.hf_config is None:
+            raise ValueError("the batch has images (pixel_values) but the model is not a vision-language model")
         lengths = sequence_lengths(data["attention_mask"]).tolist()
         for r, n in enumerate(lengths):
             if n == 0:
@@ -75,9 +82,13 @@ class MicroBatchPlanner:
         for rows in groups:
             if rows:
                 mb, index = pack(data, rows, lengths)
+                if images:
+                    mb.update(pack_images(images, data["input_ids"], index, self.hf_config))
                 plan.append(({k: v.to(self.device) for k, v in mb.items()}, index))
             else:
                 plan.append((None, None))
+        if self.hf_config is not None:
+            check_images_line_up([mb is not None and "pixel_values" in mb for mb, _ in plan], self.device)
         return plan
 
     def model_inputs(self, mb: dict | None, index: PackedIndex | None) -> tuple[dict[str, torch.Tensor | int], int]:
@@ -96,4 +107,9 @@ class MicroBatchPlanner:
         kwargs: dict[str, torch.Tensor | int] = {"input_ids": ids[None], "position_ids": pos[None]}
         if cu is not None:
             kwargs.update(cu_seq_lens_q=cu, max_length_q=max_len)
+        if mb is not None and "mrope_position_ids" in mb:
+            # Qwen2.5-VL's packed form: the text positions (sequence starts), then the 3-D ones.
+            kwargs["position_ids"] = torch.cat([pos[None], mb["mrope_position_ids"]])[:, None, :]
+            if "pixel_values" in mb:
+                kwargs.update(pixel_values=mb["pixel_values"], image_grid_thw=mb["image_grid_thw"])
         return kwargs, ids.shape[0]

@@ -88,6 +88,10 @@ def layout_problems(section: str, sp: int, tp: int, world: int, *, lora: bool = 
                                       f"{sp_field})", tp))
     if hf_config is None:
         return problems
+    if "vision_config" in hf_config and sp * tp > 1:
+        problems.append(ConfigProblem(field, "a vision-language model trains with FSDP2 alone: sequence and "
+                                      f"tensor parallelism do not split its images yet; set {sp_field}=1 and "
+                                      f"{tp_field}=1", value))
     if hf_config.get("use_sliding_window") and sp * tp > 1:
         problems.append(ConfigProblem(field, "the model uses sliding-window attention, which the packed "
                                       f"attention implementations do not run; set {sp_field}=1 and "

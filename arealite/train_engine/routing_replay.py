@@ -160,8 +160,8 @@ class RouterLoadBalance(_RouterHooks):
     """The routers' load-balancing loss of the forwards inside (``with RouterLoadBalance(model) as lb``).
 
     Switch Transformer's loss per MoE layer, ``E * sum_i f_i * P_i`` over the E experts, with
-    ``f_i`` the share of the layer's (token, chosen expert) pairs that went to expert i (the
-    experts the block really used: the replayed ones under R3) and ``P_i`` the mean router
+    ``f_i`` the share of the layer's (token, chosen expert) pairs that went to expert i (by the
+    router's own top-k, under R3 too: the engine enters this before the replay) and ``P_i`` the mean router
     probability of i; 1 when balanced. `loss` is its mean over the MoE layers, with gradient
     through the probabilities (the router's weight).
     """

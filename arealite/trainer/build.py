@@ -70,6 +70,8 @@ def build_train_engines(cfg: ArealiteConfig, total_steps: int) -> tuple[TrainEng
     reference engine (with LoRA: the actor's own weights with the adapters off)."""
     from arealite.train_engine.fsdp import FSDPEngine
 
+    if cfg.actor.backend == "sim":
+        return build_sim_engines(cfg)
     if cfg.actor.lora is not None:
         from arealite.lora import LoraFSDPEngine
 
@@ -84,6 +86,22 @@ def build_train_engines(cfg: ArealiteConfig, total_steps: int) -> tuple[TrainEng
         if isinstance(engine, FSDPEngine):
             engine.routing_replay = cfg.algorithm.routing_replay
     return actor, ref
+
+
+def build_sim_engines(cfg: ArealiteConfig) -> tuple[TrainEngine, TrainEngine | None]:
+    """`actor.backend: sim`: the simulated cluster's engine (docs/scale.md), and a frozen one
+    as the reference with a KL term."""
+    from arealite.train_engine.sim_engine import SimTrainEngine
+
+    if cfg.actor.lora is not None or cfg.critic.enabled:
+        raise ValueError("actor.backend=sim simulates full fine-tuning of the actor only: "
+                         "set actor.lora: null and critic.enabled: false")
+    scale = cfg.server.sim.time_scale
+
+    def engine(frozen: bool) -> TrainEngine:
+        return SimTrainEngine(cfg.actor.sim, cfg.actor.model_path, scale, frozen=frozen).initialize()
+
+    return engine(False), (engine(True) if cfg.algorithm.kl_coef > 0 else None)
 
 
 def build_critic(cfg: ArealiteConfig, total_steps: int) -> Critic | None:

@@ -1,0 +1,198 @@
+"""Images on the inference path: the client's SGLang wire form for ``image_data`` (every
+segment of an interrupted request carries its images; the batch form carries one list per
+request) and the embedded server's refusal of images it cannot run (docs/sglang.md, Images)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from arealite.inference_client.sglang_client import SGLangClient
+from arealite.server.sampling import RequestError, parse_generate
+from tests.test_client import cfg, fakes, req, tok  # noqa: F401  (fakes: the fixture)
+
+IMAGES = ["iVBORw0KGgoAAAANSUhEUgAAAAE=", "R0lGODlhAQABAAAAACw="]
+
+
+async def test_an_interrupted_request_resumes_with_its_images(fakes):  # noqa: F811
+    (f,) = await fakes(1, token_delay=0.005)
+    async with SGLangClient([f.addr], cfg()) as eng:
+        task = asyncio.create_task(eng.agenerate(req(n_prompt=4, max_new=30, image_data=list(IMAGES))))
+        await asyncio.sleep(0.05)
+        await eng.pause_generation()
+        while not eng.stats()["aborts"]:
+            await asyncio.sleep(0.01)
+        await eng.continue_generation()
+        c = await asyncio.wait_for(task, 5)
+    assert c.n_interruptions == 1 and c.output_ids == [tok(4 + i) for i in range(30)]
+    first, second = f.generate_payloads
+    assert first["image_data"] == IMAGES and second["image_data"] == IMAGES
+    assert second["input_ids"] == list(range(10, 14)) + c.output_ids[: len(second["input_ids"]) - 4]
+
+
+async def test_text_only_requests_send_no_image_field(fakes):  # noqa: F811
+    (f,) = await fakes(1)
+    async with SGLangClient([f.addr], cfg()) as eng:
+        await eng.agenerate(req(n_prompt=3, max_new=2))
+    assert "image_data" not in f.generate_bodies[0]
+
+
+async def test_a_batch_carries_one_image_list_per_request(fakes):  # noqa: F811
+    (f,) = await fakes(1)
+    async with SGLangClient([f.addr], cfg()) as eng:
+        reqs = [req(n_prompt=3, max_new=2, image_data=IMAGES[:1], affinity_key="g"),
+                req(n_prompt=4, max_new=2, affinity_key="g"),
+                req(n_prompt=5, max_new=2, image_data=list(IMAGES), affinity_key="g")]
+        await asyncio.gather(*(eng.agenerate(r) for r in reqs))
+    (batch,) = f.generate_bodies  # one group, one batched /generate
+    assert {len(ids): images for ids, images in zip(batch["input_ids"], batch["image_data"])} == {
+        3: IMAGES[:1], 4: [], 5: IMAGES}
+
+
+def test_the_text_only_embedded_server_refuses_image_data_naming_the_field():
+    body = {"input_ids": [1, 2, 3], "image_data": IMAGES[:1], "sampling_params": {"max_new_tokens": 2}}
+    with pytest.raises(RequestError, match="image_data"):
+        parse_generate(body, vocab_size=100, context_length=64, encode=None)
+    body.pop("image_data")
+    seqs, batch = parse_generate(body, vocab_size=100, context_length=64, encode=None)
+    assert not batch and len(seqs) == 1
+
+
+# --------------------------------------------------------------------------
+# The embedded server running the tiny Qwen2.5-VL (a real child on 127.0.0.1, fp32)
+# --------------------------------------------------------------------------
+
+import io  # noqa: E402
+import json  # noqa: E402
+
+import aiohttp  # noqa: E402
+import torch  # noqa: E402
+
+from arealite.server.process import ServerProcess  # noqa: E402
+from arealite.vision.images import encode_base64  # noqa: E402
+from tests.test_server_generate import free_port, post  # noqa: E402
+
+
+def _png(w: int, h: int, seed: int) -> bytes:
+    from PIL import Image
+
+    g = torch.Generator().manual_seed(seed)
+    px = torch.randint(0, 256, (h, w, 3), generator=g, dtype=torch.uint8).numpy()
+    buf = io.BytesIO()
+    Image.fromarray(px).save(buf, format="PNG")
+    return buf.getvalue()
+
+
+@pytest.fixture(scope="module")
+def vl_dir(tmp_path_factory):
+    from arealite.models.tiny import build_tiny_model
+
+    return build_tiny_model(tmp_path_factory.mktemp("vl") / "vl-micro", size="vl-micro", seed=0)
+
+
+@pytest.fixture(scope="module")
+def vl_server(vl_dir, tmp_path_factory):
+    log = tmp_path_factory.mktemp("vl_server") / "server.log"
+    proc = ServerProcess(vl_dir, free_port(), extra_args=["--random-seed", "7", "--max-batch-size", "8",
+                                                          "--dtype", "float32"], log_path=log, threads=1)
+    try:
+        yield proc.wait_healthy()
+    finally:
+        proc.stop()
+
+
+@pytest.fixture
+async def http():
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as s:
+        yield s
+
+
+def _vl_prompts(vl_dir):
+    from arealite.vision.processor import load_processor
+    from arealite.vision.prompt import render_vision_prompt
+
+    proc = load_processor(vl_dir)
+    specs = [("Two <image> and <image> shapes?", [_png(56, 56, 1), _png(84, 112, 2)]),
+             ("What is in <image>?", [_png(112, 84, 3)]),
+             ("No image, just text.", []),
+             ("Three: <image><image> then <image>.", [_png(56, 84, 4), _png(56, 56, 5), _png(70, 70, 6)])]
+    return [render_vision_prompt(proc, text, images) for text, images in specs]
+
+
+def _hf_greedy_logprobs(model, vp, output):
+    """HF's own forward of prompt + output: with ``mm_token_type_ids`` it computes the 3-D rope
+    positions itself (without them it would fall back to 1-D positions)."""
+    ids = torch.tensor([vp.input_ids + output])
+    kw = {"pixel_values": vp.pixel_values, "image_grid_thw": vp.image_grid_thw,
+          "mm_token_type_ids": (ids == model.config.image_token_id).int()} if vp.image_data else {}
+    model.model.rope_deltas = None  # HF caches a generation's delta on the model
+    with torch.no_grad():
+        logits = model(input_ids=ids, **kw).logits[0, len(vp.input_ids) - 1:-1].float()
+    return torch.log_softmax(logits, -1)
+
+
+async def test_the_vl_server_matches_an_hf_forward_on_images_batched_with_text(vl_server, vl_dir, http):
+    from transformers import AutoModelForImageTextToText
+
+    prompts = _vl_prompts(vl_dir)
+    sp = {"max_new_tokens": 8, "temperature": 0.0, "ignore_eos": True}
+    reqs = [{"input_ids": vp.input_ids, "sampling_params": {**sp, "max_new_tokens": 6 + 3 * i},
+             "return_logprob": True, **({"image_data": vp.image_data} if vp.image_data else {})}
+            for i, vp in enumerate(prompts)]
+    # Concurrent single requests, then the same as one batch (one image list per prompt).
+    singles = await asyncio.gather(*(post(http, vl_server, "/generate", r) for r in reqs))
+    batch = await post(http, vl_server, "/generate", {
+        "input_ids": [vp.input_ids for vp in prompts], "image_data": [vp.image_data for vp in prompts],
+        "sampling_params": sp, "return_logprob": True})
+    model = AutoModelForImageTextToText.from_pretrained(vl_dir, dtype=torch.float32).eval()
+    for vp, out in [*zip(prompts, singles), *zip(prompts, batch)]:
+        full = _hf_greedy_logprobs(model, vp, out["output_ids"])
+        got = torch.tensor([x[0] for x in out["meta_info"]["output_token_logprobs"]])
+        ref = full.gather(1, torch.tensor(out["output_ids"])[:, None])[:, 0]
+        assert full.argmax(-1).tolist() == out["output_ids"]
+        assert (got - ref).abs().max().item() <= 1e-4, (got - ref).abs().max().item()
+    info = await (await http.get(vl_server.url + "/get_model_info")).json()
+    assert info["has_image_understanding"] is True
+    state = (await (await http.get(vl_server.url + "/get_server_info")).json())["internal_states"][0]
+    assert state["max_running"] >= 4, "the image and text requests were not batched together"
+
+
+async def test_the_prompt_cache_never_shares_kv_between_different_images(vl_server, vl_dir, http):
+    vp, other = _vl_prompts(vl_dir)[0], encode_base64(_png(56, 56, 99))
+    body = {"input_ids": vp.input_ids, "sampling_params": {"max_new_tokens": 4, "temperature": 0.0},
+            "return_logprob": True}
+    mine, theirs = {**body, "image_data": vp.image_data}, {**body, "image_data": [other, vp.image_data[1]]}
+    # Sequential (the prompt cache between admissions) and concurrent (one prefill shared by equal prompts).
+    a = await post(http, vl_server, "/generate", mine)
+    b = await post(http, vl_server, "/generate", theirs)
+    a2 = await post(http, vl_server, "/generate", mine)
+    c, d = await asyncio.gather(post(http, vl_server, "/generate", {**mine, "sampling_params": {
+        "max_new_tokens": 3, "temperature": 0.0}}), post(http, vl_server, "/generate", theirs))
+    lps = [x["meta_info"]["output_token_logprobs"] for x in (a, b, a2, c, d)]
+    assert b["meta_info"]["cached_tokens"] == 0 and a2["meta_info"]["cached_tokens"] > 0  # same images: a hit
+    assert lps[0] != lps[1] and lps[0] == lps[2] and lps[3] == lps[0][:3] and lps[4] == lps[1]
+
+
+async def test_the_vl_server_answers_400_naming_image_data(vl_server, vl_dir, http):
+    vp = _vl_prompts(vl_dir)[0]
+    sp = {"max_new_tokens": 2}
+    for images in (vp.image_data[:1], vp.image_data + vp.image_data[:1]):  # 2 blocks, 1 or 3 images
+        err = await post(http, vl_server, "/generate", {"input_ids": vp.input_ids, "image_data": images,
+                                                        "sampling_params": sp}, status=400)
+        assert "image_data" in json.dumps(err) and "image block" in json.dumps(err)
+    big = encode_base64(_solid_png(5000, 4000))  # 20M pixels > the 16.7M cap; a small file
+    err = await post(http, vl_server, "/generate", {"input_ids": vp.input_ids, "image_data": [big, big],
+                                                    "sampling_params": sp}, status=400)
+    assert "image_data[0]" in json.dumps(err) and "pixels" in json.dumps(err)
+    err = await post(http, vl_server, "/generate", {"input_ids": vp.input_ids, "image_data": ["not base64!", big],
+                                                    "sampling_params": sp}, status=400)
+    assert "image_data[0]" in json.dumps(err)
+
+
+def _solid_png(w: int, h: int) -> bytes:
+    from PIL import Image
+
+    buf = io.BytesIO()
+    Image.new("RGB", (w, h), (200, 10, 10)).save(buf, format="PNG")
+    return buf.getvalue()

@@ -1,0 +1,179 @@
+"""Training a vision-language model (issue 33): packed micro-batches with 0, 1 and 2 images per
+row score as a plain per-row HF forward; 2 gloo ranks match one process on the same batch;
+``actor.freeze_vision`` leaves the vision tower untouched; sp/tp with a VLM are refused."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from vision_batches import hf_row_logprobs, vision_batch  # noqa: E402
+
+from arealite.train_engine.parallel_layout import layout_problems  # noqa: E402
+from arealite.train_engine.packing import PackedIndex  # noqa: E402
+from arealite.train_engine.vision_inputs import pack_images, split_vision_keys  # noqa: E402
+
+
+def two_ranks(model_dir: Path, out: Path, *extra: str, results: bool = True) -> list[dict]:
+    """tests/_vision_worker.py under ``torchrun --nproc_per_node 2`` (gloo); each rank's result."""
+    import os
+    import subprocess
+
+    from arealite.utils.dist import free_port
+
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
+           "--master_port", str(free_port()), str(Path(__file__).parent / "_vision_worker.py"), str(model_dir),
+           str(out), *extra]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, f"torchrun failed ({proc.returncode}):\n{proc.stderr[-4000:]}"
+    return [torch.load(out / f"result_rank{r}.pt", weights_only=False) for r in range(2)] if results else []
+
+
+@pytest.fixture(scope="module")
+def vl_model_dir(tmp_path_factory) -> Path:
+    from arealite.models.tiny import build_tiny_model
+
+    return build_tiny_model(tmp_path_factory.mktemp("vl") / "model", size="vl-micro")
+
+
+@pytest.fixture(scope="module")
+def vl_batch(vl_model_dir) -> dict[str, torch.Tensor]:
+    return vision_batch(vl_model_dir)
+
+
+@pytest.fixture(scope="module")
+def worker():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("_vision_worker", Path(__file__).parent / "_vision_worker.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.fixture(scope="module")
+def one_process(vl_model_dir, worker) -> dict:
+    return worker.run(str(vl_model_dir), "")
+
+
+@pytest.fixture(scope="module")
+def hf_model(vl_model_dir):
+    from transformers import AutoModelForImageTextToText
+
+    return AutoModelForImageTextToText.from_pretrained(vl_model_dir, dtype=torch.float32, attn_implementation="eager")
+
+
+def test_batch_has_rows_with_0_1_2_images(vl_batch):
+    n_images = (vl_batch["image_grid_thw"] != 0).any(-1).sum(-1).tolist()
+    assert n_images == [0, 1, 2, 1]
+
+
+@pytest.mark.parametrize("mb_max_tokens", [1000, 60])  # all rows packed in one micro-batch; several
+def test_packed_logprobs_equal_per_row_hf_forward(vl_model_dir, vl_batch, hf_model, worker, mb_max_tokens):
+    engine = worker.engine_for(str(vl_model_dir), mb_max_tokens=mb_max_tokens)
+    try:
+        plan = engine.planner.plan(dict(vl_batch))
+        assert len(plan) == (1 if mb_max_tokens == 1000 else len(plan)) and len(plan) >= 1
+        if mb_max_tokens == 1000:
+            assert plan[0][0]["image_grid_thw"].shape[0] == 4 and len(plan[0][1].rows) == 4
+        out = engine.forward(vl_batch, worker.label_logprobs)
+    finally:
+        engine.destroy()
+    for b in range(vl_batch["input_ids"].shape[0]):
+        n = int(vl_batch["attention_mask"][b].sum())
+        torch.testing.assert_close(out[b, :n], hf_row_logprobs(hf_model, vl_batch, b), atol=1e-5, rtol=0)
+        assert (out[b, n:] == 0).all()
+
+
+def test_pack_images_concatenates_real_patches_and_positions(vl_model_dir, vl_batch):
+    from transformers import AutoConfig
+
+    cfg = AutoConfig.from_pretrained(vl_model_dir)
+    text, images = split_vision_keys(dict(vl_batch))
+    assert set(images) == {"pixel_values", "image_grid_thw"} and "pixel_values" not in text
+    lengths = vl_batch["attention_mask"].sum(-1).tolist()
+    index = PackedIndex(rows=[2, 0], lengths=[lengths[2], lengths[0]])
+    out = pack_images(images, vl_batch["input_ids"], index, cfg)
+    grids = vl_batch["image_grid_thw"][2]
+    n = int(grids.prod(-1).sum())
+    assert torch.equal(out["pixel_values"], vl_batch["pixel_values"][2, :n])
+    assert torch.equal(out["image_grid_thw"], grids)
+    assert out["mrope_position_ids"].shape == (3, sum(index.lengths))
+    # The text-only row's positions restart at 0 and run in all three dimensions alike.
+    tail = out["mrope_position_ids"][:, lengths[2]:]
+    assert torch.equal(tail, torch.arange(lengths[0]).expand(3, -1))
+    # An image makes the three dimensions differ, and the position after it jumps less than its tokens.
+    head = out["mrope_position_ids"][:, :lengths[2]]
+    assert not torch.equal(head[0], head[1]) and int(head[0].max()) < lengths[2] - 1
+    text_only = pack_images(images, vl_batch["input_ids"], PackedIndex(rows=[0], lengths=[lengths[0]]), cfg)
+    assert "pixel_values" not in text_only
+
+
+def test_bad_image_keys_are_refused(vl_model_dir, vl_batch):
+    from transformers import AutoConfig
+
+    with pytest.raises(KeyError, match="image_grid_thw"):
+        split_vision_keys({k: v for k, v in vl_batch.items() if k != "image_grid_thw"})
+    _, images = split_vision_keys(dict(vl_batch))
+    short = {**images, "image_grid_thw": images["image_grid_thw"].clone()}
+    short["image_grid_thw"][1, 0, 1] += 2  # the grid no longer matches the row's image tokens
+    lengths = vl_batch["attention_mask"].sum(-1).tolist()
+    with pytest.raises(ValueError, match="batch row 1"):
+        pack_images(short, vl_batch["input_ids"], PackedIndex(rows=[1], lengths=[lengths[1]]),
+                    AutoConfig.from_pretrained(vl_model_dir))
+
+
+def test_sequence_and_tensor_parallel_refused_for_a_vlm(vl_model_dir):
+    import json
+
+    hf = json.loads((vl_model_dir / "config.json").read_text())
+    for sp, tp, field in ((2, 1, "actor.sp_size"), (1, 2, "actor.tp_size")):
+        problems = [p for p in layout_problems("actor", sp, tp, 2, hf_config=hf) if "vision-language" in p.message]
+        assert problems and problems[0].path == field
+    assert not [p for p in layout_problems("actor", 1, 1, 2, hf_config=hf)]
+
+
+def test_freeze_vision_keeps_the_tower_bit_identical(vl_model_dir, vl_batch, worker, one_process):
+    engine = worker.engine_for(str(vl_model_dir), freeze_vision=True)
+    try:
+        before = worker.full_weights(engine)
+        result = worker.steps(engine, vl_batch, slice(None))
+        trained = {id(p) for g in engine.optimizer.param_groups for p in g["params"]}
+        vision_params = [p for n, p in engine.model.named_parameters() if ".visual." in f".{n}"]
+        assert vision_params and not any(id(p) in trained or p.requires_grad for p in vision_params)
+    finally:
+        engine.destroy()
+    after = result["weights"]
+    vision = [n for n in before if n.startswith("visual.")]
+    text = [n for n in before if not n.startswith("visual.")]
+    assert vision and text
+    assert all(torch.equal(before[n], after[n]) for n in vision)
+    assert all(not torch.equal(before[n], after[n]) for n in text if "layers." in n)
+    # Without the freeze the same steps move the tower.
+    assert any(not torch.equal(before[n], one_process["weights"][n]) for n in vision)
+
+
+def test_two_ranks_match_one_process(vl_model_dir, tmp_path, worker, one_process):
+    r0, r1 = two_ranks(vl_model_dir, tmp_path)
+    assert len(r0["logp"]) == len(r1["logp"]) == 2
+    for s0, s1, s in zip(r0["stats"], r1["stats"], one_process["stats"], strict=True):
+        assert s0["loss"] == s1["loss"] and s0["n_seqs"] == s["n_seqs"] == 4
+        assert abs(s0["loss"] - s["loss"]) <= 1e-5 and abs(s0["grad_norm"] - s["grad_norm"]) <= 1e-5
+    B = one_process["logp"].shape[0]
+    torch.testing.assert_close(torch.cat([r0["logp"], r1["logp"]]), one_process["logp"], atol=1e-5, rtol=0)
+    for n, w in one_process["weights"].items():
+        assert torch.equal(r0["weights"][n], r1["weights"][n])
+        torch.testing.assert_close(r0["weights"][n], w, atol=1e-5, rtol=0)
+    assert B == 4
+
+
+def test_two_ranks_refuse_images_on_one_rank_only(vl_model_dir, tmp_path):
+    two_ranks(vl_model_dir, tmp_path, "mixed", results=False)
+    for r in range(2):
+        assert "has images on some trainer ranks and none on others" in (tmp_path / f"error_rank{r}.txt").read_text()
