@@ -46,8 +46,8 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench_controller import rss_mb  # noqa: E402  (the controller benchmark's RSS reading)
-from scale_overlap import add_arguments as add_overlap_arguments  # noqa: E402  (part a)
-from scale_overlap import run_part_a  # noqa: E402
+from scale_overlap import add_arguments as add_overlap_arguments  # part (a)
+from scale_overlap import run_part_a
 
 PROMPT_LEN = 64
 

@@ -1,16 +1,24 @@
 """Images on the inference path: the client's SGLang wire form for ``image_data`` (every
 segment of an interrupted request carries its images; the batch form carries one list per
-request) and the embedded server's refusal of images it cannot run (docs/sglang.md, Images)."""
+request), the text-only embedded server's refusal of images (docs/sglang.md, Images), and the
+embedded server running the tiny Qwen2.5-VL (`arealite.server.vision`) against an HF forward."""
 
 from __future__ import annotations
 
 import asyncio
+import io
+import json
 
+import aiohttp
 import pytest
+import torch
 
 from arealite.inference_client.sglang_client import SGLangClient
+from arealite.server.process import ServerProcess
 from arealite.server.sampling import RequestError, parse_generate
+from arealite.vision.images import encode_base64
 from tests.test_client import cfg, fakes, req, tok  # noqa: F401  (fakes: the fixture)
+from tests.test_server_generate import free_port, post
 
 IMAGES = ["iVBORw0KGgoAAAANSUhEUgAAAAE=", "R0lGODlhAQABAAAAACw="]
 
@@ -62,17 +70,6 @@ def test_the_text_only_embedded_server_refuses_image_data_naming_the_field():
 # --------------------------------------------------------------------------
 # The embedded server running the tiny Qwen2.5-VL (a real child on 127.0.0.1, fp32)
 # --------------------------------------------------------------------------
-
-import io  # noqa: E402
-import json  # noqa: E402
-
-import aiohttp  # noqa: E402
-import torch  # noqa: E402
-
-from arealite.server.process import ServerProcess  # noqa: E402
-from arealite.vision.images import encode_base64  # noqa: E402
-from tests.test_server_generate import free_port, post  # noqa: E402
-
 
 def _png(w: int, h: int, seed: int) -> bytes:
     from PIL import Image
@@ -152,6 +149,15 @@ async def test_the_vl_server_matches_an_hf_forward_on_images_batched_with_text(v
         ref = full.gather(1, torch.tensor(out["output_ids"])[:, None])[:, 0]
         assert full.argmax(-1).tolist() == out["output_ids"]
         assert (got - ref).abs().max().item() <= 1e-4, (got - ref).abs().max().item()
+    # An interrupted request resumes with its images: prompt + the tokens so far, same image_data.
+    vp, out = prompts[0], batch[0]
+    rest = await post(http, vl_server, "/generate", {
+        "input_ids": vp.input_ids + out["output_ids"][:3], "image_data": vp.image_data,
+        "sampling_params": {**sp, "max_new_tokens": 5}, "return_logprob": True})
+    assert rest["output_ids"] == out["output_ids"][3:]
+    resumed = torch.tensor([x[0] for x in rest["meta_info"]["output_token_logprobs"]])
+    whole = torch.tensor([x[0] for x in out["meta_info"]["output_token_logprobs"]][3:])
+    assert (resumed - whole).abs().max().item() <= 1e-4
     info = await (await http.get(vl_server.url + "/get_model_info")).json()
     assert info["has_image_understanding"] is True
     state = (await (await http.get(vl_server.url + "/get_server_info")).json())["internal_states"][0]

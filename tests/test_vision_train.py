@@ -177,3 +177,22 @@ def test_two_ranks_refuse_images_on_one_rank_only(vl_model_dir, tmp_path):
     two_ranks(vl_model_dir, tmp_path, "mixed", results=False)
     for r in range(2):
         assert "has images on some trainer ranks and none on others" in (tmp_path / f"error_rank{r}.txt").read_text()
+
+
+def test_lora_trains_a_vlm(vl_model_dir, vl_batch, hf_model, worker):
+    import math
+
+    engine = worker.engine_for(str(vl_model_dir), lora=True)
+    try:
+        before = worker.full_weights(engine)
+        result = worker.steps(engine, vl_batch, slice(None))
+        trainable = [n for n, p in engine.model.named_parameters() if p.requires_grad]
+    finally:
+        engine.destroy()
+    assert trainable and all(".lora_" in n for n in trainable)
+    assert all(math.isfinite(s["loss"]) for s in result["stats"])
+    # Adapters start as a no-op: the first log-probs are the base model's; the steps move the merged weights.
+    for b in range(vl_batch["input_ids"].shape[0]):
+        n = int(vl_batch["attention_mask"][b].sum())
+        torch.testing.assert_close(result["logp"][b, :n], hf_row_logprobs(hf_model, vl_batch, b), atol=1e-5, rtol=0)
+    assert any(not torch.equal(before[n], result["weights"][n]) for n in before if "layers." in n)

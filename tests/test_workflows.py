@@ -491,3 +491,38 @@ def test_fast_decode_agrees_with_the_tokenizer(tok):
         assert decode_many(tok, seqs, skip) == [tok.decode(s, skip_special_tokens=skip) for s in seqs]
     for odd in ([vocab + 1000], [3, vocab + 5, 4]):  # ids the table does not know: the tokenizer decides
         assert decode(tok, odd) == tok.decode(odd, skip_special_tokens=True)
+
+
+class RoutingEngine(ScriptedEngine):
+    """A scripted engine that also reports MoE routing: token j of request k is routed to
+    experts ``(k, j)`` (one layer, top-2), so a row's routing tells which turn ran it."""
+
+    async def agenerate(self, req):
+        comp = await super().agenerate(req)
+        n = len(comp.input_ids) + len(comp.output_ids) - 1
+        k = len(self.requests) - 1
+        comp.routed_experts = torch.stack([torch.full((n,), k), torch.arange(n)], 1).to(torch.int32)
+        return comp
+
+
+@pytest.mark.parametrize("per_step", [False, True])
+async def test_multi_turn_rows_carry_the_routing_of_the_turn_that_first_ran_each_token(tok, per_step):
+    from arealite.workflow.routed_experts import ROUTED_EXPERTS_KEY
+
+    async def env(item, text, ids, turn):
+        return StepResult(0.5, done=turn == 2, feedback="more")
+
+    eng = RoutingEngine(tok, ["a", "bb", "ccc"])
+    wf = MultiTurnWorkflow(None, gcfg(1), tok, env=env, per_step=per_step, max_turns=3)
+    td = await wf.arun_episode(eng, {"prompt": "go"})
+    routing = td[ROUTED_EXPERTS_KEY]
+    assert routing.dtype == torch.int16 and routing.shape[:2] == td["input_ids"].shape
+    # request k ran tokens [0, len(input_k) + len(output_k) - 1): token j belongs to the first k
+    ran = [len(r.input_ids) + len(tok.encode(a, add_special_tokens=False)) - 1
+           for r, a in zip(eng.requests, ["a", "bb", "ccc"])]
+    for row in range(td.batch_size[0]):
+        n = int(td["attention_mask"][row].sum())
+        assert (routing[row, 0] == -1).all() and (routing[row, n:] == -1).all()
+        for j in range(n - 1):  # position j + 1 holds token j's routing
+            first = next(k for k, r in enumerate(ran) if j < r)
+            assert routing[row, j + 1].tolist() == [first, j]

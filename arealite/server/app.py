@@ -85,7 +85,9 @@ class EmbeddedServer:
         self.device = device
         cfg = model.config
         self.vocab_size = int(model.get_input_embeddings().num_embeddings)
-        self.context_length = int(args.context_length or getattr(cfg, "max_position_embeddings", 4096))
+        text_cfg = getattr(cfg, "text_config", None) or cfg  # a VLM keeps it on its language model's config
+        self.context_length = int(args.context_length or getattr(cfg, "max_position_embeddings", None)
+                                  or getattr(text_cfg, "max_position_embeddings", 4096))
         self.state = model_state(model)
         self.started = time.time()
         self.limits = args.limits()

@@ -23,7 +23,7 @@ from arealite.train_engine.expert_parallel import apply_expert_parallel
 from arealite.train_engine.lr_schedule import build_lr_scheduler
 from arealite.train_engine.parallel_layout import Meshes, layout_error, layout_problems
 from arealite.train_engine.tensor_parallel import apply_tensor_parallel
-from arealite.train_engine.vision_inputs import is_vision_config, vision_blocks, vision_language_model, vision_tower
+from arealite.train_engine.vision_inputs import is_vision_config, vision_blocks, vision_tower
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
@@ -93,6 +93,19 @@ def causal_lm(path: Path, hf_config: PretrainedConfig, attn_implementation: str 
     return AutoModelForCausalLM.from_pretrained(
         path, config=without_dropout(hf_config), dtype=torch.float32,
         attn_implementation=attn_implementation or register_attention("sdpa_loop"),
+    )
+
+
+def vision_language_model(path: Path, hf_config: PretrainedConfig, attn_implementation: str | None = None) -> torch.nn.Module:
+    """The vision-language model at ``path`` (fp32, dropout off): the language model with the
+    packed attention ``attn_implementation`` names, the vision tower with SDPA (non-causal
+    within each image; it never sees the text's packed-sequence boundaries)."""
+    from transformers import AutoModelForImageTextToText
+
+    return AutoModelForImageTextToText.from_pretrained(
+        path, config=without_dropout(hf_config), dtype=torch.float32,
+        attn_implementation={"text_config": attn_implementation or register_attention("sdpa_loop"),
+                             "vision_config": "sdpa"},
     )
 
 

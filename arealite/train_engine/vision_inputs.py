@@ -17,7 +17,6 @@ is refused with an error, not yet run).
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -26,7 +25,7 @@ from arealite.train_engine.packing import PackedIndex
 from arealite.vision.rope import mrope_positions, row_grids
 
 __all__ = ["VISION_KEYS", "check_images_line_up", "is_vision_config", "pack_images", "split_vision_keys",
-           "vision_blocks", "vision_language_model", "vision_tower"]
+           "vision_blocks", "vision_tower"]
 
 #: The batch keys that hold images (not per-token: never packed as tokens are).
 VISION_KEYS = ("pixel_values", "image_grid_thw")
@@ -37,21 +36,6 @@ def is_vision_config(hf_config: Any) -> bool:
     if isinstance(hf_config, dict):
         return "vision_config" in hf_config
     return getattr(hf_config, "vision_config", None) is not None
-
-
-def vision_language_model(path: Path, hf_config: Any, attn_implementation: str | None = None) -> torch.nn.Module:
-    """The vision-language model at ``path`` (fp32, dropout off): the language model with the
-    packed attention ``attn_implementation`` names, the vision tower with SDPA."""
-    from transformers import AutoModelForImageTextToText
-
-    from arealite.train_engine.attention import register_attention
-    from arealite.train_engine.fsdp_model import without_dropout
-
-    text_attn = attn_implementation or register_attention("sdpa_loop")
-    return AutoModelForImageTextToText.from_pretrained(
-        path, config=without_dropout(hf_config), dtype=torch.float32,
-        attn_implementation={"text_config": text_attn, "vision_config": "sdpa"},
-    )
 
 
 def vision_tower(model: torch.nn.Module) -> torch.nn.Module | None:

@@ -48,6 +48,7 @@ from arealite.workflow.common import (
     vision_tensors,
 )
 from arealite.workflow.registry import builtin_workflow
+from arealite.workflow.routed_experts import ROUTED_EXPERTS_KEY, conversation_routed_experts
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -179,8 +180,10 @@ class MultiTurnWorkflow(RolloutWorkflow):
 
     # -- one conversation ---------------------------------------------------
     async def _conversation(self, client: InferenceClient, item: JsonObject, prompt_ids: list[int], affinity: str,
-                            image_data: list[str] | None = None) -> tuple[list[Piece], list[tuple[int, float]]]:
+                            image_data: list[str] | None = None
+                            ) -> tuple[list[Piece], list[tuple[int, float]], list[Completion]]:
         ids = list(prompt_ids)
+        comps: list[Completion] = []
         pieces: list[Piece] = []
         steps: list[tuple[int, float]] = []  # (index into pieces of the model turn, reward)
         for turn in range(self.max_turns):
@@ -188,6 +191,7 @@ class MultiTurnWorkflow(RolloutWorkflow):
                 GenerationRequest(input_ids=list(ids), sampling=self.sampling, affinity_key=affinity,
                                   image_data=image_data)
             )
+            comps.append(comp)
             out = list(comp.output_ids)
             pieces.append((out, list(comp.output_logprobs), list(comp.output_versions)))
             ids.extend(out)
@@ -206,7 +210,7 @@ class MultiTurnWorkflow(RolloutWorkflow):
             piece = user_turn_piece(self.tokenizer, res.feedback, after=out)
             pieces.append((piece, None, None))
             ids.extend(piece)
-        return pieces, steps
+        return pieces, steps, comps
 
     async def arun_episode(self, client: InferenceClient, item: JsonObject) -> TensorDict | None:
         vision = None
@@ -225,18 +229,21 @@ class MultiTurnWorkflow(RolloutWorkflow):
             self.counters["reward_rejected_groups"] += 1
             return None
         rows, per_row = [], {"rewards": [], "traj_id": [], "step_id": [], "n_steps": []}
-        for pieces, steps in convs:
+        row_turns: list[list[Completion]] = []  # the model turns behind each row (MoE routing)
+        for pieces, steps, comps in convs:
             traj = new_group_id()
             if self.per_step:
                 for s, (idx, r) in enumerate(steps):
                     context = [(p[0], None, None) for p in pieces[:idx]]
                     rows.append(trajectory_row(prompt_ids, context + [pieces[idx]]))
+                    row_turns.append(comps[:s + 1])
                     per_row["rewards"].append(r)
                     per_row["traj_id"].append(traj)
                     per_row["step_id"].append(s)
                     per_row["n_steps"].append(len(steps))
             else:
                 rows.append(trajectory_row(prompt_ids, pieces))
+                row_turns.append(comps)
                 last_turn, r = len(steps) - 1, steps[-1][1]
                 per_row["rewards"].append(r * self.turn_discount**last_turn)
                 per_row["traj_id"].append(traj)
@@ -252,4 +259,9 @@ class MultiTurnWorkflow(RolloutWorkflow):
             tensors[k] = torch.tensor(per_row[k], dtype=torch.int64)
         if vision is not None:
             tensors.update(vision_tensors(vision, n))
-        return pad_and_stack(rows, tensors)
+        td = pad_and_stack(rows, tensors)
+        routing = conversation_routed_experts(row_turns, [r["input_ids"].shape[0] for r in rows],
+                                              td["input_ids"].shape[1])  # MoE routing replay (R3)
+        if routing is not None:
+            td[ROUTED_EXPERTS_KEY] = routing
+        return td
