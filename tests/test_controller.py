@@ -541,3 +541,24 @@ async def test_reward_workers_run_torch_single_threaded():
 
     runner = RewardRunner(timeout_s=5, workers=2)
     assert await runner(lambda: float(torch.get_num_threads())) == 1.0
+
+
+def test_ready_groups_hand_out_the_stalest_groups_first():
+    from tensordict import TensorDict
+
+    from arealite.rollout.ready import ReadyGroups
+
+    def group(version: int, tag: int) -> TensorDict:
+        return TensorDict({"input_ids": torch.full((2, 3), tag), "loss_mask": torch.tensor([[0, 1, 1]] * 2).bool(),
+                           "attention_mask": torch.ones(2, 3, dtype=torch.bool),
+                           "versions": torch.tensor([[-1, version, version + 1]] * 2)}, batch_size=[2])
+
+    ready = ReadyGroups()
+    for tag, version in enumerate([3, 3, 1, 2, 3]):  # completion order; tag 2 finished late behind a long answer
+        ready.put(group(version, tag), {"tag": tag})
+    batch, items = ready.take(2, version=4)
+    assert [i["tag"] for i in items] == [2, 3]  # the two stalest, in completion order
+    assert batch["versions"][:, 1].tolist() == [1, 1, 2, 2]
+    assert sorted(ready.staleness_hist.items()) == [(2, 2), (3, 2)]
+    _, items = ready.take(3, version=5)  # no choice left: completion order
+    assert [i["tag"] for i in items] == [0, 1, 4] and len(ready) == 0

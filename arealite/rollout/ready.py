@@ -1,7 +1,8 @@
 """The accepted groups waiting to be trained on, how a batch is assembled from them, and the
 callers waiting for them.
 
-Groups wait in completion order, each with the dataset item it came from, so
+Groups wait in completion order and a batch takes the stalest of them (its tokens' oldest
+policy version; completion order among equals), each with the dataset item it came from, so
 that the trainer knows which prompts a batch holds (per-prompt accounting) and a
 checkpoint can save the groups produced but not yet trained on. Taking a batch
 records the staleness of its trajectories in a histogram.
@@ -47,9 +48,17 @@ class _Stash:
     stale: list[int]
 
 
+def _oldest_version(td: TensorDict) -> int:
+    """The oldest policy version among a group's produced tokens (a group with none sorts last)."""
+    produced = td["loss_mask"].bool()
+    if not bool(produced.any()):
+        return torch.iinfo(torch.int64).max
+    return int(td["versions"][produced].min())
+
+
 class ReadyGroups:
-    """A FIFO of ``(trajectory group, item)`` with the staleness histogram of what was taken,
-    and at most one batch taken ahead (the stash)."""
+    """The waiting ``(trajectory group, item)`` pairs, taken stalest first, with the staleness
+    histogram of what was taken, and at most one batch taken ahead (the stash)."""
 
     def __init__(self) -> None:
         self._groups: collections.deque[tuple[TensorDict, JsonObject]] = collections.deque()
@@ -64,16 +73,31 @@ class ReadyGroups:
         self._groups.append((td, item))
 
     def take(self, count: int, version: int) -> tuple[TensorDict, list[JsonObject]]:
-        """The oldest ``count`` groups as one right-padded batch, and their items."""
+        """The stalest ``count`` groups as one right-padded batch, and their items."""
         s = self._pop(count, version)
         return s.batch, s.items
 
     def _pop(self, count: int, version: int) -> _Stash:
-        taken = [self._groups.popleft() for _ in range(count)]
+        taken = self._stalest(count)
         batch = concat_trajectories([td for td, _ in taken])
         stale = trajectory_staleness(batch["versions"], batch["loss_mask"], version).tolist()
         self.staleness_hist.update(stale)
         return _Stash(taken, batch, [item for _, item in taken], stale)
+
+    def _stalest(self, count: int) -> list[tuple[TensorDict, JsonObject]]:
+        """Remove and return the ``count`` groups whose oldest produced token is oldest (ties and
+        the batch itself in completion order). A group that finished late behind a long answer
+        thus goes before the fresher groups that overtook it, instead of waiting behind them
+        and growing staler. With no choice to make (``count`` or fewer waiting) it costs nothing."""
+        groups = self._groups
+        if len(groups) <= count:
+            return [groups.popleft() for _ in range(count)]
+        oldest = [_oldest_version(td) for td, _ in groups]
+        chosen = sorted(sorted(range(len(groups)), key=oldest.__getitem__)[:count])
+        taken = [groups[i] for i in chosen]
+        keep = set(range(len(groups))) - set(chosen)
+        self._groups = collections.deque(g for i, g in enumerate(groups) if i in keep)
+        return taken
 
     # ------------------------------------------------------------ the stash
     @property
@@ -83,7 +107,7 @@ class ReadyGroups:
         return 0 if s is None else len(s.groups)
 
     def stash(self, count: int, version: int) -> None:
-        """Take the oldest ``count`` groups now, as `take` would, and keep the batch for
+        """Take the stalest ``count`` groups now, as `take` would, and keep the batch for
         `take_stashed` (on the loop; at most one batch is stashed)."""
         if self._stash is not None:
             raise RuntimeError("a batch is stashed already: take_stashed() or unstash() it first")

@@ -2,10 +2,17 @@
 
 With consumer batch ``B`` (groups per training step on this rank), trainer
 version ``v`` and ``max_head_offpolicyness`` ``eta``, at most
-``(eta + v + 1) * B`` groups may ever have been accepted or be running. Any
-accepted trajectory is therefore at most ``eta`` versions older than the policy
-that trains on it. ``eta = 0`` is synchronous RL: the next batch is only
-generated once the current one has been trained on and the version bumped.
+``(eta + v + 1) * B`` groups may ever have been accepted or be running. Had
+groups been trained in the order they were admitted, none would be more than
+``eta`` versions older than the policy that trains on it. They finish out of
+order, though: a group behind a long answer is overtaken by groups admitted
+after it, and can land one or two versions past ``eta`` (measured with the
+simulated backend, docs/scale.md). The ready set takes the stalest groups first
+(`arealite.rollout.ready`), which bounds what waits in it; a group still
+generating when its bound passes is trained when it lands, and its staleness is
+counted in the controller's histogram (``staleness_hist``), not hidden.
+``eta = 0`` is synchronous RL: the next batch is only generated once the
+current one has been trained on and the version bumped.
 
 The manager only counts; the controller calls it on every event. It holds no
 locks: the controller touches it from its event-loop thread alone.
