@@ -92,7 +92,8 @@ def vl_dir(tmp_path_factory):
 def vl_server(vl_dir, tmp_path_factory):
     log = tmp_path_factory.mktemp("vl_server") / "server.log"
     proc = ServerProcess(vl_dir, free_port(), extra_args=["--random-seed", "7", "--max-batch-size", "8",
-                                                          "--dtype", "float32"], log_path=log, threads=1)
+                                                          "--dtype", "float32", "--max-image-bytes", "80000",
+                                                          "--max-image-pixels", "30000"], log_path=log, threads=1)
     try:
         yield proc.wait_healthy()
     finally:
@@ -187,7 +188,7 @@ async def test_the_vl_server_answers_400_naming_image_data(vl_server, vl_dir, ht
         err = await post(http, vl_server, "/generate", {"input_ids": vp.input_ids, "image_data": images,
                                                         "sampling_params": sp}, status=400)
         assert "image_data" in json.dumps(err) and "image block" in json.dumps(err)
-    big = encode_base64(_solid_png(5000, 4000))  # 20M pixels > the 16.7M cap; a small file
+    big = encode_base64(_solid_png(5000, 4000))  # 20M pixels > the fixture's 30000 cap; a small file
     err = await post(http, vl_server, "/generate", {"input_ids": vp.input_ids, "image_data": [big, big],
                                                     "sampling_params": sp}, status=400)
     assert "image_data[0]" in json.dumps(err) and "pixels" in json.dumps(err)
@@ -202,3 +203,31 @@ def _solid_png(w: int, h: int) -> bytes:
     buf = io.BytesIO()
     Image.new("RGB", (w, h), (200, 10, 10)).save(buf, format="PNG")
     return buf.getvalue()
+
+
+
+def test_image_cap_flags_parse():
+    from arealite.server.args import parse_args
+
+    args = parse_args(["--model-path", "m", "--max-image-bytes", "2000", "--max-image-pixels", "3000"])
+    assert (args.max_image_bytes, args.max_image_pixels) == (2000, 3000)
+    assert (parse_args(["--model-path", "m"]).max_image_pixels, args.__class__.max_image_bytes) == (4096 * 4096, 32 << 20)
+    for flag in ("--max-image-bytes", "--max-image-pixels"):
+        with pytest.raises(SystemExit):
+            parse_args(["--model-path", "m", flag, "0"])
+
+
+async def test_the_caps_set_on_the_command_line_give_a_400(vl_server, vl_dir, http):
+    """The fixture's server runs with ``--max-image-bytes 80000 --max-image-pixels 30000``: the
+    test images pass, a larger one is a 400 naming the image and the cap."""
+    from arealite.vision.processor import load_processor
+    from arealite.vision.prompt import render_vision_prompt
+
+    proc = load_processor(vl_dir)
+    wide, noisy = _solid_png(200, 160), _png(170, 170, 9)  # 32000 px in a small file; 28900 px of noise
+    assert len(wide) < 80_000 < len(noisy)
+    for image, cap in ((wide, "30000 pixels"), (noisy, "cap of 80000")):
+        vp = render_vision_prompt(proc, "What is in <image>?", [image])
+        err = json.dumps(await post(http, vl_server, "/generate", {
+            "input_ids": vp.input_ids, "image_data": vp.image_data, "sampling_params": {"max_new_tokens": 2}}, status=400))
+        assert "image_data[0]" in err and cap in err, err

@@ -101,13 +101,23 @@ def probe_image(data: bytes, where: str = "image", max_pixels: int | None = None
     """(width, height) of encoded image bytes, checked without decoding every pixel: the
     header names a known format, the size is within ``max_pixels``, the file is not truncated
     or corrupt as far as PIL's ``verify`` can tell. Raises `ImageError` naming ``where``."""
+
+    def verify(img):
+        img.verify()
+        return img.size
+
+    return read_image(data, where, max_pixels, verify)
+
+
+def read_image(data: bytes, where: str, max_pixels: int | None, use: Callable):
+    """``use(img)`` on the ``PIL.Image`` of encoded ``data``, once its header says it is an image
+    of at most ``max_pixels`` pixels; every PIL failure becomes an `ImageError` naming ``where``."""
     from PIL import Image, UnidentifiedImageError
 
     try:
         with Image.open(io.BytesIO(data)) as img:
             check_pixels(img.size, where, max_pixels)
-            img.verify()
-            return img.size
+            return use(img)
     except UnidentifiedImageError:
         raise ImageError(f"{where}: not a decodable image ({len(data)} bytes; PNG, JPEG, GIF, BMP, WebP...)") from None
     except (OSError, SyntaxError, ValueError, Image.DecompressionBombError) as e:

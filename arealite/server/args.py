@@ -62,6 +62,10 @@ class ServerArgs:
     body_timeout_s: float = Limits.body_timeout_s
     allowed_origins: str = ""
     """Comma-separated browser origins allowed to call the server (default none)."""
+    max_image_bytes: int = 32 << 20
+    """Largest encoded image (bytes) in a request's ``image_data`` (vision models, `arealite.server.vision`)."""
+    max_image_pixels: int = 4096 * 4096
+    """Most decoded pixels of one image, read from its header before decoding."""
     api_key_file: str | None = None
     """File holding the API key (read at start; the key itself never goes on a command line)."""
     api_key_on_argv: bool = False
@@ -148,6 +152,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="longest wait for a request body once its head arrived (408 after)")
     g.add_argument("--allowed-origins", default="",
                    help="comma-separated browser origins allowed to call the server (default: none)")
+    g.add_argument("--max-image-bytes", type=int, default=32 << 20,
+                   help="vision models: largest base64-decoded image in image_data (bytes; 400 above)")
+    g.add_argument("--max-image-pixels", type=int, default=4096 * 4096,
+                   help="vision models: most pixels (width x height) of one image in image_data (400 above)")
     return p
 
 
@@ -169,7 +177,7 @@ def parse_args(argv: list[str] | None = None) -> ServerArgs:
         p.error(f"--warmup-delay-s {ns.warmup_delay_s} must be >= 0")
     if ns.weight_sync_timeout_s <= 0:
         p.error("--weight-sync-timeout-s must be positive")
-    for flag in ("max_body_bytes", "max_prompts", "max_request_tokens"):
+    for flag in ("max_body_bytes", "max_prompts", "max_request_tokens", "max_image_bytes", "max_image_pixels"):
         if getattr(ns, flag) < 1:
             p.error(f"--{flag.replace('_', '-')} {getattr(ns, flag)} must be at least 1")
     for flag in ("idle_timeout_s", "body_timeout_s"):

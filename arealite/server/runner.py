@@ -308,12 +308,8 @@ class ModelRunner:
             self._commands.clear()
 
     def _coalesce_arrivals(self, quiet_s: float = 0.002, max_wait_s: float = 0.02) -> None:
-        """When idle, let a burst of concurrent requests arrive so they share one prefill.
-
-        Called with the lock held; waits until no request arrived for
-        ``quiet_s`` (at most ``max_wait_s``), which only costs an idle server
-        a couple of milliseconds of latency.
-        """
+        """When idle, let a burst of concurrent requests arrive so they share one prefill: with the
+        lock held, wait until none arrived for ``quiet_s`` (at most ``max_wait_s``)."""
         deadline = time.perf_counter() + max_wait_s
         n = len(self._waiting)
         while n < self.max_batch_size and not self._commands and time.perf_counter() < deadline:

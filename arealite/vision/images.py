@@ -10,7 +10,7 @@ from __future__ import annotations
 import base64
 import io
 
-from arealite.data.images import ImageError, check_pixels, image_bytes
+from arealite.data.images import ImageError, image_bytes, read_image
 
 __all__ = ["ImageError", "decode_image_data", "encode_base64", "image_bytes", "open_image", "to_png_bytes"]
 
@@ -18,19 +18,7 @@ __all__ = ["ImageError", "decode_image_data", "encode_base64", "image_bytes", "o
 def open_image(data: bytes, where: str = "image", max_pixels: int | None = None):
     """Decode encoded image bytes into an RGB ``PIL.Image``; refuse an undecodable file or one of
     more than ``max_pixels`` pixels (checked from the header, before decoding the pixels)."""
-    from PIL import Image, UnidentifiedImageError
-
-    try:
-        img = Image.open(io.BytesIO(data))
-        check_pixels(img.size, where, max_pixels)
-        img.load()
-    except UnidentifiedImageError:
-        raise ImageError(f"{where}: not a decodable image ({len(data)} bytes; PNG, JPEG, GIF, BMP, WebP...)") from None
-    except (OSError, SyntaxError, ValueError, Image.DecompressionBombError) as e:
-        if isinstance(e, ImageError):
-            raise
-        raise ImageError(f"{where}: cannot decode the image ({e})") from None
-    return img.convert("RGB")
+    return read_image(data, where, max_pixels, lambda img: img.convert("RGB"))
 
 
 def encode_base64(data: bytes) -> str:

@@ -75,8 +75,9 @@ class Encoded:
     """Every row rendered once through the processor: prompt ids (all of one length: the
     images share a size), each image's patches, and the answer's token."""
 
-    def __init__(self, processor, rows: list[dict], base: Path):
+    def __init__(self, processor, hf_config, rows: list[dict], base: Path):
         from arealite.vision.prompt import render_vision_prompt
+        from arealite.vision.rope import mrope_positions
 
         tok = processor.tokenizer
         self.answer_ids = {q: tok.encode(str(q), add_special_tokens=False)[0] for q in CORNERS}
@@ -87,6 +88,12 @@ class Encoded:
         self.pixels = torch.stack([p.pixel_values for p in prompts])  # [N, P, D]
         self.grid = prompts[0].image_grid_thw  # [1, 3], the same for every row
         self.quadrants = [int(r["answer"]) for r in rows]
+        # The 3-D rope positions of prompt + answer + end of turn, as the server and trainer
+        # compute them (`arealite.vision.rope`). transformers' forward builds them itself only
+        # when it is given the processor's ``mm_token_type_ids``; without either it silently
+        # uses 1-D positions, and a policy warmed up that way sees other images under arealite.
+        row = torch.cat([self.ids[0], torch.tensor([self.answer_ids[1], self.eot])])
+        self.positions = mrope_positions(hf_config, row, self.grid)  # [3, L + 2]
 
     def batch(self, index: list[int], labels: list[int]) -> dict[str, torch.Tensor]:
         """Inputs and labels of rows ``index`` answered with ``labels`` (+ end of turn)."""
@@ -95,7 +102,8 @@ class Encoded:
         target = torch.full_like(ids, -100)
         target[:, -2:] = answer
         return {"input_ids": ids, "labels": target, "pixel_values": self.pixels[index].flatten(0, 1),
-                "image_grid_thw": self.grid.repeat(len(index), 1)}
+                "image_grid_thw": self.grid.repeat(len(index), 1),
+                "position_ids": self.positions[:, None].expand(-1, len(index), -1)}
 
 
 @torch.no_grad()
@@ -108,7 +116,7 @@ def greedy_accuracy(model, data: Encoded, batch_size: int = 100) -> float:
         b = data.batch(index, [1] * len(index))
         n = data.ids.shape[1]
         logits = model(input_ids=b["input_ids"][:, :n], pixel_values=b["pixel_values"],
-                       image_grid_thw=b["image_grid_thw"]).logits[:, -1]
+                       image_grid_thw=b["image_grid_thw"], position_ids=b["position_ids"][..., :n]).logits[:, -1]
         right += sum(by_id.get(int(t)) == data.quadrants[i] for i, t in zip(index, logits.argmax(-1)))
     return right / len(data.quadrants)
 
@@ -160,6 +168,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--right-fraction", type=float, default=0.3,
                    help="share of warm-up answers for quadrants 2-4 that are right (the rest: the mirror)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--rope-theta", type=float, default=None,
+                   help="the language model's rope theta (the height/width positions of image tokens)")
     p.add_argument("--force", action="store_true", help="rebuild even if OUT/model exists")
     args = p.parse_args(argv)
     out = Path(args.out)
@@ -168,11 +178,23 @@ def main(argv: list[str] | None = None) -> None:
         return
     torch.manual_seed(args.seed)
     base = build_tiny_model(out / "base_model", size=args.size, seed=args.seed)
+    if args.rope_theta is not None:
+        # The answer hangs on which of the image's 4 merged tokens holds the red square, which the
+        # language model tells apart only by their height/width rope positions. With a head of
+        # 16 and mrope sections [2, 3, 3], theta 1e4 turns those by <= 0.1 rad per step: too
+        # little to learn from; a small theta makes the positions visible.
+        cfg_path = Path(base) / "config.json"
+        cfg = json.loads(cfg_path.read_text())
+        cfg["text_config"]["rope_parameters"]["rope_theta"] = args.rope_theta
+        cfg_path.write_text(json.dumps(cfg, indent=2) + "\n")
     train_rows = write_split(out, "train", args.n_train, args.seed)
     eval_rows = write_split(out, "eval", args.n_eval, args.seed + 1000)
     print(f"[prepare] model {base}, {len(train_rows)} train / {len(eval_rows)} held-out images")
-    processor = load_processor(base)
-    warm_up(base, out / "model", Encoded(processor, train_rows, out), Encoded(processor, eval_rows, out), args)
+    from transformers import AutoConfig
+
+    processor, hf_config = load_processor(base), AutoConfig.from_pretrained(base)
+    warm_up(base, out / "model", Encoded(processor, hf_config, train_rows, out),
+            Encoded(processor, hf_config, eval_rows, out), args)
     print(f"[prepare] warmed-up starting policy written to {out / 'model'}")
 
 
