@@ -221,3 +221,33 @@ def test_vision_demo_prepare_writes_data_the_run_accepts(tmp_path):
     proc = load_processor(out / "model")
     vp = render_vision_prompt(proc, rows[0]["prompt"], [image_bytes(rows[0]["images"][0])])
     assert vp.image_grid_thw.tolist() == [[1, 4, 4]]  # one merged token per quadrant
+
+
+def test_vision_demo_warm_up_uses_the_servers_3d_positions(tmp_path):
+    """The warm-up must train under the 3-D rope positions that the server and the trainer use
+    (`arealite.vision.rope`): transformers' forward falls back to 1-D positions when it is given
+    neither ``position_ids`` nor ``mm_token_type_ids``, which made a different policy."""
+    import sys
+
+    import torch
+    from conftest import REPO
+    from transformers import AutoConfig
+
+    from arealite.models.tiny import build_tiny_model
+    from arealite.vision.rope import mrope_positions
+
+    sys.path.insert(0, str(REPO / "examples" / "vision"))
+    try:
+        import prepare
+    finally:
+        sys.path.pop(0)
+    base = build_tiny_model(tmp_path / "m", size="vl-micro", seed=0)
+    rows = prepare.write_split(tmp_path, "train", 3, seed=0)
+    proc, cfg = load_processor(base), AutoConfig.from_pretrained(base)
+    enc = prepare.Encoded(proc, cfg, rows, tmp_path)
+    b = enc.batch([0, 2], [1, 3])
+    assert b["position_ids"].shape == (3, 2, b["input_ids"].shape[1])
+    for i in range(2):
+        want = mrope_positions(cfg, b["input_ids"][i], enc.grid)
+        assert torch.equal(b["position_ids"][:, i], want)
+    assert not torch.equal(want[1], want[2])  # height and width differ on the image tokens

@@ -168,8 +168,6 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--right-fraction", type=float, default=0.3,
                    help="share of warm-up answers for quadrants 2-4 that are right (the rest: the mirror)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--rope-theta", type=float, default=None,
-                   help="the language model's rope theta (the height/width positions of image tokens)")
     p.add_argument("--force", action="store_true", help="rebuild even if OUT/model exists")
     args = p.parse_args(argv)
     out = Path(args.out)
@@ -178,15 +176,6 @@ def main(argv: list[str] | None = None) -> None:
         return
     torch.manual_seed(args.seed)
     base = build_tiny_model(out / "base_model", size=args.size, seed=args.seed)
-    if args.rope_theta is not None:
-        # The answer hangs on which of the image's 4 merged tokens holds the red square, which the
-        # language model tells apart only by their height/width rope positions. With a head of
-        # 16 and mrope sections [2, 3, 3], theta 1e4 turns those by <= 0.1 rad per step: too
-        # little to learn from; a small theta makes the positions visible.
-        cfg_path = Path(base) / "config.json"
-        cfg = json.loads(cfg_path.read_text())
-        cfg["text_config"]["rope_parameters"]["rope_theta"] = args.rope_theta
-        cfg_path.write_text(json.dumps(cfg, indent=2) + "\n")
     train_rows = write_split(out, "train", args.n_train, args.seed)
     eval_rows = write_split(out, "eval", args.n_eval, args.seed + 1000)
     print(f"[prepare] model {base}, {len(train_rows)} train / {len(eval_rows)} held-out images")
