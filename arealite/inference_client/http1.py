@@ -332,7 +332,13 @@ class Http1Pool:
         if deadline is not None:
             timer = loop.call_at(deadline, _expire, fut)
         try:
-            conn.transport.write(request)  # type: ignore[union-attr]
+            transport = conn.transport
+            if transport is None or transport.is_closing():
+                raise _Stale()  # closed (the server went away) after it was taken: nothing was sent
+            try:
+                transport.write(request)
+            except RuntimeError:  # uvloop: the handle closed under us, between the check and the write
+                raise _Stale() from None
             return await fut
         finally:
             if timer is not None:
