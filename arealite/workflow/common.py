@@ -124,6 +124,19 @@ async def encode_vision_prompt(processor, item: JsonObject, prompt_key: str, ima
     return await asyncio.to_thread(render)
 
 
+async def encode_item_prompt(tokenizer: PreTrainedTokenizerBase, processor, item: JsonObject, prompt_key: str,
+                             apply_chat_template: bool, image_key: str, max_image_pixels: int | None
+                             ) -> tuple[str, list[int], VisionPrompt | None]:
+    """Prompt text, token ids and, with a vision-language model's ``processor``, the
+    `VisionPrompt` (None for a text model: `encode_prompt`, nothing more)."""
+    if processor is None:
+        text, ids = encode_prompt(tokenizer, item, prompt_key, apply_chat_template)
+        return text, ids, None
+    text, vp = await encode_vision_prompt(processor, item, prompt_key, image_key, apply_chat_template,
+                                          max_image_pixels)
+    return text, vp.input_ids, vp
+
+
 def vision_tensors(vp: VisionPrompt, n: int) -> dict[str, torch.Tensor]:
     """The trajectory keys of ``n`` rows that share ``vp``'s images: ``pixel_values``
     ``[n, P, D]`` and ``image_grid_thw`` ``[n, N, 3]`` (docs/vision.md)."""

@@ -39,8 +39,7 @@ from arealite.workflow.base import RolloutWorkflow, new_group_id, pad_and_stack,
 from arealite.workflow.common import (
     RewardFn,
     RewardScorer,
-    encode_prompt,
-    encode_vision_prompt,
+    encode_item_prompt,
     item_fields,
     processor_for,
     sampling_from_config,
@@ -213,13 +212,8 @@ class MultiTurnWorkflow(RolloutWorkflow):
         return pieces, steps, comps
 
     async def arun_episode(self, client: InferenceClient, item: JsonObject) -> TensorDict | None:
-        vision = None
-        if self.processor is None:
-            _, prompt_ids = encode_prompt(self.tokenizer, item, self.prompt_key, apply_chat_template=True)
-        else:
-            _, vision = await encode_vision_prompt(self.processor, item, self.prompt_key, self.image_key, True,
-                                                   self.max_image_pixels)
-            prompt_ids = vision.input_ids
+        _, prompt_ids, vision = await encode_item_prompt(self.tokenizer, self.processor, item, self.prompt_key,
+                                                         True, self.image_key, self.max_image_pixels)
         image_data = (vision.image_data or None) if vision is not None else None
         gid = new_group_id()
         try:

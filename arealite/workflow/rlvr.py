@@ -29,8 +29,7 @@ from arealite.workflow.base import RolloutWorkflow, group_from_outputs, new_grou
 from arealite.workflow.common import (
     RewardFn,
     RewardScorer,
-    encode_prompt,
-    encode_vision_prompt,
+    encode_item_prompt,
     item_fields,
     processor_for,
     sampling_from_config,
@@ -128,13 +127,9 @@ class RLVRWorkflow(RolloutWorkflow):
                                  item_fields(item) if fields is None else fields)
 
     async def arun_episode(self, client: InferenceClient, item: JsonObject) -> TensorDict | None:
-        vision = None
-        if self.processor is None:  # text: the plain path, nothing more
-            prompt, prompt_ids = encode_prompt(self.tokenizer, item, self.prompt_key, self.apply_chat_template)
-        else:
-            prompt, vision = await encode_vision_prompt(self.processor, item, self.prompt_key, self.image_key,
-                                                        self.apply_chat_template, self.max_image_pixels)
-            prompt_ids = vision.input_ids
+        prompt, prompt_ids, vision = await encode_item_prompt(
+            self.tokenizer, self.processor, item, self.prompt_key, self.apply_chat_template, self.image_key,
+            self.max_image_pixels)
         gid = new_group_id()
         group = f"group-{gid}"
         n = self.generation.n_samples
