@@ -12,14 +12,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_weight_sync import Weights, _cfg, _publisher, _server_tensor, _start_server, _stop
+from test_weight_sync import _push_and_read_back, _served_client, _trained_engine
 from test_weight_sync import loop_runner  # noqa: F401  (the event-loop thread fixture)
 
-from arealite.config.schema import ActorConfig
-from arealite.inference_client.sglang_client import SGLangClient
-from arealite.train_engine.fsdp import FSDPEngine
 from arealite.utils.checkpoint_names import checkpoint_views
-from arealite.weight_sync import DiskTransfer, DistributedTransfer, ShmTransfer
 
 
 @pytest.fixture(scope="module")
@@ -32,24 +28,13 @@ def moe_dir(tmp_path_factory):
 @pytest.fixture(scope="module")
 def trained(moe_dir):
     """The engine after one step (its weights differ from the file), and its pushed tensors."""
-    engine = FSDPEngine(ActorConfig(model_path=str(moe_dir)), device="cpu").initialize()
     ids = torch.randint(5, 500, (2, 12), generator=torch.Generator().manual_seed(0))
-    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids, dtype=torch.bool)}
-    engine.train_batch(batch, lambda head, mb: -head.logprobs(mb["labels"]).mean(), lambda mb: 1.0)
-    pushed = {n: t.clone() for b in engine.named_weight_buckets(1 << 14) for n, t in b}
-    yield engine, pushed
-    engine.destroy()
+    yield from _trained_engine(moe_dir, {"input_ids": ids, "attention_mask": torch.ones_like(ids, dtype=torch.bool)})
 
 
 @pytest.fixture(scope="module")
 def moe_client(moe_dir, tmp_path_factory, loop_runner):
-    proc, addr = _start_server(moe_dir, tmp_path_factory.mktemp("moe_srv") / "server.log")
-    run, _ = loop_runner
-    client = SGLangClient([addr])
-    run(client.initialize(30))
-    yield client
-    run(client.aclose())
-    _stop(proc)
+    yield from _served_client(moe_dir, tmp_path_factory.mktemp("moe_srv") / "server.log", loop_runner)
 
 
 def test_pushed_names_are_the_checkpoints(trained, moe_dir):
@@ -81,17 +66,4 @@ def test_every_method_pushes_an_moe_by_checkpoint_names(method, trained, moe_cli
                                                         tmp_path):
     run, _ = loop_runner
     engine, pushed = trained
-    cfg = _cfg(verify_n_tensors=4, shm_dir=str(tmp_path), shm_alias=method == "shm_alias")
-    if method == "distributed":
-        transfer = DistributedTransfer(cfg, moe_client.admin, run)
-    elif method == "disk":
-        transfer = DiskTransfer(cfg, moe_client.admin, run, tmp_path / "scratch", str(moe_dir))
-    else:
-        transfer = ShmTransfer(cfg, moe_client.admin, run)
-    pub = _publisher(transfer, moe_client, run, Weights(engine))
-    try:
-        pub.publish(1)
-        for name, t in pushed.items():
-            assert torch.equal(_server_tensor(run, moe_client, name), t.flatten().float()), name
-    finally:
-        pub.close()
+    _push_and_read_back(method, engine, pushed, moe_client, run, moe_dir, tmp_path)

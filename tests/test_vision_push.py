@@ -9,17 +9,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_weight_sync import Weights, _cfg, _publisher, _server_tensor, _start_server, _stop
+from test_weight_sync import _push_and_read_back, _served_client, _trained_engine
 from test_weight_sync import loop_runner  # noqa: F401  (the event-loop thread fixture)
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from vision_batches import vision_batch  # noqa: E402
-
-from arealite.config.schema import ActorConfig  # noqa: E402
-from arealite.inference_client.sglang_client import SGLangClient  # noqa: E402
-from arealite.train_engine.fsdp import FSDPEngine  # noqa: E402
-from arealite.weight_sync import DiskTransfer, DistributedTransfer, ShmTransfer  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -32,23 +27,12 @@ def vl_dir(tmp_path_factory):
 @pytest.fixture(scope="module")
 def trained(vl_dir):
     """The engine after one step on a batch with images (both towers moved), and its pushed tensors."""
-    engine = FSDPEngine(ActorConfig(model_path=str(vl_dir)), device="cpu").initialize()
-    batch = vision_batch(vl_dir)
-    engine.train_batch(batch, lambda head, mb: -head.logprobs(mb["labels"]).mean(), lambda mb: 1.0)
-    pushed = {n: t.clone() for b in engine.named_weight_buckets(1 << 14) for n, t in b}
-    yield engine, pushed
-    engine.destroy()
+    yield from _trained_engine(vl_dir, vision_batch(vl_dir))
 
 
 @pytest.fixture(scope="module")
 def vl_client(vl_dir, tmp_path_factory, loop_runner):
-    proc, addr = _start_server(vl_dir, tmp_path_factory.mktemp("vl_srv") / "server.log")
-    run, _ = loop_runner
-    client = SGLangClient([addr])
-    run(client.initialize(30))
-    yield client
-    run(client.aclose())
-    _stop(proc)
+    yield from _served_client(vl_dir, tmp_path_factory.mktemp("vl_srv") / "server.log", loop_runner)
 
 
 def test_pushed_names_are_the_checkpoints(trained, vl_dir):
@@ -68,17 +52,4 @@ def test_pushed_names_are_the_checkpoints(trained, vl_dir):
 def test_every_method_pushes_both_towers(method, trained, vl_client, loop_runner, vl_dir, tmp_path):
     run, _ = loop_runner
     engine, pushed = trained
-    cfg = _cfg(verify_n_tensors=4, shm_dir=str(tmp_path))
-    if method == "distributed":
-        transfer = DistributedTransfer(cfg, vl_client.admin, run)
-    elif method == "disk":
-        transfer = DiskTransfer(cfg, vl_client.admin, run, tmp_path / "scratch", str(vl_dir))
-    else:
-        transfer = ShmTransfer(cfg, vl_client.admin, run)
-    pub = _publisher(transfer, vl_client, run, Weights(engine))
-    try:
-        pub.publish(1)
-        for name, t in pushed.items():
-            assert torch.equal(_server_tensor(run, vl_client, name), t.flatten().float()), name
-    finally:
-        pub.close()
+    _push_and_read_back(method, engine, pushed, vl_client, run, vl_dir, tmp_path)

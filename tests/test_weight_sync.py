@@ -30,6 +30,7 @@ from arealite.weight_sync import (
     DiskTransfer,
     DistributedTransfer,
     ReadbackVerifier,
+    ShmTransfer,
     StateDictSource,
     WeightPublisher,
     WeightSyncError,
@@ -146,6 +147,49 @@ def _publisher(transfer, client, run, weights: Weights) -> WeightPublisher:
     pub = WeightPublisher(transfer, weights, client.admin, run, parties=[client], verifier=verifier)
     pub.init()
     return pub
+
+
+def _served_client(model_dir: Path, log_path: Path, loop_runner):
+    """A client of a real server of ``model_dir`` (a generator for a module fixture to yield from)."""
+    proc, addr = _start_server(model_dir, log_path)
+    run, _ = loop_runner
+    c = SGLangClient([addr])
+    run(c.initialize(30))
+    yield c
+    run(c.aclose())
+    _stop(proc)
+
+
+def _trained_engine(model_dir: Path, batch: dict[str, torch.Tensor]):
+    """An FSDP engine of ``model_dir`` after one step on ``batch`` (its weights now differ from
+    the file) and the tensors it pushes (a generator for a module fixture to yield from)."""
+    from arealite.config.schema import ActorConfig
+    from arealite.train_engine.fsdp import FSDPEngine
+
+    engine = FSDPEngine(ActorConfig(model_path=str(model_dir)), device="cpu").initialize()
+    engine.train_batch(batch, lambda head, mb: -head.logprobs(mb["labels"]).mean(), lambda mb: 1.0)
+    pushed = {n: t.clone() for b in engine.named_weight_buckets(1 << 14) for n, t in b}
+    yield engine, pushed
+    engine.destroy()
+
+
+def _push_and_read_back(method: str, engine, pushed: dict[str, torch.Tensor], client, run, model_dir: Path,
+                        tmp_path: Path) -> None:
+    """Publish ``engine``'s weights to ``client``'s server by ``method`` (distributed, disk, shm,
+    shm_alias), then read every pushed tensor back from the server."""
+    cfg = _cfg(verify_n_tensors=4, shm_dir=str(tmp_path), shm_alias=method == "shm_alias")
+    if method == "distributed":
+        transfer = DistributedTransfer(cfg, client.admin, run)
+    elif method == "disk":
+        transfer = DiskTransfer(cfg, client.admin, run, tmp_path / "scratch", str(model_dir))
+    else:
+        transfer = ShmTransfer(cfg, client.admin, run)
+    pub = _publisher(transfer, client, run, Weights(engine))
+    try:
+        pub.publish(1)
+        _assert_server_has(run, client, pushed)
+    finally:
+        pub.close()
 
 
 def test_distributed_publish_in_buckets_updates_weights_and_version(client, loop_runner, base_state):
