@@ -62,7 +62,7 @@ from arealite.train_engine.routing_replay import RouterLoadBalance, moe_routers,
 from arealite.train_engine.parallel_layout import Meshes, ParallelLayout, build_meshes, layout_error, layout_problems
 from arealite.train_engine.sequence_parallel import SequenceParallel
 from arealite.train_engine.tensor_parallel import clip_grad_norm
-from arealite.train_engine.vision_inputs import is_vision_config
+from arealite.train_engine.vision_inputs import blank_image_pass, is_vision_config
 from arealite.utils.buckets import buckets_of
 from arealite.utils.checkpoint_names import checkpoint_tensors
 from arealite.utils.dist import default_backend, init_default_group, resolve_device_type
@@ -215,7 +215,8 @@ class FSDPEngine:
         over the last hidden states ``[T, H]``), or its ``[T, ...]`` float32 output for a model
         without a plain output head (a value model); gathered from the sequence-parallel group."""
         kwargs, n_tokens = self.planner.model_inputs(mb, index)
-        with replay_routing(self.model, mb if self.routing_replay == "r3" else None):
+        with (replay_routing(self.model, mb if self.routing_replay == "r3" else None),
+              blank_image_pass(self.model, self.planner.blank_image(mb))):
             if self._head_module is None:
                 head = ChunkedHead.from_logits(self.model(**kwargs, use_cache=False).logits[0].float())
             else:

@@ -23,7 +23,7 @@ from arealite.train_engine.expert_parallel import apply_expert_parallel
 from arealite.train_engine.lr_schedule import build_lr_scheduler
 from arealite.train_engine.parallel_layout import Meshes, layout_error, layout_problems
 from arealite.train_engine.tensor_parallel import apply_tensor_parallel
-from arealite.train_engine.vision_inputs import is_vision_config, vision_blocks, vision_tower
+from arealite.train_engine.vision_inputs import hide_image_outputs, is_vision_config, vision_blocks, vision_tower
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
@@ -161,6 +161,8 @@ def load_sharded_model(
     layers = decoder_layers(model)
     for layer in vision_blocks(model) + layers:
         fully_shard(layer, **kwargs)
+    if is_vision_config(hf_config):
+        hide_image_outputs(model)  # before fully_shard: its output hooks must not see the image features
     fully_shard(model, **kwargs)
     if frozen:
         model.eval()

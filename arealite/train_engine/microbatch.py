@@ -16,7 +16,7 @@ from arealite.api.contracts import TrainBatch
 from arealite.train_engine.packing import PackedIndex, pack, sequence_lengths, split_into_microbatches
 from arealite.train_engine.row_gather import GroupRows, gather_rows
 from arealite.train_engine.sequence_parallel import SequenceParallel
-from arealite.train_engine.vision_inputs import check_images_line_up, pack_images, split_vision_keys
+from arealite.train_engine.vision_inputs import blank_image, pack_images, split_vision_keys
 
 __all__ = ["MicroBatch", "MicroBatchPlanner", "as_tensor_dict"]
 
@@ -87,9 +87,14 @@ class MicroBatchPlanner:
                 plan.append(({k: v.to(self.device) for k, v in mb.items()}, index))
             else:
                 plan.append((None, None))
-        if self.hf_config is not None:
-            check_images_line_up([mb is not None and "pixel_values" in mb for mb, _ in plan], self.device)
         return plan
+
+    def blank_image(self, mb: dict | None) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The blank image a micro-batch without images runs through the vision tower on several
+        ranks (`vision_inputs.blank_image_pass`), else None (a text model, one rank, or images)."""
+        if self.hf_config is None or dist.get_world_size() == 1 or (mb is not None and "pixel_values" in mb):
+            return None
+        return blank_image(self.hf_config, self.device)
 
     def model_inputs(self, mb: dict | None, index: PackedIndex | None) -> tuple[dict[str, torch.Tensor | int], int]:
         """The model's keyword inputs for a packed micro-batch (this rank's share of it under

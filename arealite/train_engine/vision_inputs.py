@@ -9,14 +9,21 @@ positions of each row (`arealite.vision.rope`) concatenated like the tokens.
 The language model runs arealite's packed attention (causal within each packed sequence);
 the vision tower keeps transformers' SDPA, which is non-causal within each image.
 
-Under FSDP2 each vision block is sharded on its own: its all-gathers are collectives, so on
-several ranks the i-th micro-batch must have images on every rank or on none
-(`check_images_line_up`; a micro-batch without images on one rank while another's has them
-is refused with an error, not yet run).
+Under FSDP2 each vision block is sharded on its own: its all-gathers and reduce-scatters are
+collectives, so every rank must run the tower in every micro-batch or none may. On several
+ranks a micro-batch without images (a text-only row, or a dummy) therefore runs the tower on
+one blank image (`blank_image`, a single merged token's patches) and adds zero times its
+output to the token embeddings (`blank_image_pass`): the same collectives as a rank with
+images, gradients exactly zero, the result unchanged. For the same reason the model's output
+leaves out the tower's features (`hide_image_outputs`): FSDP2 hooks the backward of every
+tensor the root module returns, and a root hook firing mid-backward on the ranks with images
+alone would prefetch a layer there and nowhere else.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -24,8 +31,8 @@ import torch
 from arealite.train_engine.packing import PackedIndex
 from arealite.vision.rope import mrope_positions, row_grids
 
-__all__ = ["VISION_KEYS", "check_images_line_up", "is_vision_config", "pack_images", "split_vision_keys",
-           "vision_blocks", "vision_tower"]
+__all__ = ["VISION_KEYS", "blank_image", "blank_image_pass", "hide_image_outputs", "is_vision_config", "pack_images",
+           "split_vision_keys", "vision_blocks", "vision_tower"]
 
 #: The batch keys that hold images (not per-token: never packed as tokens are).
 VISION_KEYS = ("pixel_values", "image_grid_thw")
@@ -92,19 +99,46 @@ def pack_images(images: dict[str, torch.Tensor], input_ids: torch.Tensor, index:
     return out
 
 
-def check_images_line_up(has_images: list[bool], device: torch.device) -> None:
-    """Raise unless the i-th micro-batch has images on every rank or on none (a collective)."""
-    import torch.distributed as dist
+def blank_image(hf_config: Any, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The smallest image the tower takes, all zero: ``pixel_values [m*m, D]`` and
+    ``image_grid_thw [[1, m, m]]`` (``m`` the spatial merge size: one merged token)."""
+    vc = hf_config.vision_config
+    m = vc.spatial_merge_size
+    dim = vc.in_channels * vc.temporal_patch_size * vc.patch_size ** 2
+    return torch.zeros(m * m, dim, device=device), torch.tensor([[1, m, m]], device=device)
 
-    if dist.get_world_size() == 1:
+
+def hide_image_outputs(model: torch.nn.Module) -> None:
+    """Drop the vision tower's features (``image_outputs``/``video_outputs``, which transformers
+    returns beside the logits) from ``model``'s output. Register it before ``fully_shard(model)``,
+    so that FSDP2's output hooks run after it."""
+    hidden = ("image_outputs", "video_outputs")
+
+    def drop(_module, _args, output):
+        if not any(output.get(k) is not None for k in hidden):
+            return output
+        return type(output)(**{k: v for k, v in output.items() if k not in hidden})
+
+    model.register_forward_hook(drop)
+
+
+@contextmanager
+def blank_image_pass(model: torch.nn.Module, image: tuple[torch.Tensor, torch.Tensor] | None) -> Iterator[None]:
+    """While active (``image`` from `blank_image`; None: inactive), the model's token embedding
+    also runs the vision tower on ``image`` and adds zero times its output, so a micro-batch
+    without images makes the tower's collectives (and gives it zero gradients) like one with."""
+    if image is None:
+        yield
         return
-    flags = torch.tensor(has_images, dtype=torch.int64, device=device)
-    low, high = flags.clone(), flags.clone()
-    dist.all_reduce(low, op=dist.ReduceOp.MIN)
-    dist.all_reduce(high, op=dist.ReduceOp.MAX)
-    odd = (low != high).nonzero()
-    if odd.numel():
-        raise ValueError(
-            f"micro-batch {int(odd[0, 0])} has images on some trainer ranks and none on others; with a "
-            "vision-language model on several ranks every micro-batch must have images on all ranks or on "
-            "none (not yet supported otherwise): give every row an image, or train on one rank")
+    base = model.get_base_model() if callable(getattr(model, "get_base_model", None)) else model
+    inner = base.model  # Qwen2_5_VLModel: get_image_features runs the tower and its merger
+
+    def add_blank(_module, _args, embeds: torch.Tensor) -> torch.Tensor:
+        features = inner.get_image_features(*image, return_dict=True).pooler_output
+        return embeds + 0.0 * torch.cat(list(features)).sum().to(embeds.dtype)
+
+    handle = base.get_input_embeddings().register_forward_hook(add_blank)
+    try:
+        yield
+    finally:
+        handle.remove()
