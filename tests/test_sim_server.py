@@ -9,9 +9,11 @@ process, the launcher's command line, and a whole run through ``python -m areali
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -147,41 +149,72 @@ def test_pause_aborts_with_partial_output_and_a_hold_stops_generation():
 # ---------------------------------------------------------------- servers and the launcher
 
 
-def test_many_servers_in_one_process_each_with_its_seed(micro_model_dir):
+@contextlib.asynccontextmanager
+async def serving_sim(argv: list[str]):
+    """``serve_sim`` on ``argv`` until the block ends; yields (session, ports, spec) once all answer."""
     import aiohttp
 
     from arealite.server.sim import parse_sim_args, serve_sim
 
-    base = free_port()
-    ports = [base, free_port(), free_port()]
-    args, spec, ports, _ = parse_sim_args(["--sim", "--model-path", str(micro_model_dir), "--sim-ports",
-                                        ",".join(map(str, ports)), "--sim-time-scale", "0.01"])
+    args, spec, ports, _ = parse_sim_args(argv)
+    stop = asyncio.Event()
+    serving = asyncio.ensure_future(serve_sim(args, spec, ports, stop=stop))
+    async with aiohttp.ClientSession() as s:
+        for _ in range(300):
+            try:
+                async with s.get(f"http://127.0.0.1:{ports[-1]}/health") as resp:
+                    if resp.status == 200:
+                        break
+            except aiohttp.ClientError:
+                pass
+            await asyncio.sleep(0.1)
+        try:
+            yield s, ports, spec
+        finally:
+            stop.set()
+            await serving
+
+
+def test_many_servers_in_one_process_each_with_its_seed(micro_model_dir):
+    ports = [free_port(), free_port(), free_port()]
 
     async def run():
-        stop = asyncio.Event()
-        serving = asyncio.ensure_future(serve_sim(args, spec, ports, stop=stop))
         outs = []
-        async with aiohttp.ClientSession() as s:
-            for _ in range(300):
-                try:
-                    async with s.get(f"http://127.0.0.1:{ports[-1]}/health") as resp:
-                        if resp.status == 200:
-                            break
-                except aiohttp.ClientError:
-                    pass
-                await asyncio.sleep(0.1)
-            for p in ports:
+        async with serving_sim(["--sim", "--model-path", str(micro_model_dir), "--sim-ports",
+                                ",".join(map(str, ports)), "--sim-time-scale", "0.01"]) as (s, ports_, _):
+            for p in ports_:
                 body = {"input_ids": [5, 6, 7], "sampling_params": {"max_new_tokens": 16}, "return_logprob": True}
                 async with s.post(f"http://127.0.0.1:{p}/generate", json=body) as resp:
                     outs.append(await resp.json())
                 async with s.get(f"http://127.0.0.1:{p}/server_info") as resp:
                     assert (await resp.json())["port"] == p
-        stop.set()
-        await serving
         return outs
 
     outs = asyncio.run(run())
     assert len({json.dumps(o["output_ids"]) for o in outs}) == 3  # server i is seeded seed + i
+
+
+def test_a_weight_load_counts_toward_the_simulated_transfer(micro_model_dir):
+    """The real load of the small model is part of the simulated transfer: the route takes the
+    simulated time (0.3 s here), and the hold after the load is only what the load left of it."""
+    port = free_port()
+
+    async def run():
+        async with serving_sim(["--sim", "--model-path", str(micro_model_dir), "--sim-ports", str(port),
+                                "--sim-weight-gbps", str(7.62e9 * 2 / 0.3 / 1e9)]) as (s, _, spec):
+            start = time.perf_counter()
+            body = {"model_path": str(micro_model_dir), "load_format": "auto"}
+            async with s.post(f"http://127.0.0.1:{port}/update_weights_from_disk", json=body) as resp:
+                assert resp.status == 200, await resp.text()
+            took = time.perf_counter() - start
+            async with s.get(f"http://127.0.0.1:{port}/server_info") as resp:
+                held = (await resp.json())["internal_states"][0]["sim_transfer_s"]
+        return spec.transfer_s(), took, held
+
+    transfer, took, held = asyncio.run(run())
+    assert transfer == pytest.approx(0.3)
+    assert took >= transfer - 0.01
+    assert 0 <= held < transfer and took < transfer + 0.5  # not the load plus the whole transfer
 
 
 def test_launcher_command_and_the_probe_check():

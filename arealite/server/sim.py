@@ -9,9 +9,10 @@ server ``i`` seeded ``--random-seed + i``; 256 fit on two cores.
 ``--model-path`` names a Hugging Face directory (a tiny one will do): its config gives
 the vocabulary, EOS tokens and model class the protocol reports, and its weights are
 what the weight routes receive and check, for real. The cost model's model is
-``--sim-model``, whose bytes a weight update takes ``--sim-weight-gbps`` to move: after a
-weight route has loaded what it received, the server holds generation for that long
-(its share of the model's bytes for one bucket of a distributed or shm update).
+``--sim-model``, whose bytes a weight update takes ``--sim-weight-gbps`` to move (its share
+of them for one bucket of a distributed or shm update): the real load of the small model is
+part of that transfer, so after it the server holds generation for what is left of the
+simulated time (none when the real load took longer).
 """
 
 from __future__ import annotations
@@ -91,8 +92,9 @@ def parse_sim_args(argv: list[str]) -> tuple[ServerArgs, SimSpec, list[int], str
     return args, spec, ports, ns.sim_trace
 
 
-async def _hold_for_transfer(server: EmbeddedServer, spec: SimSpec, request: web.Request) -> None:
-    """After a weight route loaded what it received: the simulated transfer of its share."""
+async def _hold_for_transfer(server: EmbeddedServer, spec: SimSpec, request: web.Request, loaded_s: float) -> None:
+    """After a weight route loaded what it received (in ``loaded_s`` real seconds): the rest of
+    the simulated transfer of its share."""
     runner = server.runner
     assert isinstance(runner, SimRunner)
     share = 1.0
@@ -105,15 +107,16 @@ async def _hold_for_transfer(server: EmbeddedServer, spec: SimSpec, request: web
                 size *= d
             n += size * (2 if "16" in str(dt) else 4 if "32" in str(dt) else 8)
         share = min(1.0, n / max(1, server.weights.total_bytes))
-    await runner.hold(spec.transfer_s(share))
+    await runner.hold(max(0.0, spec.transfer_s(share) - loaded_s / spec.time_scale))
 
 
 def _transfer_middleware(server: EmbeddedServer, spec: SimSpec):
     @web.middleware
     async def simulated_transfer(request: web.Request, handler):
+        start = time.perf_counter()
         response = await handler(request)
         if request.path in _LOAD_ROUTES and response.status == 200:
-            await _hold_for_transfer(server, spec, request)
+            await _hold_for_transfer(server, spec, request, time.perf_counter() - start)
         return response
     return simulated_transfer
 
