@@ -53,3 +53,42 @@ def test_every_method_pushes_both_towers(method, trained, vl_client, loop_runner
     run, _ = loop_runner
     engine, pushed = trained
     _push_and_read_back(method, engine, pushed, vl_client, run, vl_dir, tmp_path)
+
+
+def test_the_probe_scores_images_and_catches_a_wrong_vision_tower(trained, vl_client, loop_runner, vl_dir, tmp_path):
+    """After a push of the trainer's weights the probe with an image agrees within 1e-4 (fp32);
+    with the server's vision tower alone changed, a text-only probe still agrees and the probe
+    with the image fails, naming the mismatch."""
+    from test_weight_sync import Weights, _cfg, _publisher
+    from vision_batches import png
+
+    from arealite.vision.processor import load_processor
+    from arealite.vision.prompt import render_vision_prompt
+    from arealite.weight_sync import DiskTransfer, LogprobProbe, WeightSyncError, engine_scorer
+
+    run, _ = loop_runner
+    engine, pushed = trained
+    processor = load_processor(vl_dir)
+    vp = render_vision_prompt(processor, "<image>What does it show?", [png(7, (56, 84))])
+    text_ids = processor.tokenizer.encode("What does the picture show? Tell me.")
+    call = lambda make_coro, what: run(make_coro())  # noqa: E731
+
+    for version, state in ((1, pushed), (2, {n: t + 0.05 * torch.randn_like(t) if n.startswith("visual.") else t
+                                             for n, t in pushed.items()})):
+        transfer = DiskTransfer(_cfg(), vl_client.admin, run, tmp_path / f"scratch{version}", str(vl_dir))
+        pub = _publisher(transfer, vl_client, run, Weights(state))
+        try:
+            pub.publish(version)
+        finally:
+            pub.close()
+        text = LogprobProbe(vl_client.admin, engine_scorer(engine), text_ids, tolerance=1e-4)
+        image = LogprobProbe(vl_client.admin, engine_scorer(engine, vp), vp.input_ids, tolerance=1e-4,
+                             image_data=vp.image_data)
+        text.prepare(version)
+        image.prepare(version)
+        assert text.check_serving(version, call)["probe_max_abs_diff"] < 1e-4
+        if version == 1:
+            assert image.check_serving(version, call)["probe_max_abs_diff"] < 1e-4
+        else:
+            with pytest.raises(WeightSyncError, match="log-prob probe mismatch"):
+                image.check_serving(version, call)

@@ -166,12 +166,16 @@ class SGLangAdmin:
         """Read a weight back from every healthy server: {addr: values (truncated)}."""
         return await self.pool.call_all("/get_weights_by_name", {"name": name, "truncate_size": int(truncate_size)})
 
-    async def score_prompt(self, input_ids: Sequence[int]) -> dict[str, tuple[list[float], int | None]]:
+    async def score_prompt(self, input_ids: Sequence[int], image_data: Sequence[str] | None = None
+                           ) -> dict[str, tuple[list[float], int | None]]:
         """Every healthy server's log-probs of ``input_ids[1:]`` (temperature 1) and the weight
         version it computed them with: ``{addr: (logprobs, version)}``. It generates (one
-        token), so the servers must not be paused."""
+        token), so the servers must not be paused. ``image_data``: the images of the prompt's
+        placeholders (base64, as `GenerationRequest.image_data`)."""
         ids = [int(t) for t in input_ids]
         body = prompt_score_body(ids, f"weight-probe-{uuid.uuid4().hex}")
+        if image_data:
+            body["image_data"] = list(image_data)
         if self.lora_path:  # a LoRA run: score with the adapter the rollouts use
             body["lora_path"] = self.lora_path
         answers = await self.pool.call_all("/generate", body)

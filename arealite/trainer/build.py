@@ -22,7 +22,9 @@ from arealite.rollout.build import build_inference_client, build_local_rollout
 from arealite.rollout.worker import RolloutWorker, WorkerSpec, runs_in_a_worker
 from arealite.utils import accounting
 from arealite.utils.json_types import JsonObject
+from arealite.vision.prompt import VisionPrompt
 from arealite.workflow.base import RolloutWorkflow
+from arealite.workflow.common import processor_for, render_vision_item
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -47,11 +49,16 @@ def load_data(cfg: ArealiteConfig, tokenizer: PreTrainedTokenizerBase) -> tuple[
 
 
 def probe_prompt(cfg: ArealiteConfig, tokenizer: PreTrainedTokenizerBase | None,
-                 items: list[JsonObject]) -> list[int] | None:
-    """The first training prompt's tokens: what the weight publisher's log-prob probe scores."""
+                 items: list[JsonObject]) -> list[int] | VisionPrompt | None:
+    """The first training prompt's tokens: what the weight publisher's log-prob probe scores
+    (with a vision-language model, rendered with its images as the workflows render it)."""
     prompt = items[0].get(cfg.data.prompt_key) if items else None
     if tokenizer is None or prompt is None:
         return None
+    processor = processor_for(cfg.actor.model_path)
+    if processor is not None:
+        return render_vision_item(processor, items[0], cfg.data.prompt_key, cfg.data.image_key,
+                                  cfg.data.apply_chat_template, cfg.data.max_image_pixels)
     if isinstance(prompt, list):  # chat messages, rendered as the workflows render them
         text = tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
         return list(tokenizer.encode(text, add_special_tokens=False))

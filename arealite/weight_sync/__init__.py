@@ -46,6 +46,7 @@ from arealite.weight_sync.publisher import WeightPublisher
 from arealite.weight_sync.shm import ShmTransfer
 from arealite.weight_sync.probe import LogprobProbe, default_probe_tolerance, probe_tokens
 from arealite.weight_sync.verify import ReadbackVerifier, Verifiers, WeightVerifier
+from arealite.vision.prompt import VisionPrompt
 
 __all__ = [
     "DiskTransfer",
@@ -115,8 +116,9 @@ def make_lora_transfer(config, admin: WeightUpdateAdmin, run: Runner, engine) ->
                         name=config.actor.lora.served_name)
 
 
-def engine_scorer(engine: TrainEngine) -> Callable[[list[int]], list[float]]:
-    """The trainer's log-probs (temperature 1) of ``ids[1:]``: the probe's forward (every rank)."""
+def engine_scorer(engine: TrainEngine, vision: VisionPrompt | None = None) -> Callable[[list[int]], list[float]]:
+    """The trainer's log-probs (temperature 1) of ``ids[1:]``: the probe's forward (every rank);
+    with ``vision``, of a prompt holding its images."""
     from tensordict import TensorDict
 
     def hook(head: HeadOutput, mb: dict) -> torch.Tensor:
@@ -124,16 +126,19 @@ def engine_scorer(engine: TrainEngine) -> Callable[[list[int]], list[float]]:
 
     def score(ids: list[int]) -> list[float]:
         t = torch.tensor([ids], dtype=torch.long)
-        batch = TensorDict({"input_ids": t, "attention_mask": torch.ones_like(t, dtype=torch.bool)},
-                           batch_size=[1])
-        return engine.forward(batch, hook)[0, 1:].tolist()
+        data = {"input_ids": t, "attention_mask": torch.ones_like(t, dtype=torch.bool)}
+        if vision is not None and vision.image_data:
+            data.update(pixel_values=vision.pixel_values[None], image_grid_thw=vision.image_grid_thw[None])
+        return engine.forward(TensorDict(data, batch_size=[1]), hook)[0, 1:].tolist()
 
     return score
 
 
 def make_verifier(config, admin: WeightUpdateAdmin, transfer: WeightTransfer, train_engine: TrainEngine,
-                  probe_prompt: list[int] | None = None) -> WeightVerifier:
-    """Read-back (where the servers can) plus, unless ``weight_sync.probe`` is off, the log-prob probe."""
+                  probe_prompt: list[int] | VisionPrompt | None = None) -> WeightVerifier:
+    """Read-back (where the servers can) plus, unless ``weight_sync.probe`` is off, the log-prob
+    probe (of ``probe_prompt``: its first ``weight_sync.probe_tokens`` tokens; a prompt with
+    images whole, since an image's placeholders cannot be cut)."""
     ws = config.weight_sync
     dtype = lambda: getattr(transfer, "server_dtype", None)  # noqa: E731 - known once the transfer starts
     # A LoRA push sends adapter tensors, which no server can read back by name: the probe checks it.
@@ -141,10 +146,15 @@ def make_verifier(config, admin: WeightUpdateAdmin, transfer: WeightTransfer, tr
     readback = ReadbackVerifier(admin, n_readback, dtype=dtype)
     if not ws.probe or not callable(getattr(admin, "score_prompt", None)):
         return readback
-    vocab = _vocab_size(train_engine)
-    tokens = probe_tokens(probe_prompt, vocab, ws.probe_tokens, seed=config.experiment.seed)
     tol = (lambda: ws.probe_tolerance) if ws.probe_tolerance is not None else (
         lambda: default_probe_tolerance(dtype()))
+    if isinstance(probe_prompt, VisionPrompt) and probe_prompt.image_data:
+        probe = LogprobProbe(admin, engine_scorer(train_engine, probe_prompt), probe_prompt.input_ids, tol,
+                             ws.probe_every, image_data=probe_prompt.image_data)
+        return Verifiers(readback, probe)
+    if isinstance(probe_prompt, VisionPrompt):
+        probe_prompt = probe_prompt.input_ids
+    tokens = probe_tokens(probe_prompt, _vocab_size(train_engine), ws.probe_tokens, seed=config.experiment.seed)
     return Verifiers(readback, LogprobProbe(admin, engine_scorer(train_engine), tokens, tol, ws.probe_every))
 
 
@@ -154,7 +164,7 @@ def _vocab_size(engine: TrainEngine) -> int:
 
 
 def make_publisher(config, rollout: WeightUpdateTarget, train_engine: TrainEngine, *,
-                   source: WeightSource | None = None, probe_prompt: list[int] | None = None) -> WeightPublisher:
+                   source: WeightSource | None = None, probe_prompt: list[int] | VisionPrompt | None = None) -> WeightPublisher:
     """The publisher of a run: `train_engine`'s weights to the servers of `rollout`.
 
     `config` is the whole `ArealiteConfig`; `rollout` the rollout side (`RolloutSide`),

@@ -18,6 +18,10 @@ KL(trainer || server) on the probe's tokens), the worst over the servers.
 
 It costs a forward on each side (on a CPU, about one read of every weight);
 ``weight_sync.probe_every`` spreads it over several versions.
+
+For a vision-language model the probe is the first training prompt whole, with its images
+(``image_data``, base64 as requests carry them; the trainer's scorer holds the same images
+as tensors), so the vision tower's weights are checked too.
 """
 
 from __future__ import annotations
@@ -40,7 +44,8 @@ Scorer = Callable[[list[int]], list[float]]
 class PromptScorer(Protocol):
     """Servers that score a prompt: ``{addr: (log-probs of ids[1:], weight version)}``."""
 
-    async def score_prompt(self, input_ids: Sequence[int]) -> dict[str, tuple[list[float], int | None]]: ...
+    async def score_prompt(self, input_ids: Sequence[int], image_data: Sequence[str] | None = None
+                           ) -> dict[str, tuple[list[float], int | None]]: ...
 
     @property
     def healthy_servers(self) -> list[str]: ...
@@ -74,16 +79,18 @@ class LogprobProbe:
 
     ``score`` is the trainer's forward (every rank calls it, in step); ``servers`` scores
     the tokens on every server in rotation; ``tolerance`` may be a callable (the servers'
-    dtype is known only once the transfer has started).
+    dtype is known only once the transfer has started). ``image_data``: the images of the
+    tokens' placeholders (the servers get them; ``score`` must already hold them).
     """
 
     def __init__(self, servers: PromptScorer, score: Scorer, tokens: list[int],
-                 tolerance: float | Callable[[], float], every: int = 1):
+                 tolerance: float | Callable[[], float], every: int = 1, image_data: Sequence[str] = ()):
         if len(tokens) < 2:
             raise ValueError(f"the probe needs at least 2 tokens, got {len(tokens)}")
         if every < 1:
             raise ValueError(f"every={every} must be >= 1 (weight_sync.probe_every)")
         self.servers, self.score, self.tokens, self.every = servers, score, list(tokens), int(every)
+        self.image_data = list(image_data)
         self._tolerance = tolerance
         self._expected: list[float] | None = None
 
@@ -116,7 +123,8 @@ class LogprobProbe:
             return {}
         if expected is None:
             raise RuntimeError("LogprobProbe.check_serving before prepare(version)")
-        answers = call(lambda: self.servers.score_prompt(self.tokens), "the log-prob probe")
+        images = {"image_data": self.image_data} if self.image_data else {}
+        answers = call(lambda: self.servers.score_prompt(self.tokens, **images), "the log-prob probe")
         tol, worst = self.tolerance, {}
         for addr, (logprobs, served) in sorted(answers.items()):
             if served != version:

@@ -107,21 +107,29 @@ async def encode_vision_prompt(processor, item: JsonObject, prompt_key: str, ima
     """Prompt text and `VisionPrompt` of an item of a vision run (its images under ``image_key``,
     possibly none), rendered through ``processor`` in a worker thread (decoding and resizing
     images is CPU work that must not hold the event loop)."""
-    from arealite.data.images import as_list, image_bytes
-    from arealite.vision.prompt import prompt_text, render_vision_prompt
+    from arealite.vision.prompt import prompt_text
 
     if prompt_key not in item:
         raise KeyError(f"item has no prompt field '{prompt_key}' (fields: {sorted(item)}); set the prompt key")
-    prompt = item[prompt_key]
-    where = f"item {item.get('prompt_id', '?')} field '{image_key}'"
 
     def render() -> tuple[str, VisionPrompt]:
-        images = [image_bytes(s, f"{where}[{j}]") for j, s in enumerate(as_list(item.get(image_key)))]
-        vp = render_vision_prompt(processor, prompt, images, apply_chat_template=apply_chat_template,
-                                  max_pixels=max_pixels, where=where)
-        return prompt_text(processor, prompt, apply_chat_template), vp
+        vp = render_vision_item(processor, item, prompt_key, image_key, apply_chat_template, max_pixels)
+        return prompt_text(processor, item[prompt_key], apply_chat_template), vp
 
     return await asyncio.to_thread(render)
+
+
+def render_vision_item(processor, item: JsonObject, prompt_key: str, image_key: str,
+                       apply_chat_template: bool, max_pixels: int | None = None) -> VisionPrompt:
+    """The `VisionPrompt` of an item of a vision run, rendered here (CPU work: on an event loop,
+    use `encode_vision_prompt`)."""
+    from arealite.data.images import as_list, image_bytes
+    from arealite.vision.prompt import render_vision_prompt
+
+    where = f"item {item.get('prompt_id', '?')} field '{image_key}'"
+    images = [image_bytes(s, f"{where}[{j}]") for j, s in enumerate(as_list(item.get(image_key)))]
+    return render_vision_prompt(processor, item[prompt_key], images, apply_chat_template=apply_chat_template,
+                                max_pixels=max_pixels, where=where)
 
 
 async def encode_item_prompt(tokenizer: PreTrainedTokenizerBase, processor, item: JsonObject, prompt_key: str,
