@@ -21,7 +21,7 @@ from arealite.utils.heap import freeze_heap
 from arealite.utils.json_types import JsonObject
 
 from .args import ServerArgs
-from .body import RequestError, check_fields, error_response, json_body, off_loop, want
+from .body import RequestError, check_fields, error_response, json_answer, json_body, off_loop, want
 from .limits import LIMITS_KEY, OFFLOAD_BYTES, install_log_filter
 from .middleware import make_guard
 from .routed_experts import encode_routed_experts
@@ -299,7 +299,7 @@ class EmbeddedServer:
         # A cancelled request (its client left) takes its sequences out of the batch.
         seqs = await asyncio.gather(*(self.runner.generate(i) for i in inputs))
         outs = [self.format_output(s) for s in seqs]
-        return web.json_response(outs if batch else outs[0])
+        return json_answer(outs if batch else outs[0])
 
     async def flush_cache(self, request: web.Request) -> web.Response:
         n = await self.runner.call(self.runner.prompt_cache.clear)

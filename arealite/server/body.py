@@ -11,6 +11,7 @@ import json
 from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, TypeVar
 
+import orjson
 from aiohttp import web
 
 from arealite.utils.json_types import JsonObject, JsonValue
@@ -18,7 +19,7 @@ from arealite.utils.json_types import JsonObject, JsonValue
 from .limits import LIMITS_KEY, OFFLOAD_BYTES, Limits, short
 from .sampling import RequestError
 
-__all__ = ["RequestError", "check_fields", "error_response", "json_body", "off_loop", "want"]
+__all__ = ["RequestError", "check_fields", "error_response", "json_answer", "json_body", "off_loop", "want"]
 
 T = TypeVar("T")
 
@@ -83,6 +84,13 @@ def _decode(raw: bytes) -> JsonValue:
         raise RequestError("the request body is nested too deeply to parse; flatten it") from None
     except ValueError as e:  # JSONDecodeError, UnicodeDecodeError, over-long integers
         raise RequestError(f"the request body is not valid JSON: {short(str(e), 200)}") from None
+
+
+def json_answer(obj: JsonValue) -> web.Response:
+    """A 200 with ``obj`` as JSON, encoded by orjson: a /generate answer holds a float and an int
+    per token, which the standard library encodes about 9 times slower (an abort of every
+    running request answers them all at once)."""
+    return web.Response(body=orjson.dumps(obj), content_type="application/json")
 
 
 async def off_loop(fn: Callable[..., T], *args: object) -> T:
