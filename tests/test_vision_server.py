@@ -197,6 +197,29 @@ async def test_the_vl_server_answers_400_naming_image_data(vl_server, vl_dir, ht
     assert "image_data[0]" in json.dumps(err)
 
 
+async def test_one_pad_per_image_is_expanded_as_sglang_does(vl_server, vl_dir, http):
+    """Ids with one <|image_pad|> per image (as a chat template renders them, unexpanded) answer
+    exactly as the expanded ids; a run of any other length is a 400 naming the image."""
+    from transformers import AutoConfig
+
+    pad = AutoConfig.from_pretrained(vl_dir).image_token_id
+    vp = _vl_prompts(vl_dir)[0]  # two images
+    short = [t for i, t in enumerate(vp.input_ids) if t != pad or vp.input_ids[i - 1] != pad]
+    assert short.count(pad) == 2 and len(short) < len(vp.input_ids)
+    body = {"image_data": vp.image_data, "sampling_params": {"max_new_tokens": 5, "temperature": 0.0},
+            "return_logprob": True}
+    whole = await post(http, vl_server, "/generate", {**body, "input_ids": vp.input_ids})
+    one = await post(http, vl_server, "/generate", {**body, "input_ids": short})
+    assert one["output_ids"] == whole["output_ids"]
+    assert one["meta_info"]["prompt_tokens"] == whole["meta_info"]["prompt_tokens"] == len(vp.input_ids)
+    lp = [[x[0] for x in r["meta_info"]["output_token_logprobs"]] for r in (one, whole)]
+    assert torch.allclose(torch.tensor(lp[0]), torch.tensor(lp[1]), atol=1e-5)
+    first = short.index(pad)
+    odd = short[:first] + [pad, pad] + short[first + 1:]  # two pads: neither one nor the grid's count
+    err = await post(http, vl_server, "/generate", {**body, "input_ids": odd}, status=400)
+    assert "image_data[0]" in json.dumps(err) and "holds 2 <|image_pad|>" in json.dumps(err)
+
+
 def _solid_png(w: int, h: int) -> bytes:
     from PIL import Image
 

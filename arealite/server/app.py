@@ -121,6 +121,7 @@ class EmbeddedServer:
         self.vision = VisionSupport(
             str(args.model_path), cfg, max_image_bytes=getattr(args, "max_image_bytes", None) or (32 << 20),
             max_image_pixels=getattr(args, "max_image_pixels", None) or 4096 * 4096,
+            context_length=self.context_length,
         ) if is_vision_config(cfg) else None
         # Cleared by pause_generation, set by continue_generation: SGLang's tokenizer manager
         # holds new requests here (``is_pause``) before it resolves their LoRA adapter.

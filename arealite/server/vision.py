@@ -1,8 +1,9 @@
 """Images on the embedded server: a Qwen2.5-VL model runs ``/generate`` with ``image_data``.
 
-The request's ``input_ids`` are the processor's EXPANDED prompt (one ``<|image_pad|>`` per merged
-patch, as `arealite.vision.prompt` renders it; SGLang re-expands such ids unchanged, docs/sglang.md,
-Images). For each prompt with images this module decodes them (base64 or ``data:`` URLs, never
+The request's ``input_ids`` hold each image as a run of ``<|image_pad|>``: the processor's expanded
+prompt (one pad per merged patch, as `arealite.vision.prompt` renders it), or one pad per image,
+which this server expands from the image's grid as SGLang's processor does (docs/sglang.md, Images);
+any other run length is refused. For each prompt with images this module decodes them (base64 or ``data:`` URLs, never
 server paths), caps their bytes and pixels, runs the model's own image processor, checks the ids'
 image blocks against the images, and computes the row's 3-D rope positions. The runner then
 prefills the row with ``pixel_values`` + ``image_grid_thw`` and those positions; during decode the
@@ -53,16 +54,38 @@ class VisionInputs:
     key: bytes  # hash of the images' bytes: the prompt cache's key
 
 
-def _image_blocks(ids: list[int], image_token_id: int) -> int:
-    """Maximal runs of the image-pad token: one per image."""
-    return sum(1 for i, t in enumerate(ids) if t == image_token_id and (i == 0 or ids[i - 1] != image_token_id))
+def _image_runs(ids: list[int], image_token_id: int) -> list[tuple[int, int]]:
+    """Maximal runs of the image-pad token, one per image: ``(start, length)`` each."""
+    runs: list[tuple[int, int]] = []
+    for i, t in enumerate(ids):
+        if t != image_token_id:
+            continue
+        if runs and runs[-1][0] + runs[-1][1] == i:
+            runs[-1] = (runs[-1][0], runs[-1][1] + 1)
+        else:
+            runs.append((i, 1))
+    return runs
+
+
+def expand_image_runs(ids: list[int], image_token_id: int, grid: torch.Tensor, merge: int, where: str) -> list[int]:
+    """``ids`` with every image's run of pads ``t*h*w / merge**2`` long (from ``grid [N, 3]``):
+    a run of one pad is expanded, a run already that long is kept, any other is refused."""
+    out, prev = [], 0
+    for j, ((start, n), thw) in enumerate(zip(_image_runs(ids, image_token_id), grid.tolist(), strict=True)):
+        need = thw[0] * thw[1] * thw[2] // (merge * merge)
+        if n not in (1, need):
+            raise RequestError(f"{where}[{j}]: the image's block holds {n} <|image_pad|> tokens; its grid "
+                               f"{thw} needs {need} (or send one pad per image and the server expands it)")
+        out += ids[prev:start] + [image_token_id] * need
+        prev = start + n
+    return out + ids[prev:]
 
 
 class VisionSupport:
     """Decodes and checks a request's ``image_data`` and feeds the runner's prefill."""
 
     def __init__(self, model_path: str, hf_config, *, max_image_bytes: int = MAX_IMAGE_BYTES,
-                 max_image_pixels: int = MAX_IMAGE_PIXELS):
+                 max_image_pixels: int = MAX_IMAGE_PIXELS, context_length: int = 1 << 20):
         from arealite.vision.processor import load_processor
 
         self.config = hf_config
@@ -70,6 +93,7 @@ class VisionSupport:
         self.image_token_id = int(hf_config.image_token_id)
         self.max_image_bytes = max_image_bytes
         self.max_image_pixels = max_image_pixels
+        self.context_length = context_length
 
     # -- request side (off the model thread) ------------------------------
 
@@ -98,11 +122,17 @@ class VisionSupport:
         return out
 
     def attach(self, inputs: list[GenerateInput], image_data: JsonValue, batch: bool) -> None:
-        """Set ``inp.vision`` of every prompt with images (RequestError naming the field)."""
+        """Set ``inp.vision`` of every prompt with images, its ids expanded (one pad per merged
+        patch); a RequestError names the field."""
         lists = self.per_prompt(image_data, len(inputs), batch)
         for i, (inp, images) in enumerate(zip(inputs, lists)):
             where = f"image_data[{i}]" if batch else "image_data"
-            inp.vision = self.prepare(inp.input_ids, images, where)
+            inp.vision, ids = self.prepare(inp.input_ids, images, where)
+            if len(ids) + inp.sampling.max_new_tokens > self.context_length:
+                raise RequestError(f"{where}: with its images the prompt is {len(ids)} tokens, plus max_new_tokens "
+                                   f"({inp.sampling.max_new_tokens}) over the context length {self.context_length}; "
+                                   "lower max_new_tokens or send fewer or smaller images")
+            inp.input_ids = ids
 
     def _decode(self, text: str, where: str):
         from arealite.vision.images import ImageError, open_image
@@ -122,22 +152,24 @@ class VisionSupport:
         except ImageError as e:
             raise RequestError(f"{e} (cap: {self.max_image_pixels} pixels per image)") from None
 
-    def prepare(self, ids: list[int], images: list[str], where: str) -> VisionInputs | None:
-        """Decode and check one prompt's images; None for a prompt without image tokens or images."""
+    def prepare(self, ids: list[int], images: list[str], where: str) -> tuple[VisionInputs | None, list[int]]:
+        """Decode and check one prompt's images: their inputs (None for a prompt without image
+        tokens or images) and the prompt's ids with every image's pads expanded."""
         from arealite.vision.rope import mrope_positions
 
-        blocks = _image_blocks(ids, self.image_token_id)
+        blocks = len(_image_runs(ids, self.image_token_id))
         if blocks != len(images):
             raise RequestError(f"{where}: the prompt's input_ids hold {blocks} image block(s) but {len(images)} "
                                "image(s) were sent; send one image per <|vision_start|><|image_pad|>... block")
         if not images:
-            return None
+            return None, ids
         decoded = [self._decode(t, f"{where}[{j}]") for j, t in enumerate(images)]
         h = hashlib.sha256()
         for _, data in decoded:
             h.update(hashlib.sha256(data).digest())
         out = self.image_processor(images=[img for img, _ in decoded], return_tensors="pt")
         grid = out["image_grid_thw"].to(torch.int64)
+        ids = expand_image_runs(ids, self.image_token_id, grid, self.config.vision_config.spatial_merge_size, where)
         t = torch.tensor(ids, dtype=torch.long)
         try:
             pos = mrope_positions(self.config, t, grid)
@@ -145,7 +177,7 @@ class VisionSupport:
             raise RequestError(f"{where}: {e}") from None
         delta = int(pos.max()) + 1 - len(ids)
         return VisionInputs(pixel_values=out["pixel_values"].to(torch.float32), image_grid_thw=grid,
-                            positions=pos, rope_delta=delta, key=h.digest())
+                            positions=pos, rope_delta=delta, key=h.digest()), ids
 
 
 # -- runner side (the model thread) ------------------------------------------
