@@ -16,7 +16,10 @@ GPU split as AReaL's paper (arXiv 2505.24298): three generation GPUs for one tra
 H800s, a 1.5B model; the batch and the answer lengths are scaled down so that the
 orchestration fits two CPU cores (docs/scale.md).
 
-    python benchmarks/scale_overlap.py [--quick] [--etas 0,1,2,4,8]
+Every eta runs ``--repeats`` times (interleaved); the table gives medians with [min-max] and the
+orchestration's CPU per step (every process of the run, read from /proc) and per trajectory.
+
+    python benchmarks/scale_overlap.py [--quick] [--etas 0,1,2,4,8] [--repeats 3]
 """
 
 from __future__ import annotations
@@ -29,6 +32,8 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
+import time
 from pathlib import Path
 
 import yaml
@@ -66,26 +71,102 @@ def run_config(args, demo: Path, runs: Path, eta: int) -> dict:
     }
 
 
-def one_run(args, demo: Path, work: Path, eta: int) -> dict:
-    runs = work / f"runs_eta{eta}"
+def _role(cmdline: bytes) -> str | None:
+    if b"arealite.server" in cmdline:
+        return "servers"
+    if b"rollout.worker" in cmdline:
+        return "rollout_worker"
+    if b"arealite.train" in cmdline or b"torch.distributed.run" in cmdline:
+        return "trainer"
+    return None
+
+
+def _tree_cpu(root: int) -> dict[int, tuple[str, float]]:
+    """CPU seconds (user + system) of ``root`` and its descendants, by pid, with their role."""
+    parent, stat = {}, {}
+    for d in os.listdir("/proc"):
+        if not d.isdigit():
+            continue
+        try:
+            with open(f"/proc/{d}/stat", "rb") as f:
+                fields = f.read().rsplit(b")", 1)[1].split()
+        except OSError:
+            continue
+        parent[int(d)] = int(fields[1])
+        stat[int(d)] = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    tree, out = {root}, {}
+    for _ in range(6):  # the launcher, torchrun, the trainer, its rollout worker: a few levels deep
+        tree |= {pid for pid, pp in parent.items() if pp in tree}
+    for pid in tree:
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                role = _role(f.read())
+        except OSError:
+            continue
+        if role is not None and pid in stat:
+            out[pid] = (role, stat[pid])
+    return out
+
+
+class CpuSampler:
+    """Samples the CPU time of a run's processes (servers, trainer, rollout worker) every
+    ``period`` seconds, so that the CPU spent between two steps can be read afterwards."""
+
+    def __init__(self, root: int, period: float = 0.2):
+        self.root, self.period = root, period
+        self.samples: list[tuple[float, dict[int, tuple[str, float]]]] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, daemon=True)
+        self._thread.start()
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self.period):
+            self.samples.append((time.time(), _tree_cpu(self.root)))
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def between(self, t0: float, t1: float) -> dict[str, float]:
+        """CPU seconds by role from the sample nearest ``t0`` to the one nearest ``t1``."""
+        a = min(self.samples, key=lambda x: abs(x[0] - t0))[1]
+        b = min(self.samples, key=lambda x: abs(x[0] - t1))[1]
+        out = {"servers": 0.0, "trainer": 0.0, "rollout_worker": 0.0}
+        for pid, (role, cpu) in b.items():
+            out[role] += cpu - a.get(pid, (role, 0.0))[1]
+        return out
+
+
+def one_run(args, demo: Path, work: Path, eta: int, rep: int = 0) -> dict:
+    runs = work / f"runs_eta{eta}_{rep}"
     cfg_path = work / f"eta{eta}.yaml"
     cfg_path.write_text(yaml.safe_dump(run_config(args, demo, runs, eta)))
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    res = subprocess.run([sys.executable, "-m", "arealite.train", "--config", str(cfg_path)], cwd=work, env=env,
-                         capture_output=True, text=True, timeout=1800, check=False)
-    if res.returncode != 0:
-        raise RuntimeError(f"eta={eta}: the run failed\n{res.stdout[-2000:]}\n{res.stderr[-3000:]}")
+    log = work / f"eta{eta}_{rep}.log"
+    with open(log, "w") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "arealite.train", "--config", str(cfg_path)], cwd=work,
+                                env=env, stdout=out, stderr=subprocess.STDOUT, text=True)
+        sampler = CpuSampler(proc.pid)
+        try:
+            rc = proc.wait(timeout=1800)
+        finally:
+            sampler.stop()
+    if rc != 0:
+        raise RuntimeError(f"eta={eta}: the run failed\n{log.read_text()[-4000:]}")
     recs = [json.loads(x) for x in (runs / "overlap" / f"eta{eta}" / "stats.jsonl").read_text().splitlines()]
     steps = [r for r in recs if "time/step_s" in r and "rollout/prompt_ids" in r]
     kept = steps[args.skip:]
-    span = kept[-1]["time"] - steps[args.skip - 1]["time"] if args.skip else kept[-1]["time"] - kept[0]["time"]
+    start = steps[args.skip - 1]["time"] if args.skip else kept[0]["time"]
+    span = kept[-1]["time"] - start
     n = len(kept) if args.skip else len(kept) - 1
     med = lambda k: statistics.median(r.get(k, 0.0) for r in kept)
+    cpu = {k: v / n for k, v in sampler.between(start, kept[-1]["time"]).items()}
     return {"eta": eta, "steps_per_s": n / span, "step_s": span / n, "gen_s": med("time/rollout_wait_s"),
-            "train_s": med("time/train_s") + med("time/weight_sync_s"),
+            "train_s": med("time/train_s") + med("time/weight_sync_s"), "push_s": med("time/weight_sync_s"),
             "staleness_max": max(r["rollout/staleness_max"] for r in kept),
             "answer_len": med("rollout/response_len_mean"),
-            "seq_len": med("rollout/n_tokens") / max(1.0, med("rollout/n_trajectories"))}
+            "seq_len": med("rollout/n_tokens") / max(1.0, med("rollout/n_trajectories")),
+            "cpu_per_step": cpu}
 
 
 def busy_generation_s(args, answer_len: float, seq_len: float) -> float:
@@ -101,36 +182,76 @@ def busy_generation_s(args, answer_len: float, seq_len: float) -> float:
     return args.batch * args.n_samples * answer_len / tokens_per_s * args.a_time_scale
 
 
+def _spread(xs: list[float]) -> str:
+    return f"{statistics.median(xs):.3f} [{min(xs):.3f}-{max(xs):.3f}]"
+
+
+def _cpu_row(runs: list[dict], per_step_trajectories: int) -> dict[str, float]:
+    """Median orchestration CPU per step over the repeats: by role, total, per trajectory."""
+    out = {role: statistics.median(r["cpu_per_step"][role] for r in runs) for role in runs[0]["cpu_per_step"]}
+    total = [sum(r["cpu_per_step"].values()) for r in runs]
+    out["total"] = statistics.median(total)
+    out["per_trajectory_ms"] = out["total"] / per_step_trajectories * 1e3
+    return out
+
+
 def run_part_a(args) -> dict:
+    """Every eta ``args.repeats`` times, interleaved (repeat r runs every eta before r + 1), so
+    that each asynchronous run has a synchronous one beside it; speed-ups are per repeat."""
+    etas = [int(e) for e in args.etas.split(",")]
+    if etas[0] != 0:
+        raise ValueError(f"--etas {args.etas!r} must start with 0 (the synchronous baseline)")
     work = Path(tempfile.mkdtemp(prefix="scale_overlap_"))
     try:
         demo = prepare_demo(work, n_train=args.batch * (args.steps + 1))
-        rows = [one_run(args, demo, work, int(e)) for e in args.etas.split(",")]
+        runs = {e: [] for e in etas}
+        for rep in range(args.repeats):
+            for e in etas:
+                runs[e].append(one_run(args, demo, work, e, rep))
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    sync = rows[0]
-    gen, train = sync["gen_s"], sync["train_s"]
+    sync = runs[0]
+    med = lambda rows, k: statistics.median(r[k] for r in rows)
+    gen, train = med(sync, "gen_s"), med(sync, "train_s")
     overlap = (gen + train) / max(gen, train)  # eta=0's generation, tail included, hidden behind training
-    busy = busy_generation_s(args, sync["answer_len"], sync["seq_len"])
-    bound = sync["step_s"] / max(busy, train)  # generation never idle and overlapped with training
+    busy = busy_generation_s(args, med(sync, "answer_len"), med(sync, "seq_len"))
+    bound = med(sync, "step_s") / max(busy, train)  # generation never idle and overlapped with training
+    per_step = args.batch * args.n_samples
     print(f"part (a): {args.gen_gpus} generation + {args.train_gpus} training GPUs, {args.model}, batch "
           f"{args.batch}x{args.n_samples}, answers lognormal median {args.a_length_median:.0f} capped "
-          f"{args.a_max_new_tokens}, time_scale {args.a_time_scale}")
+          f"{args.a_max_new_tokens}, time_scale {args.a_time_scale}, {args.repeats} repeat(s): "
+          "median [min-max]")
     print(f"eta=0 step: generation wait {gen:.3f} s + train and push {train:.3f} s (real seconds); "
           f"overlap alone {overlap:.2f}x; busy generation of a batch {busy:.3f} s; "
           f"bound max(busy, train) {bound:.2f}x; paper {PAPER_SPEEDUP}x")
-    print(f"{'eta':>4} {'steps/s':>8} {'step s':>7} {'speed-up':>8} {'of bound':>8} {'staleness max':>13}")
-    for r in rows:
-        r["speedup"] = r["steps_per_s"] / sync["steps_per_s"]
-        r["of_bound"] = r["speedup"] / bound
-        print(f"{r['eta']:>4} {r['steps_per_s']:>8.3f} {r['step_s']:>7.3f} {r['speedup']:>8.2f} "
-              f"{r['of_bound']:>8.2f} {r['staleness_max']:>13}")
-    by_eta = {r["eta"]: r for r in rows}
+    print(f"{'eta':>4} {'step s':>21} {'push s':>7} {'speed-up':>21} {'of bound':>8} {'stale max':>9} "
+          f"{'CPU s/step':>10} {'servers':>7} {'worker':>7} {'trainer':>7} {'ms/traj':>7}")
+    out_rows = {}
+    for e in etas:
+        speedups = [r["steps_per_s"] / s0["steps_per_s"] for r, s0 in zip(runs[e], sync)]
+        cpu = _cpu_row(runs[e], per_step)
+        row = {"step_s": med(runs[e], "step_s"), "speedup": statistics.median(speedups),
+               "speedup_min": min(speedups), "speedup_max": max(speedups),
+               "of_bound": statistics.median(speedups) / bound,
+               "staleness_max": max(r["staleness_max"] for r in runs[e]), "cpu_per_step_s": cpu["total"],
+               "cpu_per_trajectory_ms": cpu["per_trajectory_ms"]}
+        out_rows[e] = row
+        print(f"{e:>4} {_spread([r['step_s'] for r in runs[e]]):>21} {med(runs[e], 'push_s'):>7.3f} "
+              f"{_spread(speedups):>21} {row['of_bound']:>8.2f} {row['staleness_max']:>9} {cpu['total']:>10.3f} "
+              f"{cpu['servers']:>7.3f} {cpu['rollout_worker']:>7.3f} {cpu['trainer']:>7.3f} "
+              f"{cpu['per_trajectory_ms']:>7.2f}")
     out = {"bound_speedup": round(bound, 3), "overlap_only_speedup": round(overlap, 3),
            "busy_generation_s": round(busy, 4), "train_push_s": round(train, 4), "paper_speedup": PAPER_SPEEDUP,
-           "speedup_by_eta": {str(r["eta"]): round(r["speedup"], 3) for r in rows}}
-    if 4 in by_eta:
-        out["eta4_of_bound"] = round(by_eta[4]["of_bound"], 3)
+           "time_scale": args.a_time_scale, "repeats": args.repeats,
+           "speedup_by_eta": {str(e): round(r["speedup"], 3) for e, r in out_rows.items()},
+           "speedup_spread_by_eta": {str(e): [round(r["speedup_min"], 3), round(r["speedup_max"], 3)]
+                                     for e, r in out_rows.items()},
+           "staleness_max_by_eta": {str(e): r["staleness_max"] for e, r in out_rows.items()},
+           "orchestration_cpu_s_per_step": {str(e): round(r["cpu_per_step_s"], 3) for e, r in out_rows.items()},
+           "orchestration_cpu_ms_per_trajectory": {str(e): round(r["cpu_per_trajectory_ms"], 2)
+                                                   for e, r in out_rows.items()}}
+    if 4 in out_rows:
+        out["eta4_of_bound"] = round(out_rows[4]["of_bound"], 3)
     return out
 
 
@@ -147,7 +268,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--a-length-median", dest="a_length_median", type=float, default=1024)
     g.add_argument("--steps", type=int, default=10)
     g.add_argument("--skip", type=int, default=2, help="steps left out of the throughput (warm-up)")
-    g.add_argument("--a-time-scale", dest="a_time_scale", type=float, default=0.1)
+    g.add_argument("--a-time-scale", dest="a_time_scale", type=float, default=0.5,
+                   help="simulated compute takes this many real seconds per simulated second; 0.5 keeps "
+                        "the orchestration's CPU (~0.4 s a step) a fraction of a step on two cores")
+    g.add_argument("--repeats", type=int, default=3, help="runs per eta, interleaved; medians and spread")
 
 
 def main() -> None:
@@ -156,7 +280,7 @@ def main() -> None:
     p.add_argument("--quick", action="store_true", help="eta 0 and 4, 6 steps")
     args = p.parse_args()
     if args.quick:
-        args.etas, args.steps = "0,4", 6
+        args.etas, args.steps, args.repeats = "0,4", 6, 1
     print(json.dumps(run_part_a(args)))
 
 

@@ -126,3 +126,107 @@ def test_trajectory_staleness_is_version_minus_oldest_produced_token():
     # Only the loss mask decides which tokens count, whatever their version.
     assert trajectory_staleness(versions, torch.zeros_like(loss_mask), 4).tolist() == [0, 0, 0, 0]
     assert trajectory_staleness(torch.zeros(2, 0, dtype=torch.long), torch.zeros(2, 0, dtype=torch.bool), 1).tolist() == [0, 0]
+
+
+class _LongAnswerEngine:
+    """Answers at the version it held when the request arrived; a 9-token prompt (the long
+    answer) is held until ``release`` is set, as a long-tailed answer keeps generating."""
+
+    def __init__(self):
+        import threading
+
+        self.version = 0
+        self.release = threading.Event()
+
+    async def initialize(self, timeout: float = 1.0):
+        pass
+
+    async def aclose(self):
+        pass
+
+    async def agenerate(self, req):
+        import asyncio
+
+        from arealite.api.types import Completion
+
+        version = self.version
+        while len(req.input_ids) == 9 and not self.release.is_set():
+            await asyncio.sleep(0.002)
+        return Completion(req.rid, req.input_ids, [7, 7], [-0.1, -0.1], [version, version], "stop")
+
+
+def _held_run(eta: int, long_items: set[int]):
+    """A controller (2 groups a step, bound ``eta``) over 16 items whose ``long_items`` generate
+    until the engine's ``release``; its engine, loader and workflow."""
+    from arealite.config.schema import RolloutConfig
+    from arealite.data.dataset import StatefulDataLoader
+    from arealite.rollout.controller import RolloutController
+    from tests.test_controller import ItemWorkflow
+
+    engine = _LongAnswerEngine()
+    ctl = RolloutController(engine, RolloutConfig(consumer_batch_size=2, max_head_offpolicyness=eta,
+                                                  max_concurrent_rollouts=16, queue_size=64)).start()
+    items = [{"prompt_id": i, "len": 9 if i in long_items else 3} for i in range(16)]
+    return ctl, engine, StatefulDataLoader(items, batch_size=2, shuffle=False), ItemWorkflow()
+
+
+def _held_batch(ctl, engine, loader, wf, version: int):
+    """Step to ``version``; check that its batch is held until the long answers are released."""
+    import threading
+    import time
+
+    engine.version = version
+    ctl.set_version(version)
+    got = []
+    t = threading.Thread(target=lambda: got.append(ctl.prepare_batch(loader, wf)))
+    t.start()
+    time.sleep(0.3)
+    assert not got, "the batch went out without the overdue group"
+    assert ctl.stats()["output_queue"] >= 2  # two groups were ready: enough for a batch
+    engine.release.set()
+    t.join(5)
+    return got[0]
+
+
+def _finish(ctl, engine, loader, wf, seen: list[int], first: int, eta: int) -> None:
+    from tests.test_controller import ids
+
+    for v in range(first, first + 4):
+        engine.version = v
+        ctl.set_version(v)
+        seen += ids(ctl.prepare_batch(loader, wf))
+    assert max(ctl.stats()["staleness_hist"]) <= eta, ctl.stats()["staleness_hist"]
+    assert len(set(seen)) == len(seen)
+
+
+def test_a_training_batch_waits_for_a_group_that_would_overrun_the_bound():
+    """eta = 1, two groups a step: item 2 is admitted at version 0 and still generating when
+    the version-1 batch is due; left to the next batch it would be trained 2 versions stale.
+    The batch waits for it (and takes it), and no trajectory is ever trained past eta."""
+    from tests.test_controller import ids
+
+    ctl, engine, loader, wf = _held_run(1, {2})
+    try:
+        seen = ids(ctl.prepare_batch(loader, wf))
+        assert sorted(seen) == [0, 1]
+        batch = _held_batch(ctl, engine, loader, wf, 1)  # items 3 (version 0), 4 and 5 were ready
+        assert sorted(ids(batch)) == [2, 3]  # the two stalest: the late group is in
+        _finish(ctl, engine, loader, wf, seen + ids(batch), 2, eta=1)
+    finally:
+        ctl.stop()
+
+
+def test_a_batch_waits_when_more_late_groups_run_than_the_next_batches_hold():
+    """eta = 2: after the first batch, items 2-5 start at version 0 and 2, 3, 4 generate long.
+    At version 1 none is overdue yet, but three groups of version 0 cannot all fit in the
+    version-2 batch: the version-1 batch waits for them instead of taking items 5 and 6."""
+    from tests.test_controller import ids
+
+    ctl, engine, loader, wf = _held_run(2, {2, 3, 4})
+    try:
+        seen = ids(ctl.prepare_batch(loader, wf))
+        batch = _held_batch(ctl, engine, loader, wf, 1)
+        assert set(ids(batch)) <= {2, 3, 4, 5}  # version-0 groups only
+        _finish(ctl, engine, loader, wf, seen + ids(batch), 2, eta=2)
+    finally:
+        ctl.stop()

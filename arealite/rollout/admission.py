@@ -67,6 +67,7 @@ class Episode:
     workflow: RolloutWorkflow
     should_accept: ShouldAccept | None = None
     task: asyncio.Task[None] | None = field(default=None, repr=False)
+    version: int = 0  # the trainer's version when it was admitted: its tokens are no older
 
 
 class Admission:
@@ -89,6 +90,7 @@ class Admission:
         self._dropped = dropped
         self._input: collections.deque[Episode] = collections.deque()
         self._running: dict[int, Episode] = {}
+        self._admitted_at: collections.Counter[int] = collections.Counter()  # running episodes by admission version
         self._next_id = 0
         self._waiters = Waiters()
         self._workflows: dict[int, RolloutWorkflow] = {}  # every workflow seen, for their stats
@@ -107,6 +109,11 @@ class Admission:
     def running(self) -> int:
         """Episodes running."""
         return len(self._running)
+
+    def running_admitted_by(self, version: int) -> int:
+        """Running episodes admitted at trainer ``version`` or before (an episode's tokens are no
+        older than its admission, so they decide which batch it must be trained in)."""
+        return sum(n for v, n in self._admitted_at.items() if v <= version)
 
     @property
     def paused(self) -> bool:
@@ -178,9 +185,11 @@ class Admission:
         for _ in range(n):
             ep = self._input.popleft()
             self._staleness.on_submit()
+            ep.version = self._staleness.version
             eid = self._next_id
             self._next_id += 1
             self._running[eid] = ep
+            self._admitted_at[ep.version] += 1
             ep.task = loop.create_task(self._run(eid, ep))
         if self._waiters:
             self._wake()
@@ -210,12 +219,12 @@ class Admission:
         except asyncio.CancelledError:
             raise  # stop(): the episode stays listed as unfinished
         except Exception:
-            self._running.pop(eid, None)
+            self._end_running(eid)
             self._staleness.on_reject()
             self._dropped.record([ep.item])
             self._on_failure(ep.item, traceback.format_exc())
         else:
-            self._running.pop(eid, None)
+            self._end_running(eid)
             if accept:
                 self._staleness.on_accept()
                 self._ledger.count("accepted")
@@ -225,6 +234,13 @@ class Admission:
                 self._ledger.count("rejected")
                 self._dropped.record([ep.item])
         self.admit()
+
+    def _end_running(self, eid: int) -> None:
+        ep = self._running.pop(eid, None)
+        if ep is not None:
+            self._admitted_at[ep.version] -= 1
+            if not self._admitted_at[ep.version]:
+                del self._admitted_at[ep.version]
 
     def _on_failure(self, item: JsonObject, tb: str) -> None:
         self._ledger.count("failed")
@@ -251,5 +267,6 @@ class Admission:
         input queue, so that a checkpoint still lists them; admission may open again."""
         self._input.extendleft(reversed(list(self._running.values())))
         self._running.clear()
+        self._admitted_at.clear()
         self._staleness.cancel_running()
         self._closing = False

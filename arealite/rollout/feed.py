@@ -75,7 +75,7 @@ class DataFeed:
                 self.drain(workflow, should_accept)
             self.top_up(dataloader, workflow, should_accept)
             try:
-                batch = await self.wait(self.batch_size, poll_s, None)
+                batch = await self.wait(self.batch_size, poll_s, None, hold_overdue=True)
             except TimeoutError:
                 continue
             # Refill at once, so that the next step's groups generate while this one trains.
@@ -122,9 +122,11 @@ class DataFeed:
         raise ValueError("the dataloader yields no batch at all (empty dataset, or drop_last with too few items)")
 
     # ------------------------------------------------------------ batches out
-    async def wait(self, count: int, timeout: float | None, should_accept: ShouldAccept | None) -> TensorDict:
+    async def wait(self, count: int, timeout: float | None, should_accept: ShouldAccept | None,
+                   hold_overdue: bool = False) -> TensorDict:
         """The oldest ``count`` ready groups as one batch, once they are ready (see
-        `RolloutController.wait`)."""
+        `RolloutController.wait`). ``hold_overdue`` (a training batch): also once no running
+        group would be trained past the staleness bound if left to the next batch."""
         adm = self._admission
         deadline = None if timeout is None else time.monotonic() + timeout
         self.unstash()  # groups are handed out in completion order
@@ -134,7 +136,7 @@ class DataFeed:
                 raise err
             if should_accept is not None:
                 self._filter(should_accept)
-            if len(self._ready) >= count:
+            if len(self._ready) >= count and not (hold_overdue and self._overdue_running(count)):
                 return self._take(count)
             if not adm.running and not adm.paused:
                 raise self._stuck_error(count)
@@ -146,6 +148,22 @@ class DataFeed:
                     + (" (controller is paused)" if adm.paused else "")
                 )
             await adm.park(count, remaining)
+
+    def _overdue_running(self, count: int) -> bool:
+        """Whether a running group must still join this batch of ``count`` to stay within the
+        staleness bound. A group admitted at ``v - eta + k`` or before (``v`` the version now)
+        must be trained in this batch or the ``k`` after it; when more such groups run than those
+        ``k`` batches hold, one of them belongs in this one, and the batch waits for it unless
+        ``count`` ready groups are that stale already."""
+        v, eta = self._staleness.version, self._staleness.max_head_offpolicyness
+        # Only k that can hold: no group is admitted before version 0 (k >= eta - v), and no
+        # more than all the running ones can be that stale (k * count < running). An
+        # unbounded eta (a benchmark's 10**6) so costs a few steps per wake, not eta.
+        for k in range(max(0, eta - v), min(eta, self._admission.running // count) + 1):
+            last = v - eta + k
+            if self._admission.running_admitted_by(last) > k * count and self._ready.count_from(last) < count:
+                return True
+        return False
 
     def _filter(self, should_accept: ShouldAccept) -> None:
         dropped = self._ready.filter(should_accept)
@@ -183,7 +201,8 @@ class DataFeed:
         would change it, then refill from ``dataloader`` as `prepare` does after a take."""
         adm = self._admission
         if (not adm.has_error and not adm.config.filter_equal_rewards and not self._ready.stashed
-                and not self.pending and len(self._ready) >= self.batch_size):
+                and not self.pending and len(self._ready) >= self.batch_size
+                and not self._overdue_running(self.batch_size)):
             self._ready.stash(self.batch_size, self._staleness.version)
             self._ledger.count("consumed", self.batch_size)
             self.top_up(dataloader, workflow, None)

@@ -5,7 +5,8 @@ Groups wait in completion order and a batch takes the stalest of them (its token
 policy version; completion order among equals), each with the dataset item it came from, so
 that the trainer knows which prompts a batch holds (per-prompt accounting) and a
 checkpoint can save the groups produced but not yet trained on. Taking a batch
-records the staleness of its trajectories in a histogram.
+records the staleness of its trajectories in a histogram. (A training batch also waits for
+a running group that would overrun the staleness bound in the next one: `DataFeed.wait`.)
 
 A batch can also be taken ahead of its ``prepare_batch`` (`ReadyGroups.stash`): when a
 weight update resumes generation with a whole batch already ready, the controller takes
@@ -62,6 +63,7 @@ class ReadyGroups:
 
     def __init__(self) -> None:
         self._groups: collections.deque[tuple[TensorDict, JsonObject]] = collections.deque()
+        self._oldest: dict[int, int] = {}  # id(group) -> its oldest produced token's version, once
         self.staleness_hist: collections.Counter[int] = collections.Counter()
         self._stash: _Stash | None = None
         self._stash_lock = threading.Lock()  # take_stashed() runs on the trainer's thread
@@ -71,6 +73,17 @@ class ReadyGroups:
 
     def put(self, td: TensorDict, item: JsonObject) -> None:
         self._groups.append((td, item))
+
+    def count_from(self, version: int) -> int:
+        """How many waiting groups hold a produced token of ``version`` or older."""
+        return sum(1 for td, _ in self._groups if self._age(td) <= version)
+
+    def _age(self, td: TensorDict) -> int:
+        """`_oldest_version` of a waiting group, computed once (its tokens never change)."""
+        v = self._oldest.get(id(td))
+        if v is None:
+            v = self._oldest[id(td)] = _oldest_version(td)
+        return v
 
     def take(self, count: int, version: int) -> tuple[TensorDict, list[JsonObject]]:
         """The stalest ``count`` groups as one right-padded batch, and their items."""
@@ -91,12 +104,15 @@ class ReadyGroups:
         and growing staler. With no choice to make (``count`` or fewer waiting) it costs nothing."""
         groups = self._groups
         if len(groups) <= count:
-            return [groups.popleft() for _ in range(count)]
-        oldest = [_oldest_version(td) for td, _ in groups]
-        chosen = sorted(sorted(range(len(groups)), key=oldest.__getitem__)[:count])
-        taken = [groups[i] for i in chosen]
-        keep = set(range(len(groups))) - set(chosen)
-        self._groups = collections.deque(g for i, g in enumerate(groups) if i in keep)
+            taken = [groups.popleft() for _ in range(count)]
+        else:
+            oldest = [self._age(td) for td, _ in groups]
+            chosen = sorted(sorted(range(len(groups)), key=oldest.__getitem__)[:count])
+            taken = [groups[i] for i in chosen]
+            keep = set(range(len(groups))) - set(chosen)
+            self._groups = collections.deque(g for i, g in enumerate(groups) if i in keep)
+        for td, _ in taken:  # ids are reused once a group is gone
+            self._oldest.pop(id(td), None)
         return taken
 
     # ------------------------------------------------------------ the stash
@@ -142,6 +158,7 @@ class ReadyGroups:
                 kept.append((td, item))
             else:
                 dropped.append(item)
+                self._oldest.pop(id(td), None)
         if dropped:
             self._groups = kept
         return dropped
@@ -155,6 +172,7 @@ class ReadyGroups:
 
     def load_state_dict(self, state: ReadyState) -> None:
         self.staleness_hist = collections.Counter({int(k): int(v) for k, v in state["staleness_hist"].items()})
+        self._oldest.clear()
         self._groups = collections.deque(
             (TensorDict(d, batch_size=[d["input_ids"].shape[0]]), item) for d, item in state["ready"]
         )

@@ -6,11 +6,16 @@ version ``v`` and ``max_head_offpolicyness`` ``eta``, at most
 groups been trained in the order they were admitted, none would be more than
 ``eta`` versions older than the policy that trains on it. They finish out of
 order, though: a group behind a long answer is overtaken by groups admitted
-after it, and can land one or two versions past ``eta`` (measured with the
-simulated backend, docs/scale.md). The ready set takes the stalest groups first
-(`arealite.rollout.ready`), which bounds what waits in it; a group still
-generating when its bound passes is trained when it lands, and its staleness is
-counted in the controller's histogram (``staleness_hist``), not hidden.
+after it, and could land one or two versions past ``eta`` (measured with the
+simulated backend, docs/scale.md). Two rules keep the bound per trajectory: the
+ready set takes the stalest groups first (`arealite.rollout.ready`), and a
+training batch due at version ``v`` waits for a group still running that was
+admitted at ``v - eta`` or before (left to the next batch it would be ``eta + 1``
+versions stale), and for one admitted at ``v - eta + k`` when more of those run
+than the ``k`` batches after this one can hold (`DataFeed.wait`,
+`Admission.running_admitted_by`). Only when more than a batch of groups are that
+stale at once can one be trained past ``eta``; the controller's histogram
+(``staleness_hist``) shows it, not hides it.
 ``eta = 0`` is synchronous RL: the next batch is only generated once the
 current one has been trained on and the version bumped.
 
