@@ -3,7 +3,8 @@
 1. Throughput: trajectories/s through ``RolloutController`` + ``RLVRWorkflow``
    (n=1, 1 new token, trivial reward) + ``SGLangClient``, against a server
    that answers instantly, vs a raw aiohttp loop posting the same requests to
-   the same server with the same concurrency. Goal: ratio >= 0.8.
+   the same server with the same concurrency. Goal: ratio >= 0.85 (issue 31). The raw
+   loop is a floor for the HTTP path only: it neither decodes nor scores nor builds tensors.
 2. Memory: 10,240 trajectories (1,280 with --quick) through a run whose trainer is
    10x slower than the producer, as in training: staleness bound on (``--eta``), and
    after every batch a weight update (``pause()`` -> ``set_version(v + 1)`` ->
@@ -263,11 +264,11 @@ def throughput_phase(url: str, tokenizer, args) -> dict:
     print(f"{'path':<34}{'traj/s':>10}{'us/traj':>10}{'client CPU us/traj':>20}")
     print(f"{'raw aiohttp loop (baseline)':<34}{raw_tps:>10.0f}{1e6 / raw_tps:>10.0f}{raw_cpu:>20.0f}")
     print(f"{'controller + RLVRWorkflow':<34}{ctl_tps:>10.0f}{1e6 / ctl_tps:>10.0f}{ctl_cpu:>20.0f}")
-    print(f"{'ratio (goal >= 0.8)':<34}{ratio:>10.2f}")
+    print(f"{'ratio (goal >= 0.85)':<34}{ratio:>10.2f}")
     print("rounds (raw, controller traj/s): " + ", ".join(f"({r[0]:.0f}, {c[0]:.0f})" for r, c in zip(raw, ctl)))
     return {
         "raw_traj_per_s": round(raw_tps, 1), "controller_traj_per_s": round(ctl_tps, 1),
-        "ratio": round(ratio, 3), "goal_ratio": 0.8, "n_throughput": n_tp, "rounds": rounds,
+        "ratio": round(ratio, 3), "goal_ratio": 0.85, "n_throughput": n_tp, "rounds": rounds,
         "concurrency": args.concurrency, "raw_us_per_traj": round(1e6 / raw_tps, 1),
         "controller_us_per_traj": round(1e6 / ctl_tps, 1), "raw_cpu_us_per_traj": round(raw_cpu, 1),
         "controller_cpu_us_per_traj": round(ctl_cpu, 1),
