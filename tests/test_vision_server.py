@@ -220,6 +220,33 @@ async def test_one_pad_per_image_is_expanded_as_sglang_does(vl_server, vl_dir, h
     assert "image_data[0]" in json.dumps(err) and "holds 2 <|image_pad|>" in json.dumps(err)
 
 
+async def test_a_generated_image_pad_resumes_as_text(vl_server, vl_dir, http):
+    """A continuation whose answer so far holds <|image_pad|> (the policy sampled it) is not a new
+    image: the server answers as for any other token, greedy tokens and log-probs those of an HF
+    forward from embeddings with the image features at the prompt's pads only."""
+    from transformers import AutoModelForImageTextToText
+
+    vp = _vl_prompts(vl_dir)[1]  # one image
+    model = AutoModelForImageTextToText.from_pretrained(vl_dir, dtype=torch.float32).eval()
+    pad = model.config.image_token_id
+    prompt = vp.input_ids + [pad, 9]  # the answer so far: a pad, then a word
+    out = await post(http, vl_server, "/generate", {
+        "input_ids": prompt, "image_data": vp.image_data, "return_logprob": True,
+        "sampling_params": {"max_new_tokens": 4, "temperature": 0.0, "ignore_eos": True}})
+    ids = torch.tensor([prompt + out["output_ids"]])
+    slots = (ids == pad) & (torch.arange(ids.shape[1]) < len(vp.input_ids))
+    with torch.no_grad():
+        emb = model.get_input_embeddings()(ids).clone()
+        emb[slots] = torch.cat(list(model.model.get_image_features(
+            vp.pixel_values, vp.image_grid_thw, return_dict=True).pooler_output))
+        pos, _ = model.model.get_rope_index(ids, mm_token_type_ids=slots.int(), image_grid_thw=vp.image_grid_thw)
+        logits = model(inputs_embeds=emb, position_ids=pos).logits[0, len(prompt) - 1:-1].float()
+    full = torch.log_softmax(logits, -1)
+    assert full.argmax(-1).tolist() == out["output_ids"]
+    got = torch.tensor([x[0] for x in out["meta_info"]["output_token_logprobs"]])
+    assert (got - full.gather(1, torch.tensor(out["output_ids"])[:, None])[:, 0]).abs().max().item() <= 1e-4
+
+
 def _solid_png(w: int, h: int) -> bytes:
     from PIL import Image
 

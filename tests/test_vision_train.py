@@ -4,6 +4,7 @@ row score as a plain per-row HF forward; 2 gloo ranks match one process on the s
 
 from __future__ import annotations
 
+import math
 import sys
 from pathlib import Path
 
@@ -201,3 +202,34 @@ def test_lora_trains_a_vlm(vl_model_dir, vl_batch, hf_model, worker):
         n = int(vl_batch["attention_mask"][b].sum())
         torch.testing.assert_close(result["logp"][b, :n], hf_row_logprobs(hf_model, vl_batch, b), atol=1e-5, rtol=0)
     assert any(not torch.equal(before[n], result["weights"][n]) for n in before if "layers." in n)
+
+
+def test_an_image_pad_the_policy_generated_is_text(vl_model_dir, vl_batch, hf_model, worker):
+    """A completion holding ``<|image_pad|>`` (sampled at temperature 1) trains: the pad is an
+    ordinary token at a text position, as on the server. Reference: HF's forward from embeddings
+    with the image features placed at the prompt's pads only and HF's positions for those slots."""
+    pad = hf_model.config.image_token_id
+    batch = {k: v.clone() for k, v in vl_batch.items()}
+    b, n = 1, int(batch["attention_mask"][1].sum())
+    prompt_len = int(batch["loss_mask"][b].int().argmax())
+    batch["input_ids"][b, n - 2] = pad  # a generated token
+    engine = worker.engine_for(str(vl_model_dir))
+    try:
+        out = engine.forward(batch, worker.label_logprobs)
+        stats = engine.train_batch(batch, lambda head, mb: -head.logprobs(mb["labels"]).mean(), lambda mb: 1.0)
+    finally:
+        engine.destroy()
+    ids = batch["input_ids"][b, :n][None]
+    slots = (ids == pad) & (torch.arange(n) < prompt_len)
+    grid = batch["image_grid_thw"][b][:1]
+    pv = batch["pixel_values"][b, :int(grid.prod())]
+    with torch.no_grad():
+        emb = hf_model.get_input_embeddings()(ids).clone()
+        feats = torch.cat(list(hf_model.model.get_image_features(pv, grid, return_dict=True).pooler_output))
+        emb[slots] = feats
+        pos, _ = hf_model.model.get_rope_index(ids, mm_token_type_ids=slots.int(), image_grid_thw=grid)
+        logits = hf_model(inputs_embeds=emb, position_ids=pos).logits[0].float()
+    ref = torch.log_softmax(logits[:-1], -1).gather(-1, ids[0, 1:, None])[:, 0]
+    assert int((ids == pad).sum()) == int(slots.sum()) + 1
+    torch.testing.assert_close(out[b, 1:n], ref, atol=1e-5, rtol=0)
+    assert math.isfinite(stats["loss"]) and stats["grad_norm"] > 0

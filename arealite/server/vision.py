@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from arealite.utils.json_types import JsonObject, JsonValue
+from arealite.vision.placeholders import count_block_placeholders
 
 from .sampling import GenerateInput, RequestError
 
@@ -40,7 +41,9 @@ def load_vision_model(model_path: str, dtype: torch.dtype):
     """The VLM (vision tower + language model), as a hub model loads."""
     from transformers import AutoModelForImageTextToText
 
-    return AutoModelForImageTextToText.from_pretrained(model_path, dtype=dtype)
+    model = AutoModelForImageTextToText.from_pretrained(model_path, dtype=dtype)
+    count_block_placeholders(model)  # a pad the policy generated is text, as to SGLang
+    return model
 
 
 @dataclass
@@ -54,24 +57,27 @@ class VisionInputs:
     key: bytes  # hash of the images' bytes: the prompt cache's key
 
 
-def _image_runs(ids: list[int], image_token_id: int) -> list[tuple[int, int]]:
-    """Maximal runs of the image-pad token, one per image: ``(start, length)`` each."""
+def _image_runs(ids: list[int], image_token_id: int, vision_start_id: int) -> list[tuple[int, int]]:
+    """The runs of the image-pad token that directly follow ``<|vision_start|>``, one per image:
+    ``(start, length)`` each (a pad elsewhere, e.g. generated, is text: `vision.placeholders`)."""
     runs: list[tuple[int, int]] = []
     for i, t in enumerate(ids):
         if t != image_token_id:
             continue
         if runs and runs[-1][0] + runs[-1][1] == i:
             runs[-1] = (runs[-1][0], runs[-1][1] + 1)
-        else:
+        elif i > 0 and ids[i - 1] == vision_start_id:
             runs.append((i, 1))
     return runs
 
 
-def expand_image_runs(ids: list[int], image_token_id: int, grid: torch.Tensor, merge: int, where: str) -> list[int]:
+def expand_image_runs(ids: list[int], image_token_id: int, vision_start_id: int, grid: torch.Tensor, merge: int,
+                      where: str) -> list[int]:
     """``ids`` with every image's run of pads ``t*h*w / merge**2`` long (from ``grid [N, 3]``):
     a run of one pad is expanded, a run already that long is kept, any other is refused."""
     out, prev = [], 0
-    for j, ((start, n), thw) in enumerate(zip(_image_runs(ids, image_token_id), grid.tolist(), strict=True)):
+    for j, ((start, n), thw) in enumerate(zip(_image_runs(ids, image_token_id, vision_start_id), grid.tolist(),
+                                              strict=True)):
         need = thw[0] * thw[1] * thw[2] // (merge * merge)
         if n not in (1, need):
             raise RequestError(f"{where}[{j}]: the image's block holds {n} <|image_pad|> tokens; its grid "
@@ -91,6 +97,7 @@ class VisionSupport:
         self.config = hf_config
         self.image_processor = load_processor(model_path).image_processor
         self.image_token_id = int(hf_config.image_token_id)
+        self.vision_start_id = int(hf_config.vision_start_token_id)
         self.max_image_bytes = max_image_bytes
         self.max_image_pixels = max_image_pixels
         self.context_length = context_length
@@ -157,7 +164,7 @@ class VisionSupport:
         tokens or images) and the prompt's ids with every image's pads expanded."""
         from arealite.vision.rope import mrope_positions
 
-        blocks = len(_image_runs(ids, self.image_token_id))
+        blocks = len(_image_runs(ids, self.image_token_id, self.vision_start_id))
         if blocks != len(images):
             raise RequestError(f"{where}: the prompt's input_ids hold {blocks} image block(s) but {len(images)} "
                                "image(s) were sent; send one image per <|vision_start|><|image_pad|>... block")
@@ -169,7 +176,8 @@ class VisionSupport:
             h.update(hashlib.sha256(data).digest())
         out = self.image_processor(images=[img for img, _ in decoded], return_tensors="pt")
         grid = out["image_grid_thw"].to(torch.int64)
-        ids = expand_image_runs(ids, self.image_token_id, grid, self.config.vision_config.spatial_merge_size, where)
+        ids = expand_image_runs(ids, self.image_token_id, self.vision_start_id, grid,
+                                self.config.vision_config.spatial_merge_size, where)
         t = torch.tensor(ids, dtype=torch.long)
         try:
             pos = mrope_positions(self.config, t, grid)

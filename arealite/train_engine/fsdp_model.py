@@ -102,11 +102,15 @@ def vision_language_model(path: Path, hf_config: PretrainedConfig, attn_implemen
     within each image; it never sees the text's packed-sequence boundaries)."""
     from transformers import AutoModelForImageTextToText
 
-    return AutoModelForImageTextToText.from_pretrained(
+    from arealite.vision.placeholders import count_block_placeholders
+
+    model = AutoModelForImageTextToText.from_pretrained(
         path, config=without_dropout(hf_config), dtype=torch.float32,
         attn_implementation={"text_config": attn_implementation or register_attention("sdpa_loop"),
                              "vision_config": "sdpa"},
     )
+    count_block_placeholders(model)  # a pad the policy generated is text, as on the servers
+    return model
 
 
 def load_sharded_model(

@@ -13,6 +13,8 @@ from typing import Any
 
 import torch
 
+from arealite.vision.placeholders import image_slots
+
 __all__ = ["mrope_positions", "row_grids"]
 
 
@@ -42,11 +44,13 @@ def mrope_positions(hf_config: Any, input_ids: torch.Tensor, image_grid_thw: tor
     ``image_grid_thw [N, 3]`` of its images in prompt order (all-zero rows ignored; None or none
     left: a text-only row, whose three positions are ``0..L-1``).
 
-    Raises ValueError when the row's image-pad tokens do not match its grids.
+    The image slots are the pads of ``<|vision_start|>`` blocks; a pad elsewhere (one the policy
+    generated) is text (`arealite.vision.placeholders`). Raises ValueError when the row's image
+    slots do not match its grids.
     """
     L = int(input_ids.shape[0])
     grids = row_grids(image_grid_thw) if image_grid_thw is not None else None
-    is_image = input_ids == int(hf_config.image_token_id)
+    is_image = image_slots(input_ids, int(hf_config.image_token_id), int(hf_config.vision_start_token_id))
     if grids is None or grids.shape[0] == 0:
         if bool(is_image.any()):
             raise ValueError(f"the row has {int(is_image.sum())} image tokens but no image grid (image_grid_thw)")
