@@ -5,7 +5,7 @@
 # reverse-digits demo training LoRA adapters (rank 16) instead of every weight; DEMO=moe the
 # reverse-digits demo on a tiny Qwen3-MoE (8 experts, top-2) with routing replay (R3);
 # DEMO=reasoning_gym a reasoning-gym task (spell a word backward) generated during the run;
-# DEMO=vision a tiny vision-language model (Qwen2.5-VL) on images: where is the red square.
+# DEMO=vision a tiny vision-language model (Qwen2.5-VL) on images: how many shapes (1-4).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 EXTRAS=test bash ci/setup.sh

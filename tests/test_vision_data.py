@@ -218,6 +218,13 @@ def test_vision_demo_prepare_writes_data_the_run_accepts(tmp_path):
     assert len(rows) == 40 and rows[0]["images"][0].startswith(str(out / "images"))
     assert {r["answer"] for r in rows} <= {"1", "2", "3", "4"}
     assert validate_images(rows, max_pixels=56 * 56) == [0] * 40
+    from PIL import Image
+
+    for r in rows:  # the answer is the number of quadrants (merged image tokens) holding a shape
+        img = Image.open(r["images"][0]).convert("RGB")
+        inked = [img.crop((x, y, x + 28, y + 28)).getextrema() != ((255, 255),) * 3
+                 for x in (0, 28) for y in (0, 28)]
+        assert sum(inked) == int(r["answer"]), r
     proc = load_processor(out / "model")
     vp = render_vision_prompt(proc, rows[0]["prompt"], [image_bytes(rows[0]["images"][0])])
     assert vp.image_grid_thw.tolist() == [[1, 4, 4]]  # one merged token per quadrant

@@ -2,8 +2,10 @@
 
     python examples/vision/prepare.py --out runs/vision_demo
 
-Task: a 56x56 image shows a red square and a blue or green one, each in its own quadrant; the model answers which quadrant holds the red one (1 top left, 2 top right,
-3 bottom left, 4 bottom right). The reward is exact match (`arealite.reward.math:math_reward`).
+Task: a white 56x56 image shows 1 to 4 shapes (squares or discs, red, blue or green), each in
+its own quadrant; the model answers how many (1-4). Each merged image token covers exactly one
+quadrant, so each only has to say whether it holds a shape: no absolute position is needed.
+The reward is exact match (`arealite.reward.math:math_reward`).
 
 Writes ``OUT/base_model`` (a random Qwen2.5-VL of size ``vl-micro``: vision tower, processor,
 chat template), ``OUT/images/*.png`` with ``OUT/train.jsonl`` / ``OUT/eval.jsonl`` (rows
@@ -12,9 +14,9 @@ relative to the data file) and ``OUT/model``: the warmed-up starting policy for 
 
 The warm-up (a plain PyTorch loop over the Hugging Face model, images through its
 processor) is deliberately imperfect, as in the other demos: its answers are right for
-quadrant 1 and, for the other quadrants, right only ``--right-fraction`` of the time, the
-left-right mirror otherwise. The starting policy therefore sees where the red square is,
-but names the right quadrant greedily only about a quarter of the time; RL with the
+one shape and, for 2-4 shapes, right only ``--right-fraction`` of the time, one shape too few
+otherwise. The starting policy therefore tells the images apart but answers greedily right
+only for about a quarter of them; RL with the
 verifiable reward has to find and reinforce the right answer.
 """
 
@@ -33,26 +35,27 @@ from arealite.models.tiny import build_tiny_model
 from arealite.vision.processor import load_processor
 
 # Short on purpose: the prompt's tokens are most of a tiny model's compute.
-PROMPT = "<image>Red square: quadrant 1, 2, 3 or 4?"
+PROMPT = "<image>How many shapes: 1, 2, 3 or 4?"
 SIDE = 56
 # Quadrant q (1-4): its top-left corner in the image.
 CORNERS = {1: (0, 0), 2: (SIDE // 2, 0), 3: (0, SIDE // 2), 4: (SIDE // 2, SIDE // 2)}
-MIRROR = {1: 2, 2: 1, 3: 4, 4: 3}
-OTHER_COLOURS = [(0, 90, 255), (0, 170, 0)]
+# The warm-up's systematic wrong answer: one shape too few.
+WRONG = {2: 1, 3: 2, 4: 3}
+COLOURS = [(220, 0, 0), (0, 90, 255), (0, 170, 0)]
 
 
-def draw(rng: random.Random, quadrant: int):
-    """A white 56x56 image: a red square in ``quadrant``, a blue or green one in another."""
+def draw(rng: random.Random, count: int):
+    """A white 56x56 image with ``count`` shapes, each in a different quadrant."""
     from PIL import Image, ImageDraw
 
     img = Image.new("RGB", (SIDE, SIDE), (255, 255, 255))
     pen = ImageDraw.Draw(img)
-    other = rng.choice([q for q in CORNERS if q != quadrant])
-    for q, colour in ((quadrant, (220, 0, 0)), (other, rng.choice(OTHER_COLOURS))):
+    for q in rng.sample(sorted(CORNERS), count):
         size = rng.randint(14, 20)
         x0, y0 = CORNERS[q]
         x, y = x0 + rng.randint(1, SIDE // 2 - size - 1), y0 + rng.randint(1, SIDE // 2 - size - 1)
-        pen.rectangle([x, y, x + size, y + size], fill=colour)
+        shape = pen.rectangle if rng.random() < 0.5 else pen.ellipse
+        shape([x, y, x + size, y + size], fill=rng.choice(COLOURS))
     return img
 
 
@@ -87,7 +90,7 @@ class Encoded:
         self.ids = torch.tensor([p.input_ids for p in prompts])
         self.pixels = torch.stack([p.pixel_values for p in prompts])  # [N, P, D]
         self.grid = prompts[0].image_grid_thw  # [1, 3], the same for every row
-        self.quadrants = [int(r["answer"]) for r in rows]
+        self.answers = [int(r["answer"]) for r in rows]
         # The 3-D rope positions of prompt + answer + end of turn, as the server and trainer
         # compute them (`arealite.vision.rope`). transformers' forward builds them itself only
         # when it is given the processor's ``mm_token_type_ids``; without either it silently
@@ -108,17 +111,17 @@ class Encoded:
 
 @torch.no_grad()
 def greedy_accuracy(model, data: Encoded, batch_size: int = 100) -> float:
-    """Share of rows whose greedy first answer token is the right quadrant."""
+    """Share of rows whose greedy first answer token is the right count."""
     right = 0
     by_id = {v: q for q, v in data.answer_ids.items()}
-    for start in range(0, len(data.quadrants), batch_size):
-        index = list(range(start, min(start + batch_size, len(data.quadrants))))
+    for start in range(0, len(data.answers), batch_size):
+        index = list(range(start, min(start + batch_size, len(data.answers))))
         b = data.batch(index, [1] * len(index))
         n = data.ids.shape[1]
         logits = model(input_ids=b["input_ids"][:, :n], pixel_values=b["pixel_values"],
                        image_grid_thw=b["image_grid_thw"], position_ids=b["position_ids"][..., :n]).logits[:, -1]
-        right += sum(by_id.get(int(t)) == data.quadrants[i] for i, t in zip(index, logits.argmax(-1)))
-    return right / len(data.quadrants)
+        right += sum(by_id.get(int(t)) == data.answers[i] for i, t in zip(index, logits.argmax(-1)))
+    return right / len(data.answers)
 
 
 def warm_up(model_dir: Path, out_dir: Path, train: Encoded, held_out: Encoded, args) -> None:
@@ -131,9 +134,9 @@ def warm_up(model_dir: Path, out_dir: Path, train: Encoded, held_out: Encoded, a
     rng = random.Random(args.seed)
     t0 = time.time()
     for step in range(1, args.warmup_steps + 1):
-        index = [rng.randrange(len(train.quadrants)) for _ in range(args.batch_size)]
-        labels = [q if q == 1 or rng.random() < args.right_fraction else MIRROR[q]
-                  for q in (train.quadrants[i] for i in index)]
+        index = [rng.randrange(len(train.answers)) for _ in range(args.batch_size)]
+        labels = [q if q == 1 or rng.random() < args.right_fraction else WRONG[q]
+                  for q in (train.answers[i] for i in index)]
         loss = model(**train.batch(index, labels)).loss
         opt.zero_grad()
         loss.backward()
@@ -162,11 +165,11 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--size", default="vl-micro", help="tiny VLM size (vl-micro | vl-small)")
     p.add_argument("--n-train", type=int, default=1000)
     p.add_argument("--n-eval", type=int, default=200)
-    p.add_argument("--warmup-steps", type=int, default=600)
-    p.add_argument("--batch-size", type=int, default=32)
+    p.add_argument("--warmup-steps", type=int, default=200)
+    p.add_argument("--batch-size", type=int, default=16)
     p.add_argument("--lr", type=float, default=2e-3)
     p.add_argument("--right-fraction", type=float, default=0.3,
-                   help="share of warm-up answers for quadrants 2-4 that are right (the rest: the mirror)")
+                   help="share of warm-up answers for 2-4 shapes that are right (the rest: one too few)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--force", action="store_true", help="rebuild even if OUT/model exists")
     args = p.parse_args(argv)
