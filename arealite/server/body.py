@@ -89,8 +89,13 @@ def _decode(raw: bytes) -> JsonValue:
 def json_answer(obj: JsonValue) -> web.Response:
     """A 200 with ``obj`` as JSON, encoded by orjson: a /generate answer holds a float and an int
     per token, which the standard library encodes about 9 times slower (an abort of every
-    running request answers them all at once)."""
-    return web.Response(body=orjson.dumps(obj), content_type="application/json")
+    running request answers them all at once). What orjson cannot encode (a string holding a
+    lone surrogate) the standard library escapes."""
+    try:
+        body = orjson.dumps(obj)
+    except TypeError:  # orjson.JSONEncodeError: e.g. a lone surrogate in a client's rid, which json escapes
+        body = json.dumps(obj).encode()
+    return web.Response(body=body, content_type="application/json")
 
 
 async def off_loop(fn: Callable[..., T], *args: object) -> T:
