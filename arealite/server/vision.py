@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from arealite.utils.json_types import JsonObject, JsonValue
-from arealite.vision.placeholders import count_block_placeholders
+from arealite.vision.placeholders import count_block_placeholders, image_slots
 
 from .sampling import GenerateInput, RequestError
 
@@ -58,15 +58,16 @@ class VisionInputs:
 
 
 def _image_runs(ids: list[int], image_token_id: int, vision_start_id: int) -> list[tuple[int, int]]:
-    """The runs of the image-pad token that directly follow ``<|vision_start|>``, one per image:
-    ``(start, length)`` each (a pad elsewhere, e.g. generated, is text: `vision.placeholders`)."""
+    """The image slots' runs (`vision.placeholders.image_slots`: pads of a ``<|vision_start|>``
+    block; a pad elsewhere, e.g. generated, is text), one per image: ``(start, length)`` each."""
+    slots = image_slots(torch.tensor(ids, dtype=torch.long), image_token_id, vision_start_id).tolist()
     runs: list[tuple[int, int]] = []
-    for i, t in enumerate(ids):
-        if t != image_token_id:
+    for i, slot in enumerate(slots):
+        if not slot:
             continue
         if runs and runs[-1][0] + runs[-1][1] == i:
             runs[-1] = (runs[-1][0], runs[-1][1] + 1)
-        elif i > 0 and ids[i - 1] == vision_start_id:
+        else:
             runs.append((i, 1))
     return runs
 
