@@ -3,7 +3,7 @@
 An embedded server serves the tiny Qwen3-MoE in bfloat16 (``--enable-return-routed-experts``)
 and samples completions through the real client; the trainer side runs the same weights in
 float32, so the two networks disagree as GPU kernels and precisions do. For every generated
-token it compares, without and with R3 (`arealite.train_engine.routing_replay`):
+token it compares, without and with R3 (`arealite.moe.router_hooks`):
 
 - routing mismatch: share of (token, MoE layer) whose top-k set differs from the server's;
 - mean |log-prob difference| between behaviour (server) and trainer log-probs;
@@ -31,7 +31,7 @@ from arealite.api.types import GenerationRequest, SamplingParams
 from arealite.inference_client.sglang_client import SGLangClient
 from arealite.models.tiny import build_tiny_model
 from arealite.server.process import ServerProcess
-from arealite.train_engine.routing_replay import RoutingCapture, RoutingReplay
+from arealite.moe.router_hooks import RoutingCapture, RoutingReplay
 
 
 def _free_port() -> int:

@@ -13,7 +13,7 @@ from fsdp_scenario import assert_matches_one_process, load_worker, two_ranks
 
 from arealite.train_engine.expert_parallel import expert_parallel_problems
 from arealite.train_engine.parallel_layout import layout_problems
-from arealite.train_engine.routing_replay import RouterLoadBalance, moe_routers
+from arealite.moe.router_hooks import RouterLoadBalance, moe_routers
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import base64
 import math
 import socket
 
@@ -11,11 +12,13 @@ import torch
 
 from arealite.api.types import Completion, GenerationRequest, SamplingParams
 from arealite.inference_client.errors import AttemptFailure
-from arealite.inference_client.routed_experts import RoutingRows
+from arealite.inference_client.moe_routing import RoutingRows
+from arealite.inference_client.sglang_wire import SGLangWire
+from arealite.moe.router_hooks import RoutingCapture, RoutingReplay, moe_routers
+from arealite.moe.trajectory import micro_batch_experts, routed_experts_of
+from arealite.moe.wire import decode_routed_experts, encode_routed_experts
 from arealite.server.sampling import RequestError, parse_generate
 from arealite.train_engine.packing import pack
-from arealite.train_engine.routing_replay import RoutingCapture, RoutingReplay, micro_batch_experts, moe_routers
-from arealite.workflow.routed_experts import routed_experts_of
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -91,6 +94,22 @@ def test_trajectory_layout_lines_up_with_packed_tokens():
     assert torch.equal(experts[:4].reshape(4, 4).int(), rows) and (experts[4] == -1).all()
     assert (experts[7] == -1).all()  # last token of the second sequence: no server routing
     assert routed_experts_of([_completion(prompt, output, None)], 5) is None
+
+
+def test_wire_decodes_what_the_server_encodes_and_refuses_malformed_answers():
+    chunks = [torch.arange(2 * 3 * 2).view(2, 3, 2), torch.full((1, 3, 2), 70000)]  # two forwards
+    b64 = encode_routed_experts(chunks)
+    assert base64.b64decode(b64) == torch.cat(chunks).numpy().astype("<i4").tobytes()  # little-endian, C order
+    assert torch.equal(decode_routed_experts(b64), torch.cat(chunks).flatten().to(torch.int32))
+    assert decode_routed_experts(encode_routed_experts([])).numel() == 0 and decode_routed_experts(None) is None
+    answer = {"output_ids": [5], "meta_info": {"finish_reason": {"type": "stop"},
+                                               "output_token_logprobs": [[-0.5, 5, None]]}}
+    wire = SGLangWire()
+    assert torch.equal(wire.parse_answer({**answer, "meta_info": {**answer["meta_info"], "routed_experts": b64}})
+                       .routed_experts, decode_routed_experts(b64))
+    for bad, why in ((7, "is a int,"), ("not base64!", "is not valid base64"), ("AAAA", "holds 3 bytes, not a whole number")):
+        with pytest.raises(AttemptFailure, match=f"meta_info.routed_experts {why}"):
+            wire.parse_answer({**answer, "meta_info": {**answer["meta_info"], "routed_experts": bad}})
 
 
 def test_routing_rows_keep_each_tokens_first_segment():

@@ -507,7 +507,7 @@ class RoutingEngine(ScriptedEngine):
 
 @pytest.mark.parametrize("per_step", [False, True])
 async def test_multi_turn_rows_carry_the_routing_of_the_turn_that_first_ran_each_token(tok, per_step):
-    from arealite.workflow.routed_experts import ROUTED_EXPERTS_KEY
+    from arealite.moe.trajectory import ROUTED_EXPERTS_KEY
 
     async def env(item, text, ids, turn):
         return StepResult(0.5, done=turn == 2, feedback="more")

@@ -42,7 +42,7 @@ from arealite.config.schema import RolloutConfig
 from arealite.inference_client.errors import AttemptFailure, BadRequestError, GenerationError, NoHealthyServerError
 from arealite.inference_client.http1 import HttpConnectionError, HttpProtocolError, HttpResponseTooLarge
 from arealite.inference_client.response_check import check_segment
-from arealite.inference_client.routed_experts import RoutingRows
+from arealite.inference_client.moe_routing import RoutingRows
 from arealite.inference_client.server_pool import Attempt, Router, ServerPool, ServerState, read_body
 from arealite.inference_client.coalesce import RequestBatcher, SharedFailure, retryable_status
 from arealite.inference_client.wire import JSON_HEADERS, Segment, WireFormat, describe, encode_request, error_message, snippet

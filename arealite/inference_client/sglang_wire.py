@@ -8,7 +8,6 @@ See "Speaking SGLang" in DESIGN.md.
 
 from __future__ import annotations
 
-import base64
 import logging
 import math
 import operator
@@ -140,20 +139,15 @@ def _split_logprobs(token_lps: JsonValue) -> tuple[list[float], list[int]]:
 
 
 def _routed_experts(b64: JsonValue) -> torch.Tensor | None:
-    """``meta_info.routed_experts``: base64 of little-endian int32 (docs/sglang.md), as a flat tensor."""
+    """``meta_info.routed_experts`` as a flat int32 tensor (`arealite.moe.wire`, docs/sglang.md)."""
     if b64 is None:
         return None
-    import torch
+    from arealite.moe.wire import decode_routed_experts  # imports torch: only for an answer that has routing
 
-    if not isinstance(b64, str):
-        raise _malformed(f"meta_info.routed_experts is a {type(b64).__name__}, expected a base64 string")
     try:
-        data = base64.b64decode(b64, validate=True)
-    except ValueError:
-        raise _malformed("meta_info.routed_experts is not valid base64") from None
-    if len(data) % 4:
-        raise _malformed(f"meta_info.routed_experts holds {len(data)} bytes, not a whole number of int32")
-    return torch.frombuffer(bytearray(data), dtype=torch.int32) if data else torch.zeros(0, dtype=torch.int32)
+        return decode_routed_experts(b64)
+    except ValueError as e:
+        raise _malformed(str(e)) from None
 
 
 def _split_top(top: JsonValue, n: int) -> list[list[tuple[int, float]]]:

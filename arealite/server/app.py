@@ -17,6 +17,7 @@ from typing import Callable
 import torch
 from aiohttp import web
 
+from arealite.moe.wire import encode_routed_experts
 from arealite.utils.heap import freeze_heap
 from arealite.utils.json_types import JsonObject
 
@@ -24,7 +25,6 @@ from .args import ServerArgs
 from .body import RequestError, check_fields, error_response, json_answer, json_body, off_loop, want
 from .limits import LIMITS_KEY, OFFLOAD_BYTES, install_log_filter
 from .middleware import make_guard
-from .routed_experts import encode_routed_experts
 from .runner import ModelRunner, Sequence
 from .strict import SGLangBehaviour
 from .sampling import GenerateInput, RequestCaps, SamplingConfig, parse_generate

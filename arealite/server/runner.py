@@ -30,7 +30,7 @@ import torch.nn.functional as F
 
 from arealite.utils.json_types import JsonObject
 
-from arealite.train_engine.routing_replay import RoutingCapture
+from arealite.moe.router_hooks import RoutingCapture
 
 from .prompt_cache import PromptCache, cached_row, stack_cached
 from .sampling import BatchSamplingState, GenerateInput, sample_next

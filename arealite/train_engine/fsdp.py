@@ -45,6 +45,8 @@ import torch.distributed as dist
 
 from arealite.api.contracts import HeadOutput, LossFn, LossWeightFn, MicroBatchStats, PostHook, TrainBatch
 from arealite.config.schema import ActorConfig
+from arealite.moe.router_hooks import RouterLoadBalance, moe_routers
+from arealite.moe.trajectory import replay_routing  # MoE routing replay (R3)
 from arealite.train_engine.fsdp_checkpoint import (
     export_hf_dir,
     load_sharded,
@@ -58,7 +60,6 @@ from arealite.train_engine.lm_head import ChunkedHead, capture_head, output_head
 from arealite.train_engine.microbatch import MicroBatch, MicroBatchPlanner
 from arealite.train_engine.packing import PackedIndex, unpack
 from arealite.train_engine.expert_parallel import finish_expert_gradients
-from arealite.train_engine.routing_replay import RouterLoadBalance, moe_routers, replay_routing  # MoE routing replay (R3)
 from arealite.train_engine.parallel_layout import Meshes, ParallelLayout, build_meshes, layout_error, layout_problems
 from arealite.train_engine.sequence_parallel import SequenceParallel
 from arealite.train_engine.tensor_parallel import clip_grad_norm

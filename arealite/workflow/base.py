@@ -111,7 +111,7 @@ PAD_VALUES: dict[str, float | int | bool] = {
     "loss_mask": False,
     "logprobs": 0.0,
     "versions": -1,
-    "routed_experts": -1,  # no server routing (arealite.workflow.routed_experts)
+    "routed_experts": -1,  # no server routing (arealite.moe.trajectory)
 }
 
 

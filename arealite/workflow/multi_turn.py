@@ -47,7 +47,7 @@ from arealite.workflow.common import (
     vision_tensors,
 )
 from arealite.workflow.registry import builtin_workflow
-from arealite.workflow.routed_experts import ROUTED_EXPERTS_KEY, conversation_routed_experts
+from arealite.moe.trajectory import ROUTED_EXPERTS_KEY, conversation_routed_experts
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase

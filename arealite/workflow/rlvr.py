@@ -36,7 +36,7 @@ from arealite.workflow.common import (
     vision_tensors,
 )
 from arealite.workflow.registry import builtin_workflow
-from arealite.workflow.routed_experts import ROUTED_EXPERTS_KEY, routed_experts_of
+from arealite.moe.trajectory import ROUTED_EXPERTS_KEY, routed_experts_of
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase

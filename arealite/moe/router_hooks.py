@@ -1,4 +1,4 @@
-"""Mixture-of-experts routing: capture it (the server), replay it (the trainer; R3).
+"""Hooks on an MoE model's routers: capture the routing (the server), replay it (the trainer; R3).
 
 A Hugging Face MoE block (``Qwen3MoeSparseMoeBlock`` and its kin in transformers 5) asks
 its router (``block.gate``) for ``(router_logits, scores, indices)``: the logits over all
@@ -18,22 +18,15 @@ The classes here hook that router and touch nothing else of the model:
 - `RouterLoadBalance` computes the routers' load-balancing (auxiliary) loss of a forward.
 
 Layout: ``experts[t, layer, j]`` is the j-th expert the router of the ``layer``-th MoE block
-picked for token ``t`` of the forward's flattened ``[N]`` tokens (docs/moe.md).
+picked for token ``t`` of the forward's flattened ``[N]`` tokens (docs/moe.md); how a
+trajectory carries it is `arealite.moe.trajectory`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import contextmanager
-
 import torch
 
-__all__ = ["RouterLoadBalance", "RoutingCapture", "RoutingReplay", "moe_routers", "micro_batch_experts", "replay_routing",
-           "ROUTED_EXPERTS_KEY"]
-
-#: The trajectory key holding the server's routing (``[B, L, n_moe_layers * top_k]``, int16/int32;
-#: position t: the experts routed at token t-1, the forward that scored token t; -1: none).
-ROUTED_EXPERTS_KEY = "routed_experts"
+__all__ = ["RouterLoadBalance", "RoutingCapture", "RoutingReplay", "moe_routers"]
 
 
 def moe_routers(model: torch.nn.Module) -> list[torch.nn.Module]:
@@ -190,35 +183,3 @@ class RouterLoadBalance(_RouterHooks):
         out = torch.stack(self._terms).mean()
         self._terms = []
         return out
-
-
-def micro_batch_experts(mb: dict[str, torch.Tensor], top_k: int) -> torch.Tensor | None:
-    """The replay tensor ``[T, n_layers, k]`` of a packed micro-batch, or None when it carries no routing.
-
-    Packing shifts per-token keys by one (position t holds token t+1's value), and the
-    trajectory stores at t+1 the routing of token t (see `ROUTED_EXPERTS_KEY`), so after
-    packing position t holds exactly token t's routing. The last token of each sequence got
-    zeros from the shift: it has no server routing and keeps its own (-1).
-    """
-    flat = mb.get(ROUTED_EXPERTS_KEY)
-    if flat is None:
-        return None
-    if flat.dim() != 2 or flat.shape[1] % top_k:
-        raise ValueError(f"routed_experts of a micro-batch has shape {tuple(flat.shape)}; expected "
-                         f"[T, n_layers * {top_k}] (the trajectory key is [B, L, n_layers * top_k])")
-    experts = flat.reshape(flat.shape[0], -1, top_k).to(torch.int64).clone()
-    last = mb["cu_seqlens"][1:].to(torch.int64) - 1
-    experts[last] = -1
-    return experts
-
-
-@contextmanager
-def replay_routing(model: torch.nn.Module, mb: dict[str, torch.Tensor] | None) -> Iterator[None]:
-    """Replay the micro-batch's server routing in the forwards inside (nothing when it carries none)."""
-    routers = moe_routers(model) if mb is not None and ROUTED_EXPERTS_KEY in mb else []
-    experts = micro_batch_experts(mb, int(routers[0].top_k)) if routers else None
-    if experts is None:
-        yield
-        return
-    with RoutingReplay(model, experts, routers):  # the routers found above: one walk of the model
-        yield

@@ -4,19 +4,29 @@ Position t of a row holds the experts the server routed token t-1 to (per MoE la
 ids, flattened: ``[n_layers * top_k]``), i.e. the routing of the forward that scored token
 t, as ``logprobs[t]`` is the log-prob of token t. Position 0 and padding hold -1. After
 packing (`arealite.train_engine.packing`, which shifts per-token keys by one) position t
-then holds token t's own routing, which `arealite.train_engine.routing_replay` replays.
+then holds token t's own routing.
+
+Both sides of that layout are here: the workflows write the key (`routed_experts_of`,
+`conversation_routed_experts`), the train engine reads it back from a packed micro-batch
+and replays it in the forward (`replay_routing`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 
 import torch
 
 from arealite.api.types import Completion
-from arealite.train_engine.routing_replay import ROUTED_EXPERTS_KEY
+from arealite.moe.router_hooks import RoutingReplay, moe_routers
 
-__all__ = ["ROUTED_EXPERTS_KEY", "conversation_routed_experts", "routed_experts_of"]
+__all__ = ["ROUTED_EXPERTS_KEY", "conversation_routed_experts", "micro_batch_experts", "replay_routing",
+           "routed_experts_of"]
+
+#: The trajectory key holding the server's routing (``[B, L, n_moe_layers * top_k]``, int16/int32;
+#: position t: the experts routed at token t-1, the forward that scored token t; -1: none).
+ROUTED_EXPERTS_KEY = "routed_experts"
 
 
 def routed_experts_of(comps: Sequence[Completion], width: int) -> torch.Tensor | None:
@@ -65,3 +75,35 @@ def conversation_routed_experts(turns: Sequence[Sequence[Completion]], lengths: 
             raise ValueError(f"conversation {i}: routing covers {done} of its {n - 1} forwarded tokens; "
                              "its last model turn must end the row")
     return out
+
+
+def micro_batch_experts(mb: dict[str, torch.Tensor], top_k: int) -> torch.Tensor | None:
+    """The replay tensor ``[T, n_layers, k]`` of a packed micro-batch, or None when it carries no routing.
+
+    Packing shifts per-token keys by one (position t holds token t+1's value), and the
+    trajectory stores at t+1 the routing of token t (see `ROUTED_EXPERTS_KEY`), so after
+    packing position t holds exactly token t's routing. The last token of each sequence got
+    zeros from the shift: it has no server routing and keeps its own (-1).
+    """
+    flat = mb.get(ROUTED_EXPERTS_KEY)
+    if flat is None:
+        return None
+    if flat.dim() != 2 or flat.shape[1] % top_k:
+        raise ValueError(f"routed_experts of a micro-batch has shape {tuple(flat.shape)}; expected "
+                         f"[T, n_layers * {top_k}] (the trajectory key is [B, L, n_layers * top_k])")
+    experts = flat.reshape(flat.shape[0], -1, top_k).to(torch.int64).clone()
+    last = mb["cu_seqlens"][1:].to(torch.int64) - 1
+    experts[last] = -1
+    return experts
+
+
+@contextmanager
+def replay_routing(model: torch.nn.Module, mb: dict[str, torch.Tensor] | None) -> Iterator[None]:
+    """Replay the micro-batch's server routing in the forwards inside (nothing when it carries none)."""
+    routers = moe_routers(model) if mb is not None and ROUTED_EXPERTS_KEY in mb else []
+    experts = micro_batch_experts(mb, int(routers[0].top_k)) if routers else None
+    if experts is None:
+        yield
+        return
+    with RoutingReplay(model, experts, routers):  # the routers found above: one walk of the model
+        yield
