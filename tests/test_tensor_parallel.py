@@ -10,22 +10,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from fsdp_scenario import assert_matches_one_process, load_worker, two_ranks
+from fsdp_scenario import FAMILIES, assert_matches_one_process, family_runs, two_ranks
 
 from arealite.train_engine.parallel_layout import layout_problems
 from arealite.train_engine.tensor_parallel import tensor_parallel_problems
 
 QWEN2 = {"model_type": "qwen2", "num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 128}
-
-#: Every dense family tensor parallelism accepts, beside the Qwen2 micro model of the scenario,
-#: each built to show what a Qwen2 cannot: Qwen3 normalises each query and key head after its
-#: projection (a norm every rank holds whole but applies to its own heads only), Llama here has
-#: untied embeddings and biases in the attention and the MLP, Mistral a 4:1 GQA ratio.
-FAMILIES = {
-    "qwen3": dict(family="qwen3"),
-    "llama": dict(family="llama", tie_word_embeddings=False, attention_bias=True, mlp_bias=True),
-    "mistral": dict(family="mistral", num_attention_heads=8, num_key_value_heads=2, sliding_window=None),
-}
 
 
 @pytest.fixture(scope="module")
@@ -69,26 +59,16 @@ def test_tensor_parallel_push_equals_one_process_byte_for_byte(tp_results, one_r
 
 
 @pytest.fixture(scope="module", params=sorted(FAMILIES))
-def family_runs(request, tmp_path_factory):
-    """The scenario on one family's micro model: one process, then 2 tensor-parallel ranks."""
-    from arealite.models.tiny import build_tiny_model
-
-    name = request.param
-    model_dir = build_tiny_model(tmp_path_factory.mktemp(f"tp_{name}_model"), size="micro", seed=1,
-                                 **FAMILIES[name])
-    out = tmp_path_factory.mktemp(f"tp_{name}_1rank")
-    load_worker().run(str(model_dir), str(out))
-    single = torch.load(out / "result_rank0.pt", weights_only=False)
-    _, (r0, r1) = two_ranks(model_dir, tmp_path_factory.mktemp(f"tp_{name}_2ranks"), "tp")
-    return name, single, r0, r1
+def tp_family_runs(request, tmp_path_factory):
+    return request.param, *family_runs(request.param, "tp", tmp_path_factory)
 
 
 @pytest.mark.slow
-def test_tensor_parallel_matches_one_process_for_each_family(family_runs):
+def test_tensor_parallel_matches_one_process_for_each_family(tp_family_runs):
     """Losses, gradient norms, first-step gradients and weights after every step within 1e-5 of
     one process, for each family (Qwen3's per-head norms trained on a part of their gradient
     before the norms were summed over the ranks: the gradient norm differed from step 1)."""
-    name, single, r0, r1 = family_runs
+    name, single, r0, r1 = tp_family_runs
     if name == "qwen3":
         assert {n.rsplit(".", 2)[-2] for n in r0["tp_split"]} >= {"q_norm", "k_norm"}
     assert_matches_one_process(r0, r1, single)
