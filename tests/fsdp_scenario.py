@@ -49,6 +49,32 @@ def two_ranks(model_dir, out: Path, *extra: str) -> tuple[Path, list[dict]]:
     return out, [torch.load(out / f"result_rank{r}.pt", weights_only=False) for r in range(2)]
 
 
+#: Every dense family a parallel layout accepts, beside the Qwen2 micro model of the scenario,
+#: each built to show what a Qwen2 cannot: Qwen3 normalises each query and key head after its
+#: projection (under tensor parallelism a norm every rank holds whole but applies to its own
+#: heads only), Llama here has untied embeddings and biases in the attention and the MLP,
+#: Mistral a 4:1 GQA ratio. Keyword arguments of `arealite.models.tiny.build_tiny_model`.
+FAMILIES = {
+    "qwen3": dict(family="qwen3"),
+    "llama": dict(family="llama", tie_word_embeddings=False, attention_bias=True, mlp_bias=True),
+    "mistral": dict(family="mistral", num_attention_heads=8, num_key_value_heads=2, sliding_window=None),
+}
+
+
+def family_runs(family: str, layout: str, tmp_path_factory) -> tuple[dict, dict, dict]:
+    """The scenario on ``family``'s micro model, in one process and on 2 ranks of ``layout``
+    (sp or tp): ``(single, rank0, rank1)``."""
+    from arealite.models.tiny import build_tiny_model
+
+    model_dir = build_tiny_model(tmp_path_factory.mktemp(f"{family}_model"), size="micro", seed=1,
+                                 **FAMILIES[family])
+    out = tmp_path_factory.mktemp(f"{family}_1rank")
+    load_worker().run(str(model_dir), str(out))
+    single = torch.load(out / "result_rank0.pt", weights_only=False)
+    _, (r0, r1) = two_ranks(model_dir, tmp_path_factory.mktemp(f"{family}_{layout}2"), layout)
+    return single, r0, r1
+
+
 def assert_matches_one_process(r0: dict, r1: dict, single: dict, tol: float = 1e-5) -> None:
     """A 2-rank group's results (``r0``, ``r1``) equal the 1-process ``single`` within ``tol``:
     every step's loss and gradient norm, the first step's gradients, the weights after every kind

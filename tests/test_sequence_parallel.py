@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from fsdp_scenario import assert_matches_one_process, two_ranks
+from fsdp_scenario import assert_matches_one_process, family_runs, two_ranks
 
 from arealite.train_engine.parallel_layout import layout_problems, run_layout_problems
 from arealite.utils.dist import free_port
@@ -32,6 +32,14 @@ def test_sequence_parallel_two_ranks_match_one_process(sp_results, one_rank_resu
     assert_matches_one_process(r0, r1, single)
     for s2 in r0["stats"]:
         assert s2["mean_logp"] == pytest.approx(-s2["loss"], abs=1e-6)  # the gathered log-probs are the loss's
+
+
+@pytest.mark.slow
+def test_sequence_parallel_matches_one_process_on_qwen3(tmp_path_factory):
+    """Qwen3's per-head norms run before Ulysses' all-to-all, on each rank's own tokens: their
+    gradients are summed like every other weight's."""
+    single, r0, r1 = family_runs("qwen3", "sp", tmp_path_factory)
+    assert_matches_one_process(r0, r1, single)
 
 
 def _gather_tokens(x: torch.Tensor) -> torch.Tensor:

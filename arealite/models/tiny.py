@@ -43,6 +43,10 @@ SIZES: dict[str, dict[str, int]] = {
                   num_key_value_heads=5, intermediate_size=1920, vocab_size=4096),
 }
 
+#: The dense decoder families a ``SIZES`` size can be built as: their transformers config classes.
+DENSE_FAMILIES: dict[str, str] = {"qwen2": "Qwen2Config", "qwen3": "Qwen3Config",
+                                  "llama": "LlamaConfig", "mistral": "MistralConfig"}
+
 #: Named mixture-of-experts sizes (``Qwen3MoeForCausalLM``): every decoder layer is a sparse
 #: MoE block of ``num_experts`` experts of width ``moe_intermediate_size``, ``num_experts_per_tok``
 #: of them per token (docs/moe.md).
@@ -204,13 +208,17 @@ def build_tiny_model(
     max_position_embeddings: int = 1024,
     tie_word_embeddings: bool = True,
     extra_corpus: list[str] | None = None,
-    **overrides: int,
+    family: str = "qwen2",
+    **overrides: int | bool,
 ) -> Path:
     """Write a Hugging Face model directory and return its path.
 
     ``size`` is one of ``SIZES``; ``overrides`` change single config values
     (e.g. ``num_hidden_layers=1``). Weights are deterministic for ``seed``.
     ``extra_corpus``: lines the tokenizer is also trained on (see `build_tokenizer`).
+    ``family``: the dense decoder a ``SIZES`` size is built as (`DENSE_FAMILIES`): Qwen2 by
+    default; Qwen3 normalises each query and key head, Llama and Mistral take
+    ``attention_bias`` / ``mlp_bias`` overrides; the parallel layouts are checked on each.
     """
     import torch
     from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
@@ -218,6 +226,9 @@ def build_tiny_model(
     named = {**SIZES, **MOE_SIZES, **VL_SIZES}
     if size not in named:
         raise ValueError(f"size={size!r} is not one of {sorted(named)}")
+    if family not in DENSE_FAMILIES or (family != "qwen2" and size not in SIZES):
+        raise ValueError(f"family={family!r}: a dense size ({sorted(SIZES)}) is built as one of "
+                         f"{sorted(DENSE_FAMILIES)}; the moe-* and vl-* sizes have their own family")
     dims = {**named[size], **overrides}
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -238,7 +249,7 @@ def build_tiny_model(
     if vision:
         config = _vl_config(dims, common, {t: raw.token_to_id(t) for t in VISION_TOKENS})
     else:
-        config = _model_config(size, dims, common)
+        config = _model_config(size, dims, common, family)
     auto = AutoModelForImageTextToText if vision else AutoModelForCausalLM
     gen = torch.random.fork_rng(devices=[])
     with gen:
@@ -300,9 +311,11 @@ def _save_processor(hf_tok, out: Path) -> None:
     tcfg_path.write_text(json.dumps(tcfg, indent=2))
 
 
-def _model_config(size: str, dims: dict[str, int], common: dict):
-    """The transformers config of a named size: Qwen2 (dense) or Qwen3-MoE (``moe-*``)."""
-    from transformers import Qwen2Config, Qwen3MoeConfig
+def _model_config(size: str, dims: dict[str, int], common: dict, family: str):
+    """The transformers config of a named size: a dense ``family`` (`DENSE_FAMILIES`) or
+    Qwen3-MoE (``moe-*``)."""
+    import transformers
+    from transformers import Qwen3MoeConfig
 
     dims = {k: v for k, v in dims.items() if k != "vocab_size"}  # the trained tokenizer's is used
     if size in MOE_SIZES:
@@ -311,7 +324,9 @@ def _model_config(size: str, dims: dict[str, int], common: dict):
         return Qwen3MoeConfig(**dims, intermediate_size=4 * dims["hidden_size"], decoder_sparse_step=1,
                               mlp_only_layers=[], norm_topk_prob=True, output_router_logits=False,
                               router_aux_loss_coef=0.001, **common)
-    return Qwen2Config(**dims, **common)
+    if family == "qwen3":  # its config defaults head_dim to 128 whatever the width
+        dims = {"head_dim": dims["hidden_size"] // dims["num_attention_heads"], **dims}
+    return getattr(transformers, DENSE_FAMILIES[family])(**dims, **common)
 
 
 def _vl_config(dims: dict[str, int], common: dict, token_ids: dict[str, int]):

@@ -135,7 +135,7 @@ def load_sharded_model(
     problems = layout_problems(section, config.sp_size, config.tp_size, dist.get_world_size(),
                                lora=config.lora is not None, hf_config=hf_config.to_dict(), ep=config.ep_size)
     if problems:
-        raise ValueError("; ".join(problems))
+        raise layout_error(problems)
     attn = resolve_attn_impl(config.attn_impl, device_type, dtype, field=f"{section}.attn_impl")
     logger.info("%s.attn_impl=%s: packed attention runs as %s", section, config.attn_impl, attn)
     sp_group = meshes.group if config.sp_size > 1 else None

@@ -6,7 +6,14 @@ of the MLP's width) and the output and down projections by input features (row-w
 partial product, summed over the ranks). Attention therefore runs on each rank's ``heads / tp``
 query heads and ``kv_heads / tp`` KV heads, on all tokens, with any packed attention
 implementation. Embeddings, norms and the output head stay whole on every tensor-parallel rank
-(FSDP2 shards them over the data-parallel ranks), so the fused log-prob head is unchanged. The
+(FSDP2 shards them over the data-parallel ranks), so the fused log-prob head is unchanged.
+
+A per-head norm (Qwen3's ``q_norm`` / ``k_norm``, applied to each head right after its
+projection) is whole on every rank too, but each rank applies it to its own heads only, so each
+rank's gradient of its weight is a part of the whole: the norm is made a replicated DTensor
+that takes its input as sharded over the heads (``SequenceParallel`` over the head dimension),
+and DTensor sums the ranks' parts in backward. Any other parameter of a layer's attention or MLP
+that the plan does not split is refused, rather than trained on a part of its gradient. The
 parameters become DTensors on the data x tensor mesh once FSDP2 shards the layers over ``dp``;
 ``full_tensor()`` gathers a weight whole, which is how every weight transfer gets full tensors.
 
@@ -33,6 +40,8 @@ TP_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 
 _COLUMN = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj")
 _ROW = ("self_attn.o_proj", "mlp.down_proj")
+#: Norms applied to each head after its projection: ``[..., heads, head_dim]``, heads at dim 2.
+_PER_HEAD = ("self_attn.q_norm", "self_attn.k_norm")
 
 
 def tensor_parallel_problems(hf_config: dict, tp: int, field: str) -> list[ConfigProblem]:
@@ -56,11 +65,35 @@ def tensor_parallel_problems(hf_config: dict, tp: int, field: str) -> list[Confi
 def apply_tensor_parallel(layers: list[torch.nn.Module], tp_mesh: DeviceMesh) -> None:
     """Split each of ``layers`` (a model's decoder layers) over ``tp_mesh`` in place; the rest of
     the model stays whole."""
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+    from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel, SequenceParallel,
+                                                   parallelize_module)
 
     plan = {**{name: ColwiseParallel() for name in _COLUMN}, **{name: RowwiseParallel() for name in _ROW}}
     for layer in layers:
-        parallelize_module(layer, tp_mesh, plan)
+        _refuse_unplanned(layer)
+        per_head = {name: SequenceParallel(sequence_dim=2, use_local_output=True)
+                    for name in _PER_HEAD if _has_submodule(layer, name)}
+        parallelize_module(layer, tp_mesh, {**plan, **per_head})
+
+
+def _has_submodule(module: torch.nn.Module, name: str) -> bool:
+    try:
+        module.get_submodule(name)
+    except AttributeError:
+        return False
+    return True
+
+
+def _refuse_unplanned(layer: torch.nn.Module) -> None:
+    """Raise if the layer's attention or MLP holds a parameter the plan neither splits nor knows
+    as per-head: it would see only this rank's heads (or width) and train on a part of its gradient."""
+    known = _COLUMN + _ROW + _PER_HEAD
+    for name, _ in layer.named_parameters():
+        owner = name.rsplit(".", 1)[0]
+        if owner.startswith(("self_attn", "mlp")) and owner not in known:
+            raise NotImplementedError(
+                f"tensor parallelism does not know the decoder layer's parameter {name!r} "
+                f"({type(layer).__name__}); set tp_size=1 for this model")
 
 
 def _norm_of(grads: list[torch.Tensor]) -> torch.Tensor:
