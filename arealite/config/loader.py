@@ -33,7 +33,8 @@ from pydantic import BaseModel, ValidationError
 
 from arealite.config.algo_checks import check_algorithm
 from arealite.config.problems import NO_VALUE, SECRET_FIELDS, ConfigCheck, ConfigError, ConfigProblem, short_value
-from arealite.config.schema import ArealiteConfig, _check_server_addr
+from arealite.config.launch import check_server_addr
+from arealite.config.schema import ArealiteConfig
 from arealite.config.yaml12 import Dumper, Loader, error_text
 from arealite.utils.net import is_local_host, split_addr
 
@@ -598,7 +599,7 @@ def check_launch(cfg: ArealiteConfig, environ: Mapping[str, str] | None = None) 
             addrs = [a.strip() for a in text.split(",") if a.strip()]
             for a in addrs:
                 try:
-                    _check_server_addr(a)
+                    check_server_addr(a)
                 except ValueError as e:
                     problems.append(ConfigProblem(SERVER_ADDRS_ENV, str(e), text, "environment"))
             if not addrs:
