@@ -39,6 +39,7 @@ from arealite.config.train_engine import (
     LoraConfig,
     OptimizerConfig,
     SimTrainOptions,
+    TrainEngineConfig,
 )
 from arealite.config.weight_sync import WeightSyncConfig
 
@@ -70,6 +71,7 @@ __all__ = [
     "SimTrainOptions",
     "SlurmLaunchConfig",
     "StatsConfig",
+    "TrainEngineConfig",
     "WandbConfig",
     "WeightSyncConfig",
 ]

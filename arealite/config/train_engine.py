@@ -79,7 +79,12 @@ class LoraConfig(Section):
         return v
 
 
-class ActorConfig(Section):
+class TrainEngineConfig(Section):
+    """Everything a train engine reads to train one model: where the model is, its compute dtype,
+    optimizer, micro-batches, attention, parallel layout and memory savers. The actor's and the
+    critic's sections are both one, so that the same keys mean the same in both
+    (`actor.sp_size`, `critic.sp_size`); a new engine setting is declared here once."""
+
     model_path: str = ""
     """Hugging Face model directory to train (config.json, safetensors, tokenizer)."""
     dtype: Literal["auto", "float32", "bfloat16"] = "auto"
@@ -122,6 +127,11 @@ class ActorConfig(Section):
     freeze_vision: bool = False
     """A vision-language model: train its language model only; the vision tower keeps its
     weights (no gradient, no optimizer state). See docs/vision.md."""
+
+
+class ActorConfig(TrainEngineConfig):
+    """The trained policy: its train engine's settings, and what only the policy has."""
+
     temperature: float | None = Field(None, gt=0)
     """Temperature used to recompute log-probs (None = `generation.temperature`)."""
     lora: LoraConfig | None = None
@@ -134,27 +144,16 @@ class ActorConfig(Section):
     """Options used only when `backend` is `sim`."""
 
 
-class CriticConfig(Section):
-    enabled: bool = False
-    """Train a value model (PPO with a critic); needed by, and only used with, `algorithm.adv_estimator: gae`."""
+class CriticConfig(TrainEngineConfig):
+    """PPO's value model: its train engine's settings (every key of `actor`'s engine, with the
+    critic's own defaults where they differ), whether it trains, and its loss's clip."""
+
     model_path: str | None = None
     """Hugging Face model directory of the critic's backbone (None = `actor.model_path`); a
     scalar value head is added on top."""
-    dtype: Literal["auto", "float32", "bfloat16"] = "auto"
-    """Compute dtype, as `actor.dtype`."""
     optimizer: OptimizerConfig = Field(default_factory=lambda: OptimizerConfig(lr=1e-5))
     """The critic's own optimizer and LR schedule."""
-    mb_max_tokens: int = Field(8192, ge=1)
-    """Token budget of one packed micro-batch."""
-    attn_impl: Literal["auto", "varlen", "flex", "sdpa_loop"] = "auto"
-    """Attention over packed sequences, as `actor.attn_impl`."""
-    sp_size: int = Field(1, ge=1)
-    """Sequence-parallel ranks, as `actor.sp_size`."""
-    tp_size: int = Field(1, ge=1)
-    """Tensor-parallel ranks, as `actor.tp_size`."""
-    ep_size: int = Field(1, ge=1)
-    """Expert-parallel ranks for a mixture-of-experts backbone, as `actor.ep_size`."""
-    gradient_checkpointing: bool = False
-    """Recompute activations in backward to save memory."""
+    enabled: bool = False
+    """Train a value model (PPO with a critic); needed by, and only used with, `algorithm.adv_estimator: gae`."""
     value_clip: float | None = Field(0.2, gt=0)
     """Clip range of the value update around the old values (PPO2's clipped value loss); null = unclipped."""
