@@ -43,37 +43,19 @@ from arealite.config.train_engine import (
 )
 from arealite.config.weight_sync import WeightSyncConfig
 
+# The root, then every section class by the module that holds it.
 __all__ = [
-    "REASONING_GYM_REWARD",
-    "ActorConfig",
-    "AgentConfig",
-    "AlgorithmConfig",
-    "ArealiteConfig",
-    "CriticConfig",
-    "DataConfig",
-    "EvaluationConfig",
-    "ExperimentConfig",
-    "GenerationConfig",
-    "LaunchConfig",
-    "LoraConfig",
-    "MismatchConfig",
-    "OptimizerConfig",
-    "OverlongConfig",
-    "RayLaunchConfig",
-    "ReasoningGymConfig",
-    "RecoverConfig",
-    "RolloutConfig",
-    "SGLangOptions",
-    "SaverConfig",
-    "Section",
-    "ServerConfig",
-    "SimOptions",
-    "SimTrainOptions",
-    "SlurmLaunchConfig",
-    "StatsConfig",
-    "TrainEngineConfig",
-    "WandbConfig",
+    "ArealiteConfig", "Section",
+    "ExperimentConfig", "SaverConfig", "RecoverConfig",
+    "LaunchConfig", "RayLaunchConfig", "SlurmLaunchConfig",
+    "ServerConfig", "SGLangOptions", "SimOptions",
+    "RolloutConfig", "GenerationConfig",
+    "TrainEngineConfig", "ActorConfig", "CriticConfig", "OptimizerConfig", "LoraConfig", "SimTrainOptions",
+    "AlgorithmConfig", "MismatchConfig", "OverlongConfig",
+    "DataConfig", "REASONING_GYM_REWARD", "ReasoningGymConfig",
+    "EvaluationConfig", "StatsConfig", "WandbConfig",
     "WeightSyncConfig",
+    "AgentConfig",
 ]
 
 
