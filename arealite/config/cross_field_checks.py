@@ -142,4 +142,3 @@ def check_config(cfg: ArealiteConfig, *, check_paths: bool = True,
     if problems:
         raise ConfigError(problems)
     return cfg
-

@@ -89,4 +89,3 @@ def _addr_is_local(addr: str) -> bool:
     except ValueError:  # reported by the address checks
         return True
     return is_local_host(host)
-

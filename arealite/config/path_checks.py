@@ -27,6 +27,7 @@ def _model_dir_problems(name: str, value: str | None) -> list[ConfigProblem]:
         )]
     return []
 
+
 #: The dotted fields `path_problems` judges.
 PATH_FIELDS = ("actor.model_path", "server.model_path", "data.train_path", "data.eval_path")
 
@@ -47,4 +48,3 @@ def path_problems(values: Mapping[str, str | None]) -> list[ConfigProblem]:
             out.append(ConfigProblem(name, "is a directory but not one saved by `datasets.Dataset."
                                      "save_to_disk` (no state.json): give a JSONL or Parquet file", value))
     return out
-
