@@ -25,7 +25,8 @@ from collections.abc import Sequence
 
 from arealite.algo.advantage import estimator_problems
 from arealite.algo.loss import policy_loss_problems
-from arealite.config.loader import ConfigError, check_launch, load_config, parse_args, split_config_args
+from arealite.config.launch_checks import check_launch
+from arealite.config.loader import ConfigError, load_config, parse_args, split_config_args
 from arealite.config.problems import ConfigCheck
 from arealite.config.schema import ArealiteConfig
 from arealite.reward import reward_fn_problems

@@ -88,3 +88,27 @@ def test_gae_and_the_critic_go_together_in_config():
         load_config(None, ["critic.enabled=true"], check_paths=False)
     cfg = load_config(None, ["critic.enabled=true", "algorithm.adv_estimator=gae"], check_paths=False)
     assert cfg.critic.value_clip == 0.2
+
+
+def test_the_critic_section_is_a_train_engine_config_and_reaches_the_engine_whole(micro_model_dir, monkeypatch):
+    """Every train-engine key the actor has, the critic has with the same meaning; the builder
+    hands the critic's section itself to its engine (the backbone defaulting to the actor's)."""
+    from arealite.config.schema import CriticConfig, TrainEngineConfig
+    from arealite.trainer.build import build_critic
+
+    assert set(TrainEngineConfig.model_fields) <= set(CriticConfig.model_fields)
+    assert set(TrainEngineConfig.model_fields) <= set(ActorConfig.model_fields)
+    monkeypatch.setattr(ValueEngine, "initialize", lambda self, total_steps=None: self)
+    overrides = ["critic.enabled=true", "algorithm.adv_estimator=gae", f"actor.model_path={micro_model_dir}",
+                 "critic.sp_size=2", "critic.attn_impl=sdpa_loop", "critic.cpu_offload=true",
+                 "critic.router_aux_loss_coef=0.01", "critic.mb_max_tokens=77", "critic.value_clip=0.3"]
+    cfg = load_config(None, overrides, check_paths=False)
+    critic = build_critic(cfg, total_steps=5)
+    engine_cfg = critic.engine.config
+    assert engine_cfg.model_path == str(micro_model_dir) and cfg.critic.model_path is None
+    for name in TrainEngineConfig.model_fields:
+        if name != "model_path":
+            assert getattr(engine_cfg, name) == getattr(cfg.critic, name), name
+    assert (engine_cfg.sp_size, engine_cfg.cpu_offload, engine_cfg.mb_max_tokens) == (2, True, 77)
+    assert engine_cfg.optimizer.lr == 1e-5  # the critic's own default, not the actor's
+    assert critic.value_clip == 0.3

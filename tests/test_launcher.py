@@ -322,7 +322,8 @@ def test_cpu_plan_splits_cores_between_servers_and_trainer():
 
 
 def test_server_cpus_checks_name_the_field():
-    from arealite.config.loader import ConfigError, check_launch
+    from arealite.config.launch_checks import check_launch
+    from arealite.config.loader import ConfigError
 
     n = len(os.sched_getaffinity(0))
     for launch, words in (

@@ -26,7 +26,9 @@ import torch
 from conftest import perturbed_weights
 
 from arealite.api.types import GenerationRequest, SamplingParams
-from arealite.config.loader import ConfigError, check_config, check_launch
+from arealite.config.cross_field_checks import check_config
+from arealite.config.launch_checks import check_launch
+from arealite.config.loader import ConfigError
 from arealite.config.schema import ArealiteConfig, WeightSyncConfig
 from arealite.inference_client.sglang_client import SGLangClient
 from arealite.utils.net import free_port

@@ -9,23 +9,15 @@ function, workflow) are checked by those packages: `arealite.check` loads a run'
 with every check, and `python -m arealite.check` validates one from a shell.
 """
 
-from arealite.config.loader import (
-    SERVER_ADDRS_ENV,
-    ConfigCheck,
-    ConfigError,
-    ConfigProblem,
-    check_config,
-    check_launch,
-    config_problems,
-    dump_config,
-    load_config,
-    parse_args,
-    parse_override_value,
-)
+from arealite.config.cross_field_checks import check_config, config_problems
+from arealite.config.launch_checks import SERVER_ADDRS_ENV, check_launch
+from arealite.config.loader import dump_config, load_config, parse_args, parse_override_value
+from arealite.config.problems import ConfigCheck, ConfigError, ConfigProblem
 from arealite.config.schema import (
     ActorConfig,
     AlgorithmConfig,
     ArealiteConfig,
+    CriticConfig,
     DataConfig,
     EvaluationConfig,
     ExperimentConfig,
@@ -38,6 +30,7 @@ from arealite.config.schema import (
     ServerConfig,
     SGLangOptions,
     StatsConfig,
+    TrainEngineConfig,
     WandbConfig,
     WeightSyncConfig,
 )
@@ -50,6 +43,7 @@ __all__ = [
     "ConfigCheck",
     "ConfigError",
     "ConfigProblem",
+    "CriticConfig",
     "DataConfig",
     "EvaluationConfig",
     "ExperimentConfig",
@@ -62,6 +56,7 @@ __all__ = [
     "SaverConfig",
     "ServerConfig",
     "StatsConfig",
+    "TrainEngineConfig",
     "WandbConfig",
     "WeightSyncConfig",
     "check_config",

@@ -15,7 +15,8 @@ import yaml
 from pydantic import BaseModel
 from pydantic.fields import FieldInfo
 
-from arealite.config.loader import CROSS_FIELD_CHECKS, _section_model
+from arealite.config.cross_field_checks import CROSS_FIELD_CHECKS
+from arealite.config.loader import _section_model
 from arealite.config.schema import ArealiteConfig
 from arealite.config.yaml12 import Dumper
 

@@ -9,10 +9,11 @@ override). YAML is read with the YAML 1.2 core rules (only `true`/`false` are
 booleans, `1e-5` is a float, `no`, `on` and `2024-01-01` stay strings), both in
 files and in override values, and duplicate keys are an error.
 
-The loader judges what the config alone can tell. Names that only the packages
-above it can resolve (advantage estimator, policy loss, reward function, workflow)
-are checked by their owners: `arealite.check` passes those checks in as
-`extra_checks`, so that they are reported in the same round.
+The loader judges what the config alone can tell: the fields' own rules (the sections'
+classes), the rules across them (`cross_field_checks`, `algo_checks`) and the paths
+(`path_checks`). Names that only the packages above it can resolve (advantage estimator,
+policy loss, reward function, workflow) are checked by their owners: `arealite.check`
+passes those checks in as `extra_checks`, so that they are reported in the same round.
 """
 
 from __future__ import annotations
@@ -31,31 +32,23 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, ValidationError
 
-from arealite.config.algo_checks import check_algorithm
+from arealite.config.cross_field_checks import CROSS_FIELD_CHECKS, config_problems
+from arealite.config.path_checks import PATH_FIELDS, path_problems
 from arealite.config.problems import NO_VALUE, SECRET_FIELDS, ConfigCheck, ConfigError, ConfigProblem, short_value
-from arealite.config.schema import ArealiteConfig, _check_server_addr
+from arealite.config.schema import ArealiteConfig
 from arealite.config.yaml12 import Dumper, Loader, error_text
-from arealite.utils.net import is_local_host, split_addr
 
 __all__ = [
     "ConfigCheck",
     "ConfigError",
     "ConfigProblem",
     "SECRET_FIELDS",
-    "SERVER_ADDRS_ENV",
-    "check_config",
-    "check_launch",
-    "config_problems",
     "dump_config",
     "load_config",
     "parse_args",
     "parse_override_value",
     "split_config_args",
 ]
-
-#: Environment variable with comma-separated `host:port` of servers started elsewhere.
-SERVER_ADDRS_ENV = "AREALITE_SERVER_ADDRS"
-
 
 # --------------------------------------------------------------------------- reading YAML
 
@@ -354,7 +347,7 @@ def load_config(
         invalid = {p.path for p in problems}
         values = _raw_path_values(raw, invalid) if check_paths else None
         if values is not None:
-            problems += [p._replace(source=_source_of(p.path, sources)) for p in _path_problems(values)]
+            problems += [p._replace(source=_source_of(p.path, sources)) for p in path_problems(values)]
         problems += [
             p._replace(source=p.source or _source_of(p.path, sources))
             for p in _cross_field_problems_around(raw, invalid, extra_checks)
@@ -369,156 +362,14 @@ def load_config(
     return cfg
 
 
-# --------------------------------------------------------------------------- cross-field checks
-
-
-def _check_batch_divisible(cfg: ArealiteConfig) -> list[ConfigProblem]:
-    """`rollout.consumer_batch_size` is divisible by `launch.n_trainer_procs` (every rank trains an equal share)."""
-    b, n = cfg.rollout.consumer_batch_size, cfg.launch.n_trainer_procs
-    if b % n:
-        return [ConfigProblem(
-            "rollout.consumer_batch_size", f"must be divisible by launch.n_trainer_procs = {n} "
-            f"(each rank trains an equal share); e.g. {max(n, b - b % n)} or {b + n - b % n}", b,
-        )]
-    return []
-
-
-def _check_rloo_group(cfg: ArealiteConfig) -> list[ConfigProblem]:
-    """`algorithm.adv_estimator: rloo` needs `generation.n_samples` >= 2 (leave-one-out needs another sample)."""
-    if cfg.algorithm.adv_estimator == "rloo" and cfg.generation.n_samples < 2:
-        return [ConfigProblem(
-            "generation.n_samples", "must be >= 2 with algorithm.adv_estimator = rloo "
-            "(the leave-one-out baseline of a group of 1 is undefined)", cfg.generation.n_samples,
-        )]
-    return []
-
-
-def _check_eval_needs_data(cfg: ArealiteConfig) -> list[ConfigProblem]:
-    """Any `evaluation.*` setting needs held-out prompts (`data.eval_path`, or
-    `data.reasoning_gym.eval_size` with `data.source: reasoning_gym`)."""
-    if cfg.data.has_held_out:
-        return []
-    out = []
-    for name in ("freq_steps", "max_prompts", "max_new_tokens"):
-        value = getattr(cfg.evaluation, name)
-        if value is not None:
-            out.append(ConfigProblem(
-                f"evaluation.{name}", "is set but data.eval_path is not: set data.eval_path "
-                f"to a JSONL file of held-out prompts, or remove evaluation.{name}", value,
-            ))
-    return out
-
-
-def _check_warmup(cfg: ArealiteConfig) -> list[ConfigProblem]:
-    """`actor.optimizer.warmup_steps` <= `actor.optimizer.total_steps` when the latter is set."""
-    opt = cfg.actor.optimizer
-    if opt.total_steps is not None and opt.warmup_steps > opt.total_steps:
-        return [ConfigProblem(
-            "actor.optimizer.warmup_steps",
-            f"must be <= actor.optimizer.total_steps = {opt.total_steps}", opt.warmup_steps,
-        )]
-    return []
-
-
-def _check_context_length(cfg: ArealiteConfig) -> list[ConfigProblem]:
-    """Prompt + completion fit the server's context length when one is set
-    (`server.context_length`, or `server.sglang.context_length` with SGLang)."""
-    if cfg.launch.server_backend == "sglang":
-        ctx, ctx_name = cfg.server.sglang.context_length, "server.sglang.context_length"
-    else:
-        ctx, ctx_name = cfg.server.context_length, "server.context_length"
-    if ctx is None:
-        return []
-    out = []
-    prompt = cfg.data.max_prompt_len or 1
-    budgets = [("generation.max_new_tokens", cfg.generation.max_new_tokens)]
-    if cfg.evaluation.max_new_tokens is not None:
-        budgets.append(("evaluation.max_new_tokens", cfg.evaluation.max_new_tokens))
-    for name, new_tokens in budgets:
-        if prompt + new_tokens > ctx:
-            what = f"data.max_prompt_len ({prompt}) + {name}" if cfg.data.max_prompt_len else name
-            out.append(ConfigProblem(
-                name, f"{what} must fit in {ctx_name} = {ctx}", new_tokens,
-            ))
-    return out
-
-
-def _check_shm_backend(cfg: ArealiteConfig) -> list[ConfigProblem]:
-    """`weight_sync.method: shm` needs `launch.server_backend: embedded` (SGLang cannot read the shared-memory file)."""
-    if cfg.weight_sync.method == "shm" and cfg.launch.server_backend != "embedded":
-        return [ConfigProblem(
-            "weight_sync.method", f"= shm works only with the embedded server on the trainer's host, not "
-            f"launch.server_backend = {cfg.launch.server_backend}: use weight_sync.method=distributed "
-            "(or disk)", "shm",
-        )]
-    return []
-
-
-def _check_merged_export(cfg: ArealiteConfig) -> list[ConfigProblem]:
-    """`saver.export_merged_at_end` needs `actor.lora` (full fine-tuning's export is already the whole model)."""
-    if cfg.saver.export_merged_at_end and cfg.actor.lora is None:
-        return [ConfigProblem(
-            "saver.export_merged_at_end", "merges LoRA adapters into the base, but actor.lora is null: set "
-            "actor.lora, or leave it false (saver.export_hf_at_end already exports the whole model)", True,
-        )]
-    return []
-
-
-#: Checks that relate several fields; each docstring is listed in docs/config_reference.md.
-CROSS_FIELD_CHECKS = (
-    _check_batch_divisible,
-    _check_rloo_group,
-    _check_eval_needs_data,
-    _check_warmup,
-    _check_context_length,
-    _check_shm_backend,
-    _check_merged_export,
-    check_algorithm,
-)
-
-_TINY_HINT = "build a tiny one with `python -m arealite.models.tiny DIR --size small`"
-
-
-def _model_dir_problems(name: str, value: str | None) -> list[ConfigProblem]:
-    if not value:
-        return [ConfigProblem(name, f"is empty: set it to a Hugging Face model directory ({_TINY_HINT})", value)]
-    p = Path(value)
-    hint = _TINY_HINT.replace("DIR", value if " " not in value else repr(value))
-    if not p.is_dir():
-        return [ConfigProblem(name, f"is not an existing directory ({hint})", value)]
-    if not (p / "config.json").is_file():
-        return [ConfigProblem(
-            name, f"has no config.json, so it is not a Hugging Face model directory ({hint})", value,
-        )]
-    return []
-
-
-_PATH_FIELDS = ("actor.model_path", "server.model_path", "data.train_path", "data.eval_path")
-
-
-def _path_problems(values: Mapping[str, str | None]) -> list[ConfigProblem]:
-    """Problems of the model and data paths in `values` (dotted path -> value)."""
-    out = _model_dir_problems("actor.model_path", values["actor.model_path"])
-    if values["server.model_path"] is not None:
-        out += _model_dir_problems("server.model_path", values["server.model_path"])
-    for name in ("data.train_path", "data.eval_path"):
-        value = values[name]
-        if not value or Path(value).is_file():
-            continue
-        if not Path(value).is_dir():
-            out.append(ConfigProblem(name, "does not exist (give a JSONL or Parquet file of prompts, "
-                                     "or a directory saved by `datasets.Dataset.save_to_disk`)", value))
-        elif not any((Path(value) / f).is_file() for f in ("state.json", "dataset_dict.json")):
-            out.append(ConfigProblem(name, "is a directory but not one saved by `datasets.Dataset."
-                                     "save_to_disk` (no state.json): give a JSONL or Parquet file", value))
-    return out
+# --------------------------------------------------------------------------- problems around invalid fields
 
 
 def _raw_path_values(raw: object, invalid: set[str]) -> dict[str, str | None] | None:
     """The path fields of a config that failed validation, when all of them are usable."""
     defaults = ArealiteConfig()
     values = {}
-    for dotted in _PATH_FIELDS:
+    for dotted in PATH_FIELDS:
         section, field = dotted.split(".")
         if dotted in invalid or section in invalid:
             return None
@@ -559,101 +410,6 @@ def _cross_field_problems_around(raw: object, invalid: set[str],
         p for check in (*CROSS_FIELD_CHECKS, *extra_checks) for p in check(cfg)
         if not any(n == p.path or n in p.message for n in names)
     ]
-
-
-def config_problems(cfg: ArealiteConfig, *, check_paths: bool = True,
-                    extra_checks: Sequence[ConfigCheck] = ()) -> list[ConfigProblem]:
-    """Every cross-field problem of a validated config, those of `extra_checks`, and path
-    problems with `check_paths`."""
-    out: list[ConfigProblem] = []
-    for check in (*CROSS_FIELD_CHECKS, *extra_checks):
-        out += check(cfg)
-    if check_paths:
-        out += _path_problems({d: getattr(getattr(cfg, d.split(".")[0]), d.split(".")[1]) for d in _PATH_FIELDS})
-    return out
-
-
-def check_config(cfg: ArealiteConfig, *, check_paths: bool = True,
-                 extra_checks: Sequence[ConfigCheck] = ()) -> ArealiteConfig:
-    """Raise `ConfigError` if the config breaks a cross-field rule, an `extra_checks` one
-    (or a path check); else return it."""
-    problems = config_problems(cfg, check_paths=check_paths, extra_checks=extra_checks)
-    if problems:
-        raise ConfigError(problems)
-    return cfg
-
-
-def check_launch(cfg: ArealiteConfig, environ: Mapping[str, str] | None = None) -> list[str]:
-    """Checks of the local launcher; returns the external server addresses to use.
-
-    With `launch.n_servers: 0` the servers run elsewhere: their addresses come
-    from `launch.server_addrs` or the environment variable AREALITE_SERVER_ADDRS.
-    """
-    env = os.environ if environ is None else environ
-    problems = []
-    addrs = list(cfg.launch.server_addrs)
-    if cfg.launch.n_servers == 0:
-        if not addrs:
-            text = env.get(SERVER_ADDRS_ENV, "")
-            addrs = [a.strip() for a in text.split(",") if a.strip()]
-            for a in addrs:
-                try:
-                    _check_server_addr(a)
-                except ValueError as e:
-                    problems.append(ConfigProblem(SERVER_ADDRS_ENV, str(e), text, "environment"))
-            if not addrs:
-                problems.append(ConfigProblem(
-                    "launch.server_addrs", "is empty while launch.n_servers = 0: give the "
-                    f"addresses of running servers here or in {SERVER_ADDRS_ENV}=host:port,..., "
-                    "or set launch.n_servers >= 1 to start servers", [],
-                ))
-    elif addrs:
-        problems.append(ConfigProblem(
-            "launch.server_addrs", f"is set but launch.n_servers = {cfg.launch.n_servers} "
-            "starts new servers: set launch.n_servers=0 to use these, or remove them", addrs,
-        ))
-    if cfg.weight_sync.method == "shm":
-        remote = [a for a in addrs if not _addr_is_local(a)]
-        if remote:
-            problems.append(ConfigProblem(
-                "weight_sync.method", f"= shm needs every server on this host, but {', '.join(remote)} "
-                "is not: use weight_sync.method=distributed (or disk)", "shm",
-            ))
-    k = cfg.launch.server_cpus
-    if k is not None:
-        if cfg.launch.n_servers == 0:
-            problems.append(ConfigProblem(
-                "launch.server_cpus", "pins the servers the launcher starts, but launch.n_servers = 0: "
-                "remove it (or pin external servers yourself, e.g. with taskset)", k))
-        elif not hasattr(os, "sched_getaffinity"):
-            problems.append(ConfigProblem(
-                "launch.server_cpus", "needs Linux (os.sched_getaffinity): remove it on this system", k))
-        else:
-            n_cpus = len(os.sched_getaffinity(0))
-            if k >= n_cpus:
-                problems.append(ConfigProblem(
-                    "launch.server_cpus", f"leaves no core for the trainer: this process may use {n_cpus} "
-                    f"core(s); give the servers at most {n_cpus - 1}, or set null for no pinning", k))
-            elif k < cfg.launch.n_servers:
-                problems.append(ConfigProblem(
-                    "launch.server_cpus", f"is fewer than launch.n_servers = {cfg.launch.n_servers}: every "
-                    "server needs a core of its own", k))
-    if cfg.server.base_port and cfg.server.base_port + max(cfg.launch.n_servers, 1) - 1 > 65535:
-        problems.append(ConfigProblem(
-            "server.base_port", f"+ launch.n_servers ({cfg.launch.n_servers}) runs past port 65535",
-            cfg.server.base_port,
-        ))
-    if problems:
-        raise ConfigError(problems)
-    return addrs
-
-
-def _addr_is_local(addr: str) -> bool:
-    try:
-        host = split_addr(addr)[0]
-    except ValueError:  # reported by the address checks
-        return True
-    return is_local_host(host)
 
 
 # --------------------------------------------------------------------------- dumping, scripts

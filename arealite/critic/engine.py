@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from arealite.config.schema import ActorConfig
+from arealite.config.schema import TrainEngineConfig
 from arealite.train_engine.attention import register_attention
 from arealite.train_engine.fsdp import FSDPEngine
 from arealite.train_engine.fsdp_model import without_dropout
@@ -56,7 +56,7 @@ class ValueEngine(FSDPEngine):
     section = "critic"
     build_model = staticmethod(value_model)
 
-    def __init__(self, config: ActorConfig, device: str = "auto"):
+    def __init__(self, config: TrainEngineConfig, device: str = "auto"):
         super().__init__(config, frozen=False, device=device)
 
     def export_hf(self, path: str | os.PathLike) -> None:

@@ -331,7 +331,7 @@ def load_checked_config(args: argparse.Namespace):
     addresses (`check_launch`); raises ValueError (a `ConfigError`) naming the field when something
     is wrong."""
     from arealite.check import load_run_config
-    from arealite.config.loader import check_launch
+    from arealite.config.launch_checks import check_launch
     from arealite.launcher.server_cmd import check_sim_backend, server_model_path
 
     cfg = load_run_config(args.config, args.overrides)

@@ -44,6 +44,7 @@ class LoraFSDPEngine(FSDPEngine):
         if config.lora is None:
             raise ValueError(f"{self.section}.lora is null: LoraFSDPEngine needs LoRA settings")
         super().__init__(config, frozen=False, device=device)
+        self.lora = config.lora
         self.build_model = functools.partial(peft_model.lora_causal_lm, lora=config.lora)
 
     # ------------------------------------------------------------ what leaves

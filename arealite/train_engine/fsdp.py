@@ -44,7 +44,7 @@ import torch
 import torch.distributed as dist
 
 from arealite.api.contracts import HeadOutput, LossFn, LossWeightFn, MicroBatchStats, PostHook, TrainBatch
-from arealite.config.schema import ActorConfig
+from arealite.config.schema import LoraConfig, TrainEngineConfig
 from arealite.moe.router_hooks import RouterLoadBalance, moe_routers
 from arealite.moe.trajectory import replay_routing  # MoE routing replay (R3)
 from arealite.train_engine.fsdp_checkpoint import (
@@ -82,9 +82,9 @@ class FSDPEngine:
     a GPU machine) or ``cuda``.
     """
 
-    def __init__(self, config: ActorConfig, frozen: bool = False, device: str = "auto"):
+    def __init__(self, config: TrainEngineConfig, frozen: bool = False, device: str = "auto"):
         if not config.model_path:
-            raise ValueError("actor.model_path is empty; set it to a Hugging Face model directory")
+            raise ValueError(f"{self.section}.model_path is empty; set it to a Hugging Face model directory")
         if device not in ("auto", "cpu", "cuda"):
             raise ValueError(f"FSDPEngine device={device!r} is not one of auto, cpu, cuda")
         self.config = config
@@ -114,6 +114,9 @@ class FSDPEngine:
 
     #: The config section the engine's settings come from (error messages name it).
     section = "actor"
+    #: The LoRA adapters the engine trains on a frozen base (`LoraFSDPEngine`); None: the whole
+    #: model trains. The layout checks refuse the splits adapters cannot take.
+    lora: LoraConfig | None = None
     #: Makes the Hugging Face module from its directory and config (a subclass swaps the model).
     build_model = staticmethod(causal_lm)
 
@@ -134,7 +137,7 @@ class FSDPEngine:
         device_type = self._join_group()
         self.model, self.hf_config, n_layers = load_sharded_model(
             self.config, self.meshes, self.dtype, device_type, self.frozen, build=self.build_model,
-            section=self.section,
+            section=self.section, lora=self.lora is not None,
         )
         vision = is_vision_config(self.hf_config)
         self.planner = MicroBatchPlanner(self.config.mb_max_tokens, self.device, _pad_id(self.hf_config),
@@ -172,7 +175,7 @@ class FSDPEngine:
             self.device = torch.device("cuda", torch.cuda.current_device())
         sp, tp = self.config.sp_size, self.config.tp_size
         ep = self.config.ep_size
-        problems = layout_problems(self.section, sp, tp, self.world_size, lora=self.config.lora is not None, ep=ep)
+        problems = layout_problems(self.section, sp, tp, self.world_size, lora=self.lora is not None, ep=ep)
         if problems:
             raise layout_error(problems)
         self.layout = ParallelLayout(self.world_size, sp=sp, tp=tp, ep=ep)

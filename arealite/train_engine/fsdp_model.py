@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
-from arealite.config.schema import ActorConfig, OptimizerConfig
+from arealite.config.schema import OptimizerConfig, TrainEngineConfig
 from arealite.train_engine.attention import register_attention, resolve_attn_impl
 from arealite.train_engine.expert_parallel import apply_expert_parallel
 from arealite.train_engine.lr_schedule import build_lr_scheduler
@@ -114,8 +114,8 @@ def vision_language_model(path: Path, hf_config: PretrainedConfig, attn_implemen
 
 
 def load_sharded_model(
-    config: ActorConfig, meshes: Meshes, dtype: torch.dtype, device_type: str, frozen: bool,
-    build: ModelBuilder = causal_lm, section: str = "actor",
+    config: TrainEngineConfig, meshes: Meshes, dtype: torch.dtype, device_type: str, frozen: bool,
+    build: ModelBuilder = causal_lm, section: str = "actor", lora: bool = False,
 ) -> tuple[torch.nn.Module, PretrainedConfig, int]:
     """Load ``config.model_path`` with ``build``, split its layers over ``meshes.tp`` (tensor
     parallelism) and shard it over ``meshes.fsdp``; returns ``(model, hf_config, n_layers)``.
@@ -125,7 +125,8 @@ def load_sharded_model(
     as the critic's value model), with the attention ``config.attn_impl`` resolves to on
     ``device_type`` (an impossible choice raises, naming ``{section}.attn_impl``), inside
     Ulysses' all-to-alls when ``config.sp_size > 1``. A layout the model cannot take raises,
-    naming the fields. A frozen model is in eval mode without gradients, else in train mode.
+    naming the fields (``lora``: the model will carry LoRA adapters, which some splits cannot
+    take). A frozen model is in eval mode without gradients, else in train mode.
     """
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
     from transformers import AutoConfig
@@ -133,7 +134,7 @@ def load_sharded_model(
     path = Path(config.model_path)
     hf_config = AutoConfig.from_pretrained(path)
     problems = layout_problems(section, config.sp_size, config.tp_size, dist.get_world_size(),
-                               lora=config.lora is not None, hf_config=hf_config.to_dict(), ep=config.ep_size)
+                               lora=lora, hf_config=hf_config.to_dict(), ep=config.ep_size)
     if problems:
         raise layout_error(problems)
     attn = resolve_attn_impl(config.attn_impl, device_type, dtype, field=f"{section}.attn_impl")
@@ -159,7 +160,7 @@ def load_sharded_model(
         kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
     if config.cpu_offload:
         if device_type == "cpu":
-            logger.info("actor.cpu_offload has no effect on CPU: parameters already live there")
+            logger.info("%s.cpu_offload has no effect on CPU: parameters already live there", section)
         else:
             kwargs["offload_policy"] = CPUOffloadPolicy()
     layers = decoder_layers(model)
@@ -177,9 +178,9 @@ def load_sharded_model(
     return model, hf_config, len(layers)
 
 
-def _freeze_vision(model: torch.nn.Module, config: ActorConfig, section: str) -> None:
+def _freeze_vision(model: torch.nn.Module, config: TrainEngineConfig, section: str) -> None:
     """``{section}.freeze_vision``: the vision tower without gradients (so without optimizer state)."""
-    if not getattr(config, "freeze_vision", False):
+    if not config.freeze_vision:
         return
     tower = vision_tower(model)
     if tower is None:

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from arealite.config.problems import ConfigProblem
-from arealite.config.schema import ActorConfig, ArealiteConfig, CriticConfig
+from arealite.config.schema import ArealiteConfig, TrainEngineConfig
 from arealite.train_engine.expert_parallel import expert_parallel_problems
 from arealite.train_engine.tensor_parallel import tensor_parallel_problems
 
@@ -117,7 +117,7 @@ def _model_config(path: str | None) -> dict | None:
         return None
 
 
-def _engine_problems(section: str, engine: ActorConfig | CriticConfig, world: int, model_path: str | None,
+def _engine_problems(section: str, engine: TrainEngineConfig, world: int, model_path: str | None,
                      lora: bool = False) -> list[ConfigProblem]:
     if engine.sp_size == 1 and engine.tp_size == 1 and engine.ep_size == 1:
         return []

@@ -115,14 +115,10 @@ def build_critic(cfg: ArealiteConfig, total_steps: int) -> Critic | None:
     """PPO's value model on its own engine (`critic.enabled`), or None."""
     if not cfg.critic.enabled:
         return None
-    from arealite.config.schema import ActorConfig
     from arealite.critic import Critic, ValueEngine
 
-    c = cfg.critic
-    engine_cfg = ActorConfig(model_path=c.model_path or cfg.actor.model_path, dtype=c.dtype, optimizer=c.optimizer,
-                             mb_max_tokens=c.mb_max_tokens, attn_impl=c.attn_impl,
-                             sp_size=c.sp_size, tp_size=c.tp_size, ep_size=c.ep_size,
-                             gradient_checkpointing=c.gradient_checkpointing)
+    c = cfg.critic  # a train engine's config itself; its backbone is the actor's unless it names one
+    engine_cfg = c.model_copy(update={"model_path": c.model_path or cfg.actor.model_path})
     engine = ValueEngine(engine_cfg).initialize(total_steps=total_steps)
     return Critic(engine, c.value_clip, cfg.algorithm.n_minibatches)
 
