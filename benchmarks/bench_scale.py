@@ -1,6 +1,6 @@
 """Cluster scale by simulation: the real controller, client and publisher against N simulated servers.
 
-Part (b), scaling: 8, 32, 128 and 256 simulated GPU servers (``python -m arealite.server --sim``,
+Part (b), scaling: 8, 32, 128 and 256 simulated GPU servers (``python -m arealite.sim``,
 spread over ``--sim-procs`` child processes, one event loop each) at constant work per server:
 each server gets ``--per-server`` requests in flight and ``--items`` prompts to answer, through the real
 ``RolloutController`` + ``RLVRWorkflow`` + ``SGLangClient`` in this process. Reported:
@@ -75,7 +75,7 @@ def start_sim(model_dir: Path, n: int, args, work: Path) -> tuple[list[subproces
     for j in range(k):
         mine = ports[j::k]
         trace, log = work / f"trace{n}_{j}.jsonl", work / f"sim{n}_{j}.log"
-        cmd = [sys.executable, "-m", "arealite.server", "--sim", "--model-path", str(model_dir),
+        cmd = [sys.executable, "-m", "arealite.sim", "--model-path", str(model_dir),
                "--sim-ports", ",".join(map(str, mine)), "--sim-time-scale", str(args.time_scale),
                "--sim-length-median", str(args.length_median), "--sim-trace", str(trace), "--log-level", "warning",
                "--context-length", "32768"]
@@ -195,7 +195,7 @@ def weight_update(ctl, client, model_dir: Path, args, work: Path) -> dict:
     from transformers import AutoModelForCausalLM
 
     from arealite.config.schema import WeightSyncConfig
-    from arealite.server.sim_model import SimSpec
+    from arealite.sim.cost_model import SimSpec
     from arealite.weight_sync import DiskTransfer, WeightPublisher
     from arealite.weight_sync.base import StateDictSource
 

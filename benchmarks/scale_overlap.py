@@ -72,7 +72,7 @@ def run_config(args, demo: Path, runs: Path, eta: int) -> dict:
 
 
 def _role(cmdline: bytes) -> str | None:
-    if b"arealite.server" in cmdline:
+    if b"arealite.server" in cmdline or b"arealite.sim" in cmdline:
         return "servers"
     if b"rollout.worker" in cmdline:
         return "rollout_worker"
@@ -173,7 +173,7 @@ def busy_generation_s(args, answer_len: float, seq_len: float) -> float:
     """Real seconds the generation servers take for one batch's tokens when never idle: every
     server decoding a full batch (``server.max_batch_size`` = 64 rows), under the servers' own
     cost model (`SimSpec`)."""
-    from arealite.server.sim_model import SimSpec
+    from arealite.sim.cost_model import SimSpec
 
     spec = SimSpec(gpu="h100", model=args.model)
     rows = 64

@@ -72,7 +72,7 @@ def _start(name: str, micro_model_dir: Path, tmp: Path) -> Backend:
     if name in ("embedded", "sim"):
         cmd = [sys.executable, "-m", "arealite.server", "--model-path", str(micro_model_dir),
                "--port", str(port), "--strict-sglang"]
-        if name == "sim":  # the same app, a GPU cost model instead of the model (arealite.server.sim)
+        if name == "sim":  # the same app, a GPU cost model instead of the model (forwarded to arealite.sim)
             cmd.append("--sim")
         readback, timeout = False, 90  # the tiny model is a Qwen2: SGLang cannot read it back
     else:

@@ -1,4 +1,4 @@
-"""Simulated inference servers (``python -m arealite.server --sim``, ``launch.server_backend: sim``).
+"""Simulated inference servers (``python -m arealite.sim``, ``launch.server_backend: sim``).
 
 The protocol itself is tested by tests/test_sglang_protocol.py, whose backends include
 ``sim`` (strict mode on). Here: the cost model's arithmetic, the scheduler's behaviour
@@ -23,8 +23,8 @@ from conftest import free_port, run_env
 from arealite.config.schema import ArealiteConfig
 from arealite.launcher.server_cmd import check_sim_backend, server_command
 from arealite.server.sampling import GenerateInput, SamplingConfig
-from arealite.server.sim_model import SimSpec, load_lengths
-from arealite.server.sim_runner import SimRunner
+from arealite.sim.cost_model import SimSpec, load_lengths
+from arealite.sim.runner import SimRunner
 
 FAST = dict(time_scale=0.001)
 
@@ -154,7 +154,7 @@ async def serving_sim(argv: list[str]):
     """``serve_sim`` on ``argv`` until the block ends; yields (session, ports, spec) once all answer."""
     import aiohttp
 
-    from arealite.server.sim import parse_sim_args, serve_sim
+    from arealite.sim.serve import parse_sim_args, serve_sim
 
     args, spec, ports, _ = parse_sim_args(argv)
     stop = asyncio.Event()
@@ -221,7 +221,7 @@ def test_launcher_command_and_the_probe_check():
     cfg = ArealiteConfig(launch={"server_backend": "sim"}, actor={"model_path": "/m"},
                          server={"sim": {"gpu": "h200", "time_scale": 0.1}}, weight_sync={"probe": False})
     cmd = server_command(cfg, 1234, index=2)
-    assert cmd[1:3] == ["-m", "arealite.server"] and "--sim" in cmd
+    assert cmd[1:3] == ["-m", "arealite.sim"] and "--port" in cmd and "--sim" not in cmd
     assert cmd[cmd.index("--sim-gpu") + 1] == "h200" and cmd[cmd.index("--sim-time-scale") + 1] == "0.1"
     assert "--sim-lengths-file" not in cmd
     check_sim_backend(cfg)

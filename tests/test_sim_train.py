@@ -15,7 +15,7 @@ import yaml
 from conftest import run_env
 
 from arealite.config.schema import ArealiteConfig, SimTrainOptions
-from arealite.train_engine.sim_engine import (
+from arealite.sim.train_engine import (
     STATE_FILE,
     SimTrainEngine,
     step_seconds,

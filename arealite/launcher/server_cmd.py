@@ -133,13 +133,15 @@ def server_command(cfg: ArealiteConfig, port: int, index: int = 0, weight_versio
     if cfg.launch.server_backend == "sglang":
         return sglang_server_command(cfg, port, index, weight_version, host)
     cmd = embedded_server_command(cfg, port, index, weight_version, host)
-    return cmd + sim_args(cfg) if cfg.launch.server_backend == "sim" else cmd
+    if cfg.launch.server_backend == "sim":  # the embedded server's flags, served by the simulator
+        return [sys.executable, "-m", "arealite.sim", *cmd[3:], *sim_args(cfg)]
+    return cmd
 
 
 def sim_args(cfg: ArealiteConfig) -> list[str]:
-    """`server.sim` as the flags of a simulated server (`python -m arealite.server --sim`)."""
+    """`server.sim` as the flags of a simulated server (`python -m arealite.sim`)."""
     o = cfg.server.sim
-    out = ["--sim"]
+    out: list[str] = []
     for name, value in o.model_dump().items():
         if name == "lengths_file":
             out += ["--sim-lengths-file", value] if value else []

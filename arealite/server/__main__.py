@@ -1,57 +1,36 @@
 """``python -m arealite.server --model-path P --host 127.0.0.1 --port N [...]``
 
-With ``--sim``, simulated servers (a GPU cost model instead of the model; `arealite.server.sim`)."""
+With ``--sim``, simulated servers instead (a GPU cost model in place of the model): the
+same command line is handed to ``python -m arealite.sim``."""
 
 from __future__ import annotations
 
 import asyncio
-import faulthandler
-import logging
-import os
-import signal
+import runpy
 import sys
 
 from .args import parse_args
+from .lifecycle import run_until_signalled
+
+SIM_FLAG = "--sim"
 
 
 def main(argv: list[str] | None = None) -> None:
     """Run the embedded server (or, with ``--sim``, simulated ones) until SIGINT/SIGTERM."""
     argv = sys.argv[1:] if argv is None else argv
-    sim = None
-    if "--sim" in argv:
-        from .sim import parse_sim_args
+    if SIM_FLAG in argv:
+        # By module name: the simulator builds on this package, never the other way round.
+        sys.argv = [sys.argv[0], *argv]
+        runpy.run_module("arealite.sim", run_name="__main__", alter_sys=True)
+        return
+    args = parse_args(argv)
 
-        args, *sim = parse_sim_args(argv)
-    else:
-        args = parse_args(argv)
-    faulthandler.enable()  # a crash in native code leaves every thread's stack in the server log
-    logging.basicConfig(
-        level=args.log_level.upper(), stream=sys.stderr,
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
-    import uvloop
+    async def serve_embedded(stop: asyncio.Event) -> None:
+        from .app import serve  # once logging is configured (the import loads torch and transformers)
 
-    from .app import serve
+        await serve(args, stop)
 
-    async def run() -> None:
-        stop = asyncio.Event()
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(sig, stop.set)
-        if sim:
-            from .sim import serve_sim
-
-            await serve_sim(args, *sim, stop=stop)
-        else:
-            await serve(args, stop)
-        logging.getLogger("arealite.server").info("server stopped")
-
-    uvloop.run(run())
-    # Everything is shut down and flushed; skip the slow interpreter teardown
-    # of torch/transformers so that launchers and tests see a prompt exit.
-    logging.shutdown()
-    sys.stdout.flush()
-    os._exit(0)  # private-ok: os._exit is public API (exit without cleanup after the server shut down)
+    run_until_signalled(args.log_level, serve_embedded)
 
 
 if __name__ == "__main__":

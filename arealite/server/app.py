@@ -1,7 +1,8 @@
 """The HTTP side of the embedded server: SGLang's routes and JSON shapes on aiohttp.
 
 Handlers validate at the boundary (a bad request is a 400 whose message names
-the field, ``body``), then hand work to the ``ModelRunner`` thread and await it.
+the field, ``body``), then hand work to the runner (the ``ModelRunner`` thread, or any
+`GenerationRunner`) and await it.
 The weight routes (updates from disk, shared memory or a process group; reading
 weights back) are in ``weight_routes``.
 """
@@ -12,7 +13,6 @@ import asyncio
 import logging
 import time
 from pathlib import Path
-from typing import Callable
 
 import torch
 from aiohttp import web
@@ -25,7 +25,8 @@ from .args import ServerArgs
 from .body import RequestError, check_fields, error_response, json_answer, json_body, off_loop, want
 from .limits import LIMITS_KEY, OFFLOAD_BYTES, install_log_filter
 from .middleware import make_guard
-from .runner import ModelRunner, Sequence
+from .runner import ModelRunner
+from .runner_contract import RunnerFactory, Sequence
 from .strict import SGLangBehaviour
 from .sampling import GenerateInput, RequestCaps, SamplingConfig, parse_generate
 from .lora import LoraRoutes
@@ -76,9 +77,9 @@ class EmbeddedServer:
     """The state behind the routes: model, tokenizer, runner; ``weights`` serves the weight routes."""
 
     def __init__(self, args: ServerArgs, model: torch.nn.Module, tokenizer, device: torch.device,
-                 runner_class: Callable[..., ModelRunner] = ModelRunner):
-        """``runner_class`` builds what generates (the model thread; a cost model under
-        ``--sim``, `arealite.server.sim_runner`) with `ModelRunner`'s keyword arguments."""
+                 runner_class: RunnerFactory = ModelRunner):
+        """``runner_class`` builds what generates (the model thread; a GPU cost model in
+        `arealite.sim`) with `ModelRunner`'s keyword arguments: any `GenerationRunner`."""
         self.args = args
         self.model = model
         self.tokenizer = tokenizer
@@ -199,7 +200,7 @@ class EmbeddedServer:
             return web.Response(status=503)
         if self.behaviour.strict:
             return await self._health_by_generation()
-        if r.paused or r.in_update_bracket:
+        if r.pause.paused or r.pause.in_update_bracket:
             # Generation is intentionally held; the server itself is fine.
             return web.json_response({"status": "paused"})
         inp = GenerateInput(rid=f"health-{time.monotonic_ns()}", input_ids=[0],
@@ -212,7 +213,7 @@ class EmbeddedServer:
 
     async def ready(self, request: web.Request) -> web.Response:
         """SGLang's ``/ready``: 200 once the start-up warm-up is over, while not paused."""
-        return web.Response(status=200 if self.warm_up.up and not self.runner.paused else 503)
+        return web.Response(status=200 if self.warm_up.up and not self.runner.pause.paused else 503)
 
     async def get_model_info(self, request: web.Request) -> web.Response:
         cfg = self.model.config
@@ -252,7 +253,7 @@ class EmbeddedServer:
             "uptime_s": time.time() - self.started,
             "internal_states": [{
                 "num_running_reqs": r.n_running, "num_waiting_reqs": r.n_waiting,
-                "paused": r.paused, "in_weight_update": r.in_update_bracket, **r.stats,
+                "paused": r.pause.paused, "in_weight_update": r.pause.in_update_bracket, **r.stats,
                 "prompt_cache_entries": len(r.prompt_cache), "prompt_cache_hits": r.prompt_cache.hits,
                 "prompt_cache_misses": r.prompt_cache.misses,
                 # CPU seconds of the whole server process: lets benchmarks on a

@@ -39,7 +39,7 @@ from .files import MAX_JSON_BYTES, UnsafeFile, check_regular
 from .limits import short
 
 if TYPE_CHECKING:
-    from .runner import ModelRunner
+    from .runner_contract import GenerationRunner
 
 logger = logging.getLogger("arealite.server")
 
@@ -177,7 +177,7 @@ class LoraSet:
 class LoraRoutes:
     """SGLang's LoRA routes on one served ``model``, whose forwards ``runner`` runs."""
 
-    def __init__(self, model: torch.nn.Module, runner: ModelRunner):
+    def __init__(self, model: torch.nn.Module, runner: GenerationRunner):
         self.model = model
         self.runner = runner
         self.lora = LoraSet(model)

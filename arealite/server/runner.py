@@ -22,7 +22,6 @@ import logging
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass, field
 from typing import Callable, TypeVar
 
 import torch
@@ -33,38 +32,13 @@ from arealite.utils.json_types import JsonObject
 from arealite.moe.router_hooks import RoutingCapture
 
 from .prompt_cache import PromptCache, cached_row, stack_cached
+from .runner_contract import PauseState, Sequence
 from .sampling import BatchSamplingState, GenerateInput, sample_next
 from .vision import prefill_inputs, prompt_key, rope_deltas
 
 logger = logging.getLogger("arealite.server")
 
 T = TypeVar("T")
-
-
-@dataclass
-class Sequence:
-    """A request in the engine: its prompt, what it produced, where to deliver it."""
-
-    inp: GenerateInput
-    future: asyncio.Future
-    loop: asyncio.AbstractEventLoop
-    stop_ids: frozenset[int]
-    generator: torch.Generator | None = None
-    output_ids: list[int] = field(default_factory=list)
-    output_logprobs: list[float] = field(default_factory=list)
-    output_top_logprobs: list[list[list]] | None = None
-    """Per generated token, ``[logprob, id, None]`` of the most likely tokens (``top_logprobs_num``)."""
-    input_logprobs: list[float | None] | None = None
-    """SGLang's ``input_token_logprobs`` values from ``logprob_start_len`` (None: not asked)."""
-    routed_experts: list[torch.Tensor] = field(default_factory=list)
-    """With ``return_routed_experts``: ``[n, layers, k]`` int32 chunks, one row per token forwarded
-    (the prompt, then each generated token but the last), in order."""
-    finish_reason: JsonObject | None = None
-    cached_tokens: int = 0
-    """Prompt tokens not computed for this sequence: shared with another of its prefill."""
-    weight_version: str = ""
-    start_time: float = field(default_factory=time.perf_counter)
-    end_time: float = 0.0
 
 
 def _deliver(fut: asyncio.Future, value: object = None, error: BaseException | None = None) -> None:
@@ -154,12 +128,7 @@ class ModelRunner:
         self._waiting: deque[Sequence] = deque()
         self._commands: deque[tuple[Callable[[], object], asyncio.Future, asyncio.AbstractEventLoop]] = deque()
         self._stop = False
-        # Admission stops while paused (pause_generation) or inside a
-        # begin/end_weight_update bracket; "in_place" pausing also freezes
-        # the running sequences.
-        self.paused = False
-        self.pause_mode = "abort"
-        self.in_update_bracket = False
+        self.pause = PauseState()  # admission held while paused or in a weight-update bracket
 
         self._running: list[Sequence] = []
         self._cache = None
@@ -236,18 +205,8 @@ class ModelRunner:
     # Commands (run on the model thread through ``call``).
 
     def set_paused(self, paused: bool, mode: str = "abort") -> int:
-        """Pause admission (and abort or freeze running sequences); returns how many were affected."""
-        n = len(self._running)
-        self.paused = paused
-        if paused:
-            self.pause_mode = mode
-            if mode == "abort":
-                # SGLang's abort mode is abort_request(abort_all=True): the scheduler drops its
-                # waiting queue as well as finishing the running batch, so every request in
-                # the server returns (the waiting ones with no output) and none starts on the
-                # weights about to be replaced.
-                self._abort(lambda s: True, "generation paused (pause_generation, mode abort)", waiting=True)
-        return n
+        """Pause admission (and abort or freeze running sequences); returns how many were running."""
+        return self.pause.set(self, paused, mode)
 
     def abort(self, rid_prefix: str | None, message: str) -> int:
         """Abort running and waiting requests whose rid starts with the prefix (all when None)."""
@@ -258,11 +217,10 @@ class ModelRunner:
     # ------------------------------------------------------------------
 
     def _frozen(self) -> bool:
-        return self.paused and self.pause_mode != "abort"
+        return self.pause.freezes_running
 
     def _can_admit(self) -> bool:
-        return (bool(self._waiting) and not self.paused and not self.in_update_bracket
-                and len(self._running) < self.max_batch_size)
+        return bool(self._waiting) and self.pause.admits and len(self._running) < self.max_batch_size
 
     def _main(self) -> None:
         torch.set_grad_enabled(False)  # per thread

@@ -39,7 +39,7 @@ from .weights import (
 )
 
 if TYPE_CHECKING:
-    from .runner import ModelRunner
+    from .runner_contract import GenerationRunner
 
 logger = logging.getLogger("arealite.server")
 
@@ -57,7 +57,7 @@ class WeightRoutes:
     ``state``: the model's tensors by name (``weights.model_state``); ``runner`` runs the
     copies into them between decode steps; ``timeout_s`` bounds group joins and receives."""
 
-    def __init__(self, model: torch.nn.Module, state: dict[str, torch.Tensor], runner: ModelRunner, *,
+    def __init__(self, model: torch.nn.Module, state: dict[str, torch.Tensor], runner: GenerationRunner, *,
                  behaviour: SGLangBehaviour, device: torch.device, timeout_s: float, model_path: str):
         self.model = model
         self.device = device
@@ -353,7 +353,7 @@ class WeightRoutes:
         if self.session_open:
             return web.json_response({"success": False, "message": SESSION_OPEN}, status=400)
         self.session_open = True
-        await self.runner.call(lambda: setattr(self.runner, "in_update_bracket", True))
+        await self.runner.call(lambda: setattr(self.runner.pause, "in_update_bracket", True))
         return web.json_response({"success": True, "message": "Success"})
 
     async def end_weight_update(self, request: web.Request) -> web.Response:
@@ -361,7 +361,7 @@ class WeightRoutes:
         if not self.session_open:
             return web.json_response({"success": False, "message": NO_SESSION}, status=400)
         self.session_open = False
-        await self.runner.call(lambda: setattr(self.runner, "in_update_bracket", False))
+        await self.runner.call(lambda: setattr(self.runner.pause, "in_update_bracket", False))
         return web.json_response({"success": True, "message": "Success"})
 
     async def get_weights_by_name(self, request: web.Request) -> web.Response:

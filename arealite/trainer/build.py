@@ -98,7 +98,7 @@ def build_train_engines(cfg: ArealiteConfig, total_steps: int) -> tuple[TrainEng
 def build_sim_engines(cfg: ArealiteConfig) -> tuple[TrainEngine, TrainEngine | None]:
     """`actor.backend: sim`: the simulated cluster's engine (docs/scale.md), and a frozen one
     as the reference with a KL term."""
-    from arealite.train_engine.sim_engine import SimTrainEngine
+    from arealite.sim.train_engine import SimTrainEngine
 
     if cfg.actor.lora is not None or cfg.critic.enabled:
         raise ValueError("actor.backend=sim simulates full fine-tuning of the actor only: "

@@ -31,10 +31,11 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from arealite.api.contracts import LossFn, LossWeightFn, PostHook, TrainBatch
-from arealite.server.sim_model import GPUS, MODELS, GpuSpec
 from arealite.utils.buckets import buckets_of
 
-logger = logging.getLogger("arealite.train_engine.sim")
+from .cost_model import GPUS, MODELS, GpuSpec
+
+logger = logging.getLogger("arealite.sim")
 
 __all__ = ["SimTrainEngine", "step_seconds", "train_gpu"]
 

@@ -1,8 +1,8 @@
-"""Simulated inference servers: ``python -m arealite.server --sim [--sim-servers N] ...``.
+"""Simulated inference servers: ``python -m arealite.sim --model-path DIR [--sim-servers N] ...``.
 
 Each is the embedded server's own HTTP app (routes, strict mode, limits, weight routes)
 with `SimRunner` in place of the model thread, so only what a GPU computes is simulated
-(`arealite.server.sim_model`). ``--sim-servers N`` serves N of them from one process, one
+(`arealite.sim.cost_model`). ``--sim-servers N`` serves N of them from one process, one
 event loop, on ports ``--port`` .. ``--port + N - 1`` (or the ports of ``--sim-ports``),
 server ``i`` seeded ``--random-seed + i``; 256 fit on two cores.
 
@@ -13,6 +13,8 @@ what the weight routes receive and check, for real. The cost model's model is
 of them for one bucket of a distributed or shm update): the real load of the small model is
 part of that transfer, so after it the server holds generation for what is left of the
 simulated time (none when the real load took longer).
+
+``python -m arealite.server --sim ...`` is the same command (``--sim`` is optional here).
 """
 
 from __future__ import annotations
@@ -29,18 +31,17 @@ from aiohttp import web
 
 from arealite.utils.heap import freeze_heap
 
-from .app import EmbeddedServer, build_app, load_model
-from .args import ServerArgs, parse_args
-from .limits import install_log_filter
-from .sim_model import GPUS, MODELS, SimSpec, load_lengths
-from .sim_runner import SimRunner, sim_runner_class
-from .warm_up import self_url
+from arealite.server.app import EmbeddedServer, build_app, load_model
+from arealite.server.args import ServerArgs, build_parser, parse_args
+from arealite.server.limits import install_log_filter
+from arealite.server.warm_up import self_url
 
-logger = logging.getLogger("arealite.server")
+from .cost_model import GPUS, MODELS, SimSpec, load_lengths
+from .runner import SimRunner, sim_runner_class
 
-__all__ = ["SIM_FLAG", "SimServers", "add_sim_flags", "parse_sim_args", "serve_sim"]
+logger = logging.getLogger("arealite.sim")
 
-SIM_FLAG = "--sim"
+__all__ = ["SimServers", "add_sim_flags", "parse_sim_args", "serve_sim"]
 
 #: Weight routes whose success is followed by the simulated transfer.
 _LOAD_ROUTES = ("/update_weights_from_disk", "/update_weights_from_shm", "/update_weights_from_distributed")
@@ -50,7 +51,8 @@ def add_sim_flags(p: argparse.ArgumentParser) -> None:
     """The ``--sim*`` flags (the cost model; `SimSpec`'s fields)."""
     d = SimSpec()
     g = p.add_argument_group("simulation (docs/scale.md)")
-    g.add_argument(SIM_FLAG, action="store_true", required=True, help="simulate generation with a cost model")
+    g.add_argument("--sim", action="store_true",
+                   help="simulate generation with a cost model (implied here; it makes `python -m arealite.server` run this)")
     g.add_argument("--sim-servers", type=int, default=1, help="servers in this process (consecutive ports)")
     g.add_argument("--sim-ports", default=None, help="comma-separated ports, one per server (instead of --port)")
     g.add_argument("--sim-gpu", default=d.gpu, choices=sorted(GPUS))
@@ -66,9 +68,16 @@ def add_sim_flags(p: argparse.ArgumentParser) -> None:
 
 def parse_sim_args(argv: list[str]) -> tuple[ServerArgs, SimSpec, list[int], str | None]:
     """The server's own flags, the cost model, the ports and the trace file; a bad value exits
-    naming the flag."""
-    p = argparse.ArgumentParser(prog="python -m arealite.server --sim", add_help=False)
+    naming the flag. ``-h`` prints the simulation's flags, then the server's."""
+    p = argparse.ArgumentParser(prog="python -m arealite.sim", add_help=False,
+                                description="Simulated inference servers: the embedded server's protocol with a "
+                                            "GPU cost model in place of the model (docs/scale.md).")
     add_sim_flags(p)
+    if "-h" in argv or "--help" in argv:
+        p.print_help()
+        print()
+        build_parser().print_help()
+        p.exit()
     ns, rest = p.parse_known_args(argv)
     args = parse_args(rest)
     try:
@@ -167,7 +176,7 @@ async def serve_sim(args: ServerArgs, spec: SimSpec, ports: list[int], trace: st
                     stop: asyncio.Event | None = None) -> None:
     """Serve the simulated servers until ``stop`` is set; logs one line when all are ready."""
     t0 = time.perf_counter()
-    install_log_filter("arealite.server", "aiohttp.server", "aiohttp.web", "aiohttp.access")
+    install_log_filter("arealite.sim", "arealite.server", "aiohttp.server", "aiohttp.web", "aiohttp.access")
     stop = stop if stop is not None else asyncio.Event()
     sims = SimServers(args, spec, ports, trace)
     try:

@@ -1,7 +1,7 @@
 """A model runner that computes nothing: continuous batching timed by a GPU cost model.
 
-It takes `ModelRunner`'s place behind the embedded server's routes (``python -m
-arealite.server --sim``), so that the client, the controller and the weight publisher
+It takes `ModelRunner`'s place behind the embedded server's routes (a `GenerationRunner`;
+``python -m arealite.sim``), so that the client, the controller and the weight publisher
 meet the same HTTP protocol, strict mode, pauses, aborts and weight routes as with a
 real server, while the time each request takes is what `SimSpec` says one GPU server
 would take. It runs on the server's event loop (no thread), so one process serves many.
@@ -34,11 +34,12 @@ from typing import Callable, TypeVar
 
 import numpy as np
 
-from .runner import Sequence
-from .sampling import GenerateInput
-from .sim_model import SimSpec
+from arealite.server.runner_contract import PauseState, Sequence
+from arealite.server.sampling import GenerateInput
 
-logger = logging.getLogger("arealite.server")
+from .cost_model import SimSpec
+
+logger = logging.getLogger("arealite.sim")
 
 T = TypeVar("T")
 
@@ -106,7 +107,7 @@ def _key(*parts: object) -> bytes:
 
 
 class SimRunner:
-    """`ModelRunner`'s interface, driven by `SimSpec` (see the module's docstring)."""
+    """A `GenerationRunner` driven by `SimSpec` (see the module's docstring)."""
 
     def __init__(self, model: object = None, *, spec: SimSpec, eos_ids: set[int], vocab_size: int,
                  max_batch_size: int, random_seed: int, weight_version: str, prompt_cache_entries: int = 0,
@@ -120,9 +121,7 @@ class SimRunner:
         self.max_batch_size = max_batch_size
         self.seed = random_seed
         self.weight_version = weight_version
-        self.paused = False
-        self.pause_mode = "abort"
-        self.in_update_bracket = False
+        self.pause = PauseState()
         self.lora = None  # set by the LoRA routes; adapters change nothing here
         self.prompt_cache = PrefixCache(prompt_cache_entries)
         self.kv_capacity = spec.kv_capacity_tokens
@@ -218,13 +217,9 @@ class SimRunner:
     # Commands (through `call`).
 
     def set_paused(self, paused: bool, mode: str = "abort") -> int:
-        n = len(self._running)
-        self.paused = paused
-        if paused:
-            self.pause_mode = mode
-            if mode == "abort":
-                self._abort(lambda s: True, "generation paused (pause_generation, mode abort)")
-        self._poke()
+        """Pause admission (and abort or freeze running sequences); returns how many were running."""
+        n = self.pause.set(self, paused, mode)
+        self._poke()  # a continue restarts the scheduler
         return n
 
     def abort(self, rid_prefix: str | None, message: str) -> int:
@@ -241,10 +236,10 @@ class SimRunner:
     # ------------------------------------------------------------ the scheduler
 
     def _frozen(self) -> bool:
-        return self._holds > 0 or (self.paused and self.pause_mode != "abort")
+        return self._holds > 0 or self.pause.freezes_running
 
     def _admissible(self) -> bool:
-        return (bool(self._waiting) and not self.paused and not self.in_update_bracket and self._holds == 0
+        return (bool(self._waiting) and self.pause.admits and self._holds == 0
                 and len(self._running) < self.max_batch_size)
 
     async def _main(self) -> None:
