@@ -34,7 +34,7 @@ from .args import ServerArgs, parse_args
 from .limits import install_log_filter
 from .sim_model import GPUS, MODELS, SimSpec, load_lengths
 from .sim_runner import SimRunner, sim_runner_class
-from .warm_up import self_url
+from .startup_request import self_url
 
 logger = logging.getLogger("arealite.server")
 
