@@ -10,9 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from arealite.data.images import ImageError, image_bytes
 from arealite.models.tiny import IMAGE_PAD, VISION_END, VISION_START, build_tiny_model
-from arealite.vision.images import open_image, to_png_bytes
+from arealite.vision.image_io import ImageError, image_bytes, open_image, to_png_bytes
 from arealite.vision.processor import load_processor
 from arealite.vision.prompt import VISION_BLOCK, render_vision_prompt
 
@@ -117,7 +116,8 @@ def test_undecodable_and_oversized_images_are_refused():
 
 from arealite.config.schema import ArealiteConfig
 from arealite.data.dataset import DatasetError, load_items
-from arealite.data.validate import validate_datasets, validate_images
+from arealite.data.validate import validate_datasets
+from arealite.vision.dataset_checks import dataset_image_tokens, validate_images
 
 
 def write_jsonl(path: Path, rows: list[dict]) -> Path:
@@ -184,6 +184,8 @@ def test_bad_images_are_named_by_file_row_and_field(tmp_path):
 
 
 def test_validate_datasets_counts_image_tokens_for_a_vision_model(tmp_path, vl_dir):
+    from arealite.trainer.build import load_data
+
     (tmp_path / "a.png").write_bytes(png(112, 112))  # 16 image tokens
     path = write_jsonl(tmp_path / "train.jsonl", [{"prompt": "<image> how many?", "answer": 1, "images": ["a.png"]}])
     items = load_items(path, image_key="images")
@@ -191,13 +193,16 @@ def test_validate_datasets_counts_image_tokens_for_a_vision_model(tmp_path, vl_d
     cfg = ArealiteConfig.model_validate({"actor": {"model_path": str(vl_dir)}, "rollout": {"consumer_batch_size": 1},
                                          "data": {"train_path": str(path), "max_prompt_len": 64}})
     n_text = len(tok("<image> how many?", add_special_tokens=False)["input_ids"])
-    assert validate_datasets(cfg, tok, items)["train"] == [n_text + 16]
+    image_tokens = dataset_image_tokens(cfg, items)
+    assert image_tokens == {"train": [16]}
+    assert validate_datasets(cfg, tok, items, extra_tokens=image_tokens)["train"] == [n_text + 16]
+    assert len(load_data(cfg, tok)[0]) == 1  # the trainer's loading runs both checks
     cfg.data.max_prompt_len = n_text + 15
     with pytest.raises(DatasetError, match=r"train.jsonl:1 \(prompt_id 0\): \d+ tokens > data.max_prompt_len"):
-        validate_datasets(cfg, tok, items)
+        load_data(cfg, tok)
     cfg.data.max_prompt_len, cfg.data.max_image_pixels = None, 100
     with pytest.raises(DatasetError, match=r"train.jsonl:1 field 'images'\[0\]: 112x112 = 12544 pixels"):
-        validate_datasets(cfg, tok, items)
+        load_data(cfg, tok)
 
 
 def test_vision_demo_prepare_writes_data_the_run_accepts(tmp_path):

@@ -10,10 +10,9 @@ import torch
 
 from arealite.api.types import Completion
 from arealite.config.schema import GenerationConfig
-from arealite.data.images import image_token_counter
 from arealite.models.tiny import IMAGE_PAD, VISION_START, build_tiny_model
-from arealite.vision.images import to_png_bytes
-from arealite.vision.processor import load_processor
+from arealite.vision.image_io import to_png_bytes
+from arealite.vision.processor import image_token_counter, load_processor
 from arealite.workflow.base import concat_trajectories, pad_and_stack
 from arealite.workflow.multi_turn import MultiTurnWorkflow
 from arealite.workflow.rlvr import RLVRWorkflow

@@ -19,9 +19,9 @@ import json
 from typing import TYPE_CHECKING, Sequence
 
 from arealite.agent.errors import RequestError
-from arealite.agent.images import ImagePolicy, image_of_part
-from arealite.data.images import IMAGE_PLACEHOLDER
+from arealite.agent.image_parts import ImagePolicy, image_of_part
 from arealite.utils.json_types import JsonObject, JsonValue
+from arealite.vision.prompt import IMAGE_PLACEHOLDER
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -35,7 +35,7 @@ _ROLES = ("system", "developer", "user", "assistant", "tool")
 def _text(content: JsonValue, where: str, images: list | None = None, policy: ImagePolicy | None = None) -> str:
     """A message's content as one string (OpenAI allows a list of text parts). With ``policy``,
     ``image_url`` parts are taken too: each becomes ``<image>`` in the text and its image is
-    appended to ``images`` (`arealite.agent.images`)."""
+    appended to ``images`` (`arealite.agent.image_parts`)."""
     if content is None:
         return ""
     if isinstance(content, str):

@@ -26,7 +26,7 @@ from aiohttp import web
 
 from arealite.agent.chat import ChatRenderer, message_key, normalize_messages, tools_key
 from arealite.agent.errors import RequestError, invalid_session
-from arealite.agent.images import ImagePolicy, render_images, resolve_images
+from arealite.agent.image_parts import ImagePolicy, render_images, resolve_images
 from arealite.agent.protocol import (
     Choice, ParsedRequest, SamplingPolicy, assistant_message, chat_chunks, chat_response,
     completion_chunks, completion_response, finish_choice, parse_request,

@@ -25,7 +25,7 @@ from arealite.utils.tokenizer import decode
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
-    from arealite.agent.images import ImagePolicy
+    from arealite.agent.image_parts import ImagePolicy
 
 _COMMON = {"model", "frequency_penalty", "logit_bias", "logprobs", "max_tokens", "n", "presence_penalty",
            "seed", "stop", "stream", "stream_options", "temperature", "top_p", "user", "top_k", "min_p"}

@@ -47,7 +47,7 @@ def load_items(
     ``answer_key`` is None, ``answer_key`` (string or number); each gets a
     stable ``prompt_id`` (its index unless it has one). See ``load_jsonl``.
     ``image_key``: the field of a row's images (vision-language data); its relative file
-    paths are made absolute against the data file's folder (`arealite.data.images`
+    paths are made absolute against the data file's folder (`arealite.vision.dataset_checks`
     checks the images themselves).
     """
     path = Path(path)
@@ -60,7 +60,7 @@ def load_items(
     else:
         rows = load_jsonl(path, prompt_key, answer_key, required_keys, max_rows)
     if image_key is not None:
-        from arealite.data.images import as_list, resolve_paths
+        from arealite.data.image_sources import as_list, resolve_paths
 
         base = path if path.is_dir() else path.parent
         for row in rows:

@@ -4,8 +4,9 @@ A prompt that is too long would otherwise surface mid-run as an HTTP 400 from
 the inference server, after models are loaded and steps are spent. Here every
 prompt is tokenized once, exactly as the RLVR workflow will, and all offending
 rows are reported together: the first few by line and prompt id, then a count.
-Rows with images (vision-language data) have their images checked too (`validate_images`),
-and the tokens the images expand into count toward the prompt's length.
+Rows with images (vision-language data) have their images checked first, by
+`arealite.vision.dataset_checks` (data imports nothing above it); the tokens the images expand
+into come in as ``extra_tokens`` and count toward the prompt's length.
 """
 
 from __future__ import annotations
@@ -13,10 +14,9 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable, Sequence
+from typing import TYPE_CHECKING, Mapping, Sequence
 
 from arealite.data.dataset import DatasetError
-from arealite.data.images import ImageError, as_list, count_images, image_bytes, image_token_counter, probe_image
 from arealite.utils.json_types import JsonObject, JsonValue
 
 if TYPE_CHECKING:
@@ -174,7 +174,8 @@ def _report(items: Sequence[JsonValue], bad: list[tuple[int, str, str]], dataset
     return "\n".join(lines)
 
 
-def _hf_config(model: Path) -> JsonObject:
+def read_hf_config(model: Path) -> JsonObject:
+    """The model directory's ``config.json`` as a dict ({} when missing or unreadable)."""
     try:
         hf = json.loads((model / "config.json").read_text())
     except (OSError, ValueError):
@@ -189,7 +190,7 @@ def model_context_length(cfg: ArealiteConfig) -> tuple[int | None, str]:
     if cfg.launch.server_backend in ("embedded", "sim") and cfg.server.context_length is not None:
         return cfg.server.context_length, "server.context_length"
     model = Path(cfg.server.model_path or cfg.actor.model_path)
-    hf = _hf_config(model)
+    hf = read_hf_config(model)
     for key in ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length"):
         if isinstance(hf.get(key), int):
             return hf[key], f"{key} of {model / 'config.json'}"
@@ -202,24 +203,27 @@ def validate_datasets(
     train_items: Sequence[JsonObject],
     eval_items: Sequence[JsonObject] = (),
     world_size: int | None = None,
+    extra_tokens: Mapping[str, Sequence[int]] | None = None,
 ) -> dict[str, list[int]]:
     """Every check a training script needs on its datasets, with config field names in the errors.
 
     Train prompts are checked against ``generation.max_new_tokens``, eval prompts
     against ``evaluation.max_new_tokens`` (when set); the training set must fill
     one batch of ``rollout.consumer_batch_size`` on every trainer rank.
-    Returns the prompt lengths of each dataset.
+    ``extra_tokens``: per dataset (``"train"``, ``"eval"``), the tokens each row gains beyond
+    its text: its images' (`arealite.vision.dataset_checks.dataset_image_tokens`, which checks
+    the images first). Returns the prompt lengths of each dataset.
     """
     world = world_size if world_size is not None else int(os.environ.get("WORLD_SIZE", "1"))
     ctx, ctx_name = model_context_length(cfg)
-    image_tokens = _image_tokens(cfg, train_items, eval_items)
+    extra = extra_tokens or {}
     common = dict(prompt_key=cfg.data.prompt_key, apply_chat_template=cfg.data.apply_chat_template,
                   max_prompt_len=cfg.data.max_prompt_len, context_length=ctx, context_name=ctx_name,
                   tokenizer_path=cfg.actor.model_path,
-                  vocab_size=_hf_config(Path(cfg.actor.model_path)).get("vocab_size"))
+                  vocab_size=read_hf_config(Path(cfg.actor.model_path)).get("vocab_size"))
     out = {"train": validate_prompts(train_items, tokenizer, max_new_tokens=cfg.generation.max_new_tokens,
                                      dataset=cfg.data.describe("train"),
-                                     extra_tokens=image_tokens and image_tokens("train", train_items), **common)}
+                                     extra_tokens=extra.get("train"), **common)}
     per_rank_batch = cfg.rollout.consumer_batch_size // world
     if len(train_items) // world < per_rank_batch:
         raise DatasetError(
@@ -233,71 +237,5 @@ def validate_datasets(
             eval_items, tokenizer, dataset=cfg.data.describe("eval"),
             max_new_tokens=eval_new or cfg.generation.max_new_tokens,
             max_new_tokens_name="evaluation.max_new_tokens" if eval_new else "generation.max_new_tokens",
-            extra_tokens=image_tokens and image_tokens("eval", eval_items), **common)
+            extra_tokens=extra.get("eval"), **common)
     return out
-
-
-def _image_tokens(cfg: ArealiteConfig, train_items: Sequence[JsonObject], eval_items: Sequence[JsonObject]):
-    """For a vision-language model or data with images: ``check(split, items)``, which checks the
-    rows' images (`arealite.data.images`) and returns their image tokens per row; else None."""
-    vision = "vision_config" in _hf_config(Path(cfg.actor.model_path))
-    if not vision and not has_images(train_items, cfg.data.image_key) and not has_images(eval_items, cfg.data.image_key):
-        return None
-    counter = image_token_counter(cfg.actor.model_path) if vision else None
-
-    def check(split: str, items: Sequence[JsonObject]) -> list[int]:
-        return validate_images(items, image_key=cfg.data.image_key, prompt_key=cfg.data.prompt_key,
-                               max_pixels=cfg.data.max_image_pixels, image_tokens=counter,
-                               dataset=cfg.data.describe(split))
-
-    return check
-
-
-def has_images(items: Sequence[JsonObject], image_key: str) -> bool:
-    """Whether any row of ``items`` holds the image field."""
-    return any(isinstance(it, dict) and it.get(image_key) is not None for it in items)
-
-
-def validate_images(
-    items: Sequence[JsonObject],
-    *,
-    image_key: str = "images",
-    prompt_key: str = "prompt",
-    max_pixels: int | None = None,
-    image_tokens: Callable[[int, int], int] | None = None,
-    dataset: str = "dataset",
-) -> list[int]:
-    """Check the images of every row: each readable and decodable, within ``max_pixels``
-    (``data.max_image_pixels``), as many as the prompt's placeholders. Return each row's image
-    token count (0 without ``image_tokens``, a ``count(width, height)``), or raise
-    ``DatasetError`` listing every bad row by file, line (or row) and field."""
-    bad: list[str] = []
-    tokens = [0] * len(items)
-    for i, item in enumerate(items):
-        if not isinstance(item, dict) or "input_ids" in item:
-            continue  # token-in rows and malformed rows: the prompt checks report those
-        where = items.where(i) if hasattr(items, "where") else f"row {i}"
-        sources = as_list(item.get(image_key))
-        placed = count_images(item.get(prompt_key, ""))
-        if placed != len(sources):
-            bad.append(f"{where}: field '{prompt_key}' places {placed} image(s) ('<image>' or image "
-                       f"content parts) but field '{image_key}' holds {len(sources)}")
-            continue
-        for j, source in enumerate(sources):
-            try:
-                w, h = probe_image(image_bytes(source, f"{where} field '{image_key}'[{j}]"),
-                                   f"{where} field '{image_key}'[{j}]", max_pixels)
-            except ImageError as e:
-                bad.append(str(e))
-                break
-            if image_tokens is not None:
-                tokens[i] += image_tokens(w, h)
-    if bad:
-        lines = [f"{dataset}: {len(bad)} of {len(items)} rows have unusable images:"]
-        lines += [f"  {b}" for b in bad[:SHOW_ROWS]]
-        if len(bad) > SHOW_ROWS:
-            lines.append(f"  ... and {len(bad) - SHOW_ROWS} more")
-        lines.append("Fix: give each row one image per placeholder, as a file path (relative to the data "
-                     "file), base64, a data URL or bytes, within data.max_image_pixels.")
-        raise DatasetError("\n".join(lines))
-    return tokens

@@ -103,7 +103,7 @@ class ServerState:
         # The routes it serves (its OpenAPI document), None when it does not say.
         self.routes: frozenset[str] | None = None
         self.liveness = ""  # the route that tells it is alive without generating
-        # Its start-up warm-up is over (`arealite.inference_client.warm_up`): only then may it
+        # Its start-up warm-up is over (`arealite.inference_client.server_ready`): only then may it
         # be paused, or SGLang's own warm-up request may time out waiting and kill it.
         self.warm = False
 

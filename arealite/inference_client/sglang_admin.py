@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 from arealite.inference_client.errors import ServerAdminError
 from arealite.inference_client.server_pool import ServerPool, ServerState
 from arealite.inference_client.sglang_wire import has_weight_update_brackets, parse_prompt_logprobs, prompt_score_body
-from arealite.inference_client.warm_up import wait_until_warm
+from arealite.inference_client.server_ready import wait_until_warm
 from arealite.utils.json_types import JsonObject, JsonValue
 
 if TYPE_CHECKING:

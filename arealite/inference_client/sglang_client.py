@@ -95,7 +95,7 @@ class SGLangClient(RemoteInferenceClient):
                          max_pause_s=max_pause_s, vocab_size=vocab_size)
         self.admin = SGLangAdmin(self.pool)
         # A LoRA run: every request and the log-prob probe run with the adapter served under
-        # this name (`arealite.weight_sync.lora` reloads it under the same name each push).
+        # this name (`arealite.weight_sync.lora_push` reloads it under the same name each push).
         self.wire.lora_path = self.admin.lora_path = lora_adapter
         # MoE routing replay (algorithm.routing_replay: r3): every request asks for its routing.
         self.wire.return_routed_experts = return_routed_experts

@@ -176,7 +176,7 @@ class SGLangWire:
     ready_route = "/ready"
     batches = True  # GenerateReqInput: lists of input_ids, sampling_params, rid (`batch_body`)
     #: The LoRA adapter every request runs with (``lora_path``: ``actor.lora.served_name`` in a
-    #: LoRA run, the name each push reloads, `arealite.weight_sync.lora`); None = the base model.
+    #: LoRA run, the name each push reloads, `arealite.weight_sync.lora_push`); None = the base model.
     lora_path: str | None = None
     #: Ask for the experts an MoE model routed every token to (``return_routed_experts``; the server
     #: needs ``--enable-return-routed-experts``); set for ``algorithm.routing_replay: r3``.

@@ -29,9 +29,9 @@ from .runner import ModelRunner
 from .runner_contract import RunnerFactory, Sequence
 from .strict import SGLangBehaviour
 from .sampling import GenerateInput, RequestCaps, SamplingConfig, parse_generate
-from .lora import LoraRoutes
+from .lora_adapters import LoraRoutes
 from .vision import VisionSupport, is_vision_config, load_vision_model
-from .warm_up import WarmUp, self_url
+from .startup_request import WarmUp, self_url
 from .weight_routes import WeightRoutes
 from .weights import model_state, parse_dtype
 

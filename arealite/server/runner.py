@@ -140,7 +140,7 @@ class ModelRunner:
                       "generated_tokens": 0, "max_running": 0}
         # Prompts' KV caches kept between admissions; cleared after any command (see `_main`).
         self.prompt_cache = PromptCache(prompt_cache_entries)
-        self.lora = None  # the server's LoRA adapters (`arealite.server.lora.LoraSet`), set by its routes
+        self.lora = None  # the server's LoRA adapters (`arealite.server.lora_adapters.LoraSet`), set by its routes
         # --enable-return-routed-experts: hooks on the MoE routers, read by `_routing_of`.
         self.routing = RoutingCapture(model).__enter__() if capture_routing else None
         self._last_routing: torch.Tensor | None = None  # the last forward's, when asked for

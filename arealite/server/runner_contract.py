@@ -123,7 +123,7 @@ class GenerationRunner(Protocol):
     """Counters reported by ``/server_info`` (``internal_states``)."""
     prompt_cache: PromptCacheCounts
     lora: object | None
-    """The server's LoRA adapters (`arealite.server.lora.LoraSet`), set by its routes."""
+    """The server's LoRA adapters (`arealite.server.lora_adapters.LoraSet`), set by its routes."""
 
     @property
     def n_running(self) -> int: ...

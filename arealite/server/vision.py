@@ -143,7 +143,7 @@ class VisionSupport:
             inp.input_ids = ids
 
     def _decode(self, text: str, where: str):
-        from arealite.vision.images import ImageError, open_image
+        from arealite.vision.image_io import ImageError, open_image
 
         if text.startswith("data:"):
             head, sep, text = text.partition(",")

@@ -34,7 +34,7 @@ from arealite.utils.heap import freeze_heap
 from arealite.server.app import EmbeddedServer, build_app, load_model
 from arealite.server.args import ServerArgs, build_parser, parse_args
 from arealite.server.limits import install_log_filter
-from arealite.server.warm_up import self_url
+from arealite.server.startup_request import self_url
 
 from .cost_model import GPUS, MODELS, SimSpec, load_lengths
 from .runner import SimRunner, sim_runner_class

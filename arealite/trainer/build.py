@@ -22,6 +22,7 @@ from arealite.rollout.build import build_inference_client, build_local_rollout
 from arealite.rollout.worker import RolloutWorker, WorkerSpec, runs_in_a_worker
 from arealite.utils import accounting
 from arealite.utils.json_types import JsonObject
+from arealite.vision.dataset_checks import dataset_image_tokens
 from arealite.vision.prompt import VisionPrompt
 from arealite.workflow.base import RolloutWorkflow
 from arealite.workflow.common import processor_for, render_vision_item
@@ -40,11 +41,12 @@ def rank_and_world() -> tuple[int, int]:
 
 
 def load_data(cfg: ArealiteConfig, tokenizer: PreTrainedTokenizerBase) -> tuple[list[JsonObject], list[JsonObject]]:
-    """Training and held-out items, every bad prompt named before anything starts."""
+    """Training and held-out items, every bad prompt and image named before anything starts."""
     from arealite.workflow.registry import environment_prompt_sets
 
     train, held_out = load_prompt_sets(cfg, environment_prompt_sets)  # from where data.source says
-    validate_datasets(cfg, tokenizer, train, held_out)
+    image_tokens = dataset_image_tokens(cfg, train, held_out)  # None: no images, text model
+    validate_datasets(cfg, tokenizer, train, held_out, extra_tokens=image_tokens)
     return train, held_out
 
 

@@ -1,9 +1,11 @@
 """The model's processor (image processor + tokenizer + chat template), loadable without
-torchvision: transformers' Qwen2-VL video processor needs it, images do not."""
+torchvision: transformers' Qwen2-VL video processor needs it, images do not; and how many
+image tokens its image processor makes of an image of a given size."""
 
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 
 from transformers import Qwen2_5_VLProcessor
 
@@ -35,3 +37,21 @@ def load_processor(model_path: str | os.PathLike):
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     return ImageOnlyQwen2_5_VLProcessor(AutoImageProcessor.from_pretrained(model_path), tokenizer,
                                         chat_template=tokenizer.chat_template)
+
+
+def image_token_counter(model: str | os.PathLike | object) -> Callable[[int, int], int]:
+    """``count(width, height)``: the ``<|image_pad|>`` tokens one image of that size expands into
+    with the model's image processor (its resize, patch and merge sizes). ``model``: the model
+    directory, or its image processor already loaded."""
+    if hasattr(model, "merge_size"):
+        ip = model
+    else:
+        from transformers import AutoImageProcessor
+
+        ip = AutoImageProcessor.from_pretrained(model)
+    merge = ip.merge_size
+
+    def count(width: int, height: int) -> int:
+        return ip.get_number_of_image_patches(height, width, {}) // (merge * merge)
+
+    return count

@@ -13,11 +13,14 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from arealite.data.images import IMAGE_PLACEHOLDER, ImageError, count_images
-from arealite.vision.images import encode_base64, open_image
+from arealite.vision.image_io import ImageError, encode_base64, open_image
 
 if TYPE_CHECKING:
     import torch
+
+#: What a prompt writes where an image goes.
+IMAGE_PLACEHOLDER = "<image>"
+_IMAGE_PARTS = ("image", "image_url")
 
 #: What Qwen2.5-VL's chat template renders for one image (before the processor's expansion).
 VISION_BLOCK = "<|vision_start|><|image_pad|><|vision_end|>"
@@ -37,6 +40,22 @@ class VisionPrompt:
     pixel_values: torch.Tensor
     image_grid_thw: torch.Tensor
     image_data: list[str]
+
+
+def count_images(prompt: str | Sequence[dict]) -> int:
+    """How many images a prompt places: ``<image>`` in its text and image content parts."""
+    if isinstance(prompt, str):
+        return prompt.count(IMAGE_PLACEHOLDER)
+    if not isinstance(prompt, (list, tuple)):
+        return 0
+    n = 0
+    for m in prompt:
+        content = m.get("content") if isinstance(m, dict) else None
+        if isinstance(content, str):
+            n += content.count(IMAGE_PLACEHOLDER)
+        elif isinstance(content, list):
+            n += sum(1 for p in content if isinstance(p, dict) and p.get("type") in _IMAGE_PARTS)
+    return n
 
 
 def _split_placeholders(text: str) -> list[dict]:

@@ -41,7 +41,7 @@ from arealite.weight_sync.base import (
 )
 from arealite.weight_sync.disk import DiskTransfer
 from arealite.weight_sync.distributed import DistributedTransfer
-from arealite.weight_sync.lora import AdapterSource, LoraTransfer
+from arealite.weight_sync.lora_push import AdapterSource, LoraTransfer
 from arealite.weight_sync.publisher import WeightPublisher
 from arealite.weight_sync.shm import ShmTransfer
 from arealite.weight_sync.probe import LogprobProbe, default_probe_tolerance, probe_tokens
@@ -177,7 +177,7 @@ def make_publisher(config, rollout: WeightUpdateTarget, train_engine: TrainEngin
     admin, run = rollout.admin, rollout.run
     require(admin, WeightUpdateAdmin, "the rollout side's admin")
     model_path = getattr(getattr(train_engine, "config", None), "model_path", None)
-    if config.actor.lora is not None:  # only the adapter travels (`lora.LoraTransfer`)
+    if config.actor.lora is not None:  # only the adapter travels (`lora_push.LoraTransfer`)
         transfer = make_lora_transfer(config, admin, run, train_engine)
         source = source if source is not None else AdapterSource(train_engine)
     else:

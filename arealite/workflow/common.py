@@ -123,7 +123,8 @@ def render_vision_item(processor, item: JsonObject, prompt_key: str, image_key: 
                        apply_chat_template: bool, max_pixels: int | None = None) -> VisionPrompt:
     """The `VisionPrompt` of an item of a vision run, rendered here (CPU work: on an event loop,
     use `encode_vision_prompt`)."""
-    from arealite.data.images import as_list, image_bytes
+    from arealite.data.image_sources import as_list
+    from arealite.vision.image_io import image_bytes
     from arealite.vision.prompt import render_vision_prompt
 
     where = f"item {item.get('prompt_id', '?')} field '{image_key}'"

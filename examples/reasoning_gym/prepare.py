@@ -23,7 +23,7 @@ from arealite.algo.sft import build_sft_batch
 from arealite.check import load_run_config
 from arealite.data.reasoning_gym import reasoning_gym_items
 from arealite.models.tiny import build_tiny_model
-from arealite.models.warm_up import demo_arguments, start_demo_dir, supervised_warm_up
+from arealite.models.supervised_warm_start import demo_arguments, start_demo_dir, supervised_warm_up
 
 CONFIG = Path(__file__).with_name("config.yaml")
 

@@ -23,7 +23,7 @@ from transformers import AutoTokenizer
 
 from arealite.algo.sft import build_sft_batch
 from arealite.models.tiny import build_tiny_model
-from arealite.models.warm_up import demo_arguments, start_demo_dir, supervised_warm_up
+from arealite.models.supervised_warm_start import demo_arguments, start_demo_dir, supervised_warm_up
 from arealite.reward.reverse_digits import make_items, write_jsonl
 
 

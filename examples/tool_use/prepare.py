@@ -32,7 +32,7 @@ from agent import TOOLS, make_items  # noqa: E402  (examples/tool_use/agent.py)
 
 from arealite.agent.chat import ChatRenderer  # noqa: E402
 from arealite.models.tiny import build_tiny_model  # noqa: E402
-from arealite.models.warm_up import demo_arguments, start_demo_dir, supervised_warm_up  # noqa: E402
+from arealite.models.supervised_warm_start import demo_arguments, start_demo_dir, supervised_warm_up  # noqa: E402
 from arealite.reward.reverse_digits import write_jsonl  # noqa: E402
 
 

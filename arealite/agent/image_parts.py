@@ -9,9 +9,8 @@ import asyncio
 import urllib.request
 
 from arealite.agent.errors import RequestError
-from arealite.data.images import ImageError, image_bytes
 from arealite.utils.json_types import JsonObject, JsonValue
-from arealite.vision.images import open_image
+from arealite.vision.image_io import ImageError, image_bytes, open_image
 from arealite.vision.prompt import VisionPrompt, render_vision_prompt
 
 __all__ = ["ImagePolicy", "image_of_part", "render_images", "resolve_images"]
