@@ -25,7 +25,7 @@ transformers 5, and a block-diagonal mask costs T x T per micro-batch.)
 Logits are never materialised on the way to a loss: the model runs to its last
 hidden states (its output head skipped, ``lm_head.capture_head``) and the loss
 gets a ``HeadOutput`` whose ``logprobs``/``logprobs_entropy`` apply the head in
-chunks of rows (``fused_logprob``); ``logits()`` materialises them on request.
+chunks of rows (``arealite.ops.fused_logprob``); ``logits()`` materialises them on request.
 The root FSDP module (embeddings, final norm, output head) therefore keeps its
 parameters gathered from its forward to its backward, as FSDP2 does for a root
 by default.
