@@ -55,7 +55,7 @@ from arealite.train_engine.fsdp_checkpoint import (
 )
 from arealite.train_engine.fsdp_model import build_optimizer, causal_lm, compute_dtype, load_sharded_model
 from arealite.train_engine.lm_head import ChunkedHead, capture_head, output_head
-from arealite.train_engine.microbatch import MicroBatch, MicroBatchPlanner
+from arealite.train_engine.microbatch import MicroBatchPlanner, PackedMicroBatch
 from arealite.train_engine.packing import PackedIndex, unpack
 from arealite.train_engine.expert_parallel import finish_expert_gradients
 from arealite.train_engine.routing_replay import RouterLoadBalance, moe_routers, replay_routing  # MoE routing replay (R3)
@@ -290,7 +290,7 @@ class FSDPEngine:
         return stats
 
     def _global_totals(
-        self, plan: list[MicroBatch], weights: list[float]
+        self, plan: list[PackedMicroBatch], weights: list[float]
     ) -> tuple[float, dict[str, float]]:
         """The loss weight summed over ranks, and the step's size figures (sums over ranks) and LR;
         a model-parallel group's micro-batches count once."""
