@@ -49,11 +49,12 @@ def _logits_into(out: torch.Tensor, hidden: torch.Tensor, weight: torch.Tensor |
     return out if temperature == 1.0 else out.div_(temperature)
 
 
-def _row_dot(p: torch.Tensor, z: torch.Tensor, masked: bool) -> torch.Tensor:
-    """``sum_v p * z`` per row; with ``masked`` a ``-inf`` logit (p = 0) adds 0, not NaN."""
+def _row_dot_(p: torch.Tensor, z: torch.Tensor, masked: bool) -> torch.Tensor:
+    """``sum_v p * z`` per row, with no ``[chunk, V]`` temporary; with ``masked`` a ``-inf`` logit
+    (p = 0) adds 0, not NaN, and ``p`` is overwritten (the product is taken in place)."""
     if masked:
-        return (p * z).nansum(-1)
-    return torch.bmm(p[:, None, :], z[:, :, None]).view(-1)  # no [chunk, V] temporary
+        return p.mul_(z).nansum(-1)
+    return torch.bmm(p[:, None, :], z[:, :, None]).view(-1)
 
 
 def _grad_logits_(z: torch.Tensor, lse: torch.Tensor, labels: torch.Tensor, g_logp: torch.Tensor,
@@ -100,7 +101,7 @@ class _FusedHeadLogprob(torch.autograd.Function):
             lse[s:e] = m.view(-1) + log_total
             logp[s:e] = z.gather(-1, labels[s:e, None]).view(-1) - log_total
             if with_entropy:
-                ent[s:e] = log_total - _row_dot(p, z, weight is None) / total
+                ent[s:e] = log_total - _row_dot_(p, z, weight is None) / total  # the chunk's last use of p
         del z_buf, p_buf
         ctx.save_for_backward(hidden, weight, bias, labels, lse, ent)
         ctx.temperature, ctx.chunk = temperature, chunk
