@@ -7,10 +7,10 @@ of each row as a stat, i.e. what the PPO loss needs per micro-batch:
 
 - baseline (the engine's path before issue 30): the head's ``[T, V]`` logits materialised in
   float32 (``F.linear(h, W).float()``, as ``FSDPEngine._logits`` returned them), then
-  ``arealite.algo.logprob.gather_logprobs_entropy_stat``: the log-softmax over the vocabulary
-  (the leaner of the two paths the actor used: row-chunked, saving only the logits for its
-  backward; the entropy-bonus path kept several more ``[T, V]`` tensors);
-- fused: ``arealite.train_engine.fused_logprob.fused_logprobs_entropy`` (the head applied over
+  ``arealite.algo.logprob.gather_logprobs_entropy_stat``: the log-softmax over the vocabulary,
+  row-chunked (1024 rows), saving only the logits for its backward (since issue 41 it is the
+  same kernel as the fused side, run on the logits: ``weight=None``);
+- fused: ``arealite.ops.fused_logprob.fused_logprobs_entropy`` (the head applied over
   chunks of rows; the backward recomputes each chunk's logits).
 
 Memory: each side runs in a fresh subprocess per round; after building the inputs (and a small
@@ -82,7 +82,7 @@ def _side(name: str, temperature: float, chunk: int | None):
     import torch.nn.functional as F
 
     from arealite.algo.logprob import gather_logprobs_entropy_stat
-    from arealite.train_engine.fused_logprob import fused_logprobs_entropy
+    from arealite.ops.fused_logprob import fused_logprobs_entropy
 
     if name == "baseline":
         def baseline(h, w, labels):
@@ -163,7 +163,7 @@ def main(argv=None) -> None:
         return child(args)
     if args.quick:
         args.rows, args.vocab, args.rounds = 1024, 32_000, 1
-    from arealite.train_engine.fused_logprob import chunk_rows
+    from arealite.ops.fused_logprob import chunk_rows
 
     chunk = args.chunk or chunk_rows(args.vocab)
     runs: dict[str, list[dict]] = {"baseline": [], "fused": []}

@@ -3,7 +3,9 @@
 - `fused_logprobs_entropy` on ``(hidden, weight, bias)`` against ``log_softmax(linear(...) / T)``:
   log-probs, entropies and the gradients of hidden states, weight and bias within 1e-5 (fp32),
   temperatures 1 and 0.7, chunk sizes that do not divide T, and no ``[T, V]`` tensor saved;
-- the logits form (``ChunkedHead.from_logits``) against ``arealite.algo.logprob``;
+- the logits form (``ChunkedHead.from_logits``, the kernel that ``arealite.algo.logprob`` wraps)
+  against the plain log-softmax, masked (``-inf``) logits included;
+- row counts one under, at and one over a multiple of the chunk size, in both forms;
 - the engine's training step: the PPO loss through the fused head gives the loss, stats and
   gradients of the same loss on materialised logits (the path before issue 30), with tied
   embeddings, and with a LoRA adapter wrapping ``lm_head``; ``forward`` log-probs likewise.
@@ -16,8 +18,9 @@ import torch
 import torch.nn.functional as F
 
 from arealite.algo.logprob import gather_logprobs_entropy
-from arealite.train_engine.fused_logprob import chunk_rows, fused_logprobs_entropy
+from arealite.ops.fused_logprob import chunk_rows, fused_logprobs_entropy
 from arealite.train_engine.lm_head import ChunkedHead, head_params
+from tests.test_algo_logprob import plain_logprobs_entropy
 
 TOL = 1e-5
 
@@ -98,13 +101,13 @@ def test_nothing_of_size_t_by_v_is_kept_for_the_backward():
     assert chunk_rows(151_936) * 151_936 * 4 <= 256 << 20  # the default chunk: ~256 MiB of logits
 
 
-def test_logits_form_equals_the_algo_functions_and_survives_masked_logits():
+def test_logits_form_equals_the_plain_formula_and_survives_masked_logits():
     g = torch.Generator().manual_seed(2)
     logits = torch.randn(11, 9, generator=g)
     logits[:, 6:] = -float("inf")  # a masked vocabulary
     logits.requires_grad_(True)
     labels = torch.randint(0, 6, (11,), generator=g)
-    want_lp, want_ent = gather_logprobs_entropy(logits, labels, 0.8)
+    want_lp, want_ent = plain_logprobs_entropy(logits, labels, 0.8)
     want = torch.autograd.grad(want_lp.sum() + 0.3 * want_ent.sum(), logits)[0]
     head = ChunkedHead.from_logits(logits, chunk_size=4)
     got_lp, got_ent = head.logprobs_entropy(labels, 0.8)
@@ -113,6 +116,27 @@ def test_logits_form_equals_the_algo_functions_and_survives_masked_logits():
     assert (got_lp - want_lp).abs().max() <= TOL and (got_ent - want_ent).abs().max() <= TOL
     assert (got - want).abs().max() <= TOL
     assert torch.equal(head.logits(), logits)
+
+
+@pytest.mark.parametrize("rows", [15, 16, 17])  # one under, at and one over a multiple of the chunk (8)
+def test_both_forms_at_a_chunk_edge(rows):
+    h, w, b, labels, a, c = _inputs(T=rows, seed=rows)
+    want_lp, want_ent = _reference(h, w, b, labels, 0.7)
+    want = _grads((h, w, b), (a * want_lp).sum() + (c * want_ent).sum())
+    got_lp, got_ent = ChunkedHead(h, w, b, chunk_size=8).logprobs_entropy(labels, 0.7)
+    assert (got_lp - want_lp).abs().max() <= TOL and (got_ent - want_ent).abs().max() <= TOL
+    for x, y in zip(_grads((h, w, b), (a * got_lp).sum() + (c * got_ent).sum()), want):
+        assert (x - y).abs().max() <= TOL
+    logits = F.linear(h, w, b).detach()
+    logits[::3, 40:] = logits[-1, 40:] = -float("inf")  # masked rows, the last (partial) chunk's included
+    labels = labels % 40
+    logits.requires_grad_(True)
+    want_lp, want_ent = plain_logprobs_entropy(logits, labels, 0.7)
+    want = torch.autograd.grad((a * want_lp).sum() + (c * want_ent).sum(), logits)[0]
+    got_lp, got_ent = ChunkedHead.from_logits(logits, chunk_size=8).logprobs_entropy(labels, 0.7)
+    got = torch.autograd.grad((a * got_lp).sum() + (c * got_ent).sum(), logits)[0]
+    assert (got_lp - want_lp).abs().max() <= TOL and (got_ent - want_ent).abs().max() <= TOL
+    assert torch.isfinite(got).all() and (got[::3, 40:] == 0).all() and (got - want).abs().max() <= TOL
 
 
 def test_head_forms_agree_and_errors_are_clear():

@@ -82,7 +82,7 @@ def test_packed_logprobs_equal_per_row_hf_forward(vl_model_dir, vl_batch, hf_mod
         plan = engine.planner.plan(dict(vl_batch))
         assert len(plan) == (1 if mb_max_tokens == 1000 else len(plan)) and len(plan) >= 1
         if mb_max_tokens == 1000:
-            assert plan[0][0]["image_grid_thw"].shape[0] == 4 and len(plan[0][1].rows) == 4
+            assert plan[0].tensors["image_grid_thw"].shape[0] == 4 and len(plan[0].index.rows) == 4
         out = engine.forward(vl_batch, worker.label_logprobs)
     finally:
         engine.destroy()

@@ -25,7 +25,7 @@ transformers 5, and a block-diagonal mask costs T x T per micro-batch.)
 Logits are never materialised on the way to a loss: the model runs to its last
 hidden states (its output head skipped, ``lm_head.capture_head``) and the loss
 gets a ``HeadOutput`` whose ``logprobs``/``logprobs_entropy`` apply the head in
-chunks of rows (``fused_logprob``); ``logits()`` materialises them on request.
+chunks of rows (``arealite.ops.fused_logprob``); ``logits()`` materialises them on request.
 The root FSDP module (embeddings, final norm, output head) therefore keeps its
 parameters gathered from its forward to its backward, as FSDP2 does for a root
 by default.
@@ -57,7 +57,7 @@ from arealite.train_engine.fsdp_checkpoint import (
 )
 from arealite.train_engine.fsdp_model import build_optimizer, causal_lm, compute_dtype, load_sharded_model
 from arealite.train_engine.lm_head import ChunkedHead, capture_head, output_head
-from arealite.train_engine.microbatch import MicroBatch, MicroBatchPlanner
+from arealite.train_engine.microbatch import MicroBatchPlanner, PackedMicroBatch
 from arealite.train_engine.packing import PackedIndex, unpack
 from arealite.train_engine.expert_parallel import finish_expert_gradients
 from arealite.train_engine.parallel_layout import Meshes, ParallelLayout, build_meshes, layout_error, layout_problems
@@ -294,7 +294,7 @@ class FSDPEngine:
         return stats
 
     def _global_totals(
-        self, plan: list[MicroBatch], weights: list[float]
+        self, plan: list[PackedMicroBatch], weights: list[float]
     ) -> tuple[float, dict[str, float]]:
         """The loss weight summed over ranks, and the step's size figures (sums over ranks) and LR;
         a model-parallel group's micro-batches count once."""

@@ -2,7 +2,7 @@
 
 `ChunkedHead` satisfies `arealite.api.contracts.HeadOutput`. Built from the last hidden states
 and the head's weight, ``logprobs``/``logprobs_entropy`` run the fused chunked head
-(`arealite.train_engine.fused_logprob`): the ``[T, V]`` logits never exist. ``logits()``
+(`arealite.ops.fused_logprob`): the ``[T, V]`` logits never exist. ``logits()``
 materialises them for a loss that needs them. Built from logits (`ChunkedHead.from_logits`: a
 value model's ``[T, 1]``, a head the fused path cannot reproduce), every method works on those.
 
@@ -23,7 +23,7 @@ from contextlib import contextmanager
 import torch
 import torch.nn.functional as F
 
-from arealite.train_engine.fused_logprob import fused_logprobs_entropy
+from arealite.ops.fused_logprob import fused_logprobs_entropy
 
 __all__ = ["ChunkedHead", "capture_head", "head_params", "output_head"]
 

@@ -9,19 +9,30 @@ model's keyword inputs for each (this rank's share of the tokens under sequence 
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import torch.distributed as dist
 
-from arealite.api.contracts import TrainBatch
+from arealite.api.contracts import MicroBatch, TrainBatch
 from arealite.train_engine.packing import PackedIndex, pack, sequence_lengths, split_into_microbatches
 from arealite.train_engine.row_gather import GroupRows, gather_rows
 from arealite.train_engine.sequence_parallel import SequenceParallel
 from arealite.train_engine.vision_inputs import blank_image, pack_images, split_vision_keys
 
-__all__ = ["MicroBatch", "MicroBatchPlanner", "as_tensor_dict"]
+__all__ = ["MicroBatchPlanner", "PackedMicroBatch", "as_tensor_dict"]
 
-#: A packed micro-batch (the ``mb`` of docs/internals.md) and its index, or ``(None, None)``: a dummy.
-MicroBatch = tuple[dict[str, torch.Tensor] | None, PackedIndex | None]
+
+class PackedMicroBatch(NamedTuple):
+    """One entry of `MicroBatchPlanner.plan`: a micro-batch's packed tensors and the index that
+    says which rows they came from, or ``(None, None)``: a dummy, which a rank short of real
+    micro-batches runs so that the collectives of every rank line up."""
+
+    #: The packed tensors on the engine's device: the ``mb`` a loss function or hook gets
+    #: (`arealite.api.contracts.MicroBatch`, layout in docs/internals.md); None for a dummy.
+    tensors: MicroBatch | None
+    #: Where each packed sequence came from and how long it is; None for a dummy.
+    index: PackedIndex | None
 
 
 def as_tensor_dict(batch: TrainBatch) -> dict[str, torch.Tensor]:
@@ -59,7 +70,7 @@ class MicroBatchPlanner:
             return GroupRows(data, start=0, shape=tuple(data["input_ids"].shape))
         return gather_rows(data, self.group)
 
-    def plan(self, data: dict[str, torch.Tensor]) -> list[MicroBatch]:
+    def plan(self, data: dict[str, torch.Tensor]) -> list[PackedMicroBatch]:
         """Pack the rows into micro-batches; every rank gets the same count (the ranks of a
         model-parallel group, given the same rows, the same micro-batches). A collective. A vision
         batch's micro-batches also get their rows' images and 3-D positions (`pack_images`)."""
@@ -78,15 +89,15 @@ class MicroBatchPlanner:
             raise ValueError("the batch is empty on every rank: nothing to compute")
         if n_mb > len(groups):
             groups = split_into_microbatches(lengths, self.max_tokens, min_count=n_mb)
-        plan: list[MicroBatch] = []
+        plan: list[PackedMicroBatch] = []
         for rows in groups:
             if rows:
                 mb, index = pack(data, rows, lengths)
                 if images:
                     mb.update(pack_images(images, data["input_ids"], index, self.hf_config))
-                plan.append(({k: v.to(self.device) for k, v in mb.items()}, index))
+                plan.append(PackedMicroBatch({k: v.to(self.device) for k, v in mb.items()}, index))
             else:
-                plan.append((None, None))
+                plan.append(PackedMicroBatch(None, None))
         return plan
 
     def blank_image(self, mb: dict | None) -> tuple[torch.Tensor, torch.Tensor] | None:

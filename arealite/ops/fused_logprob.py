@@ -9,13 +9,14 @@ recomputes each chunk's logits and turns them into the gradients of ``hidden``, 
 ``[chunk, V]`` float32 buffers, allocated once per call and reused by every chunk, whatever T is.
 
 With ``weight=None`` the "hidden states" are the logits themselves (``[T, V]``) and the same
-chunked pass scores them (a value head, a loss that materialised its logits): then only the
-gradient of the logits is returned, and masked (``-inf``) logits are allowed.
+chunked pass scores them (a value head, a loss that materialised its logits, and every function of
+`arealite.algo.logprob`, which are thin wrappers over this one): then only the gradient of the
+logits is returned, and masked (``-inf``) logits are allowed.
 
 Gradients, with ``z`` the tempered logits, ``p = softmax(z)``, ``H`` the entropy and ``y`` the
 label: ``d logp / dz = onehot(y) - p`` and ``dH / dz = -p * (log p + H)``; ``d/dlogits = d/dz / T``.
 This is also how inference engines score a sampled token (``log_softmax(logits / T)`` over the
-full vocabulary), so the numbers equal ``arealite.algo.logprob``'s on the materialised logits.
+full vocabulary, in float32 whatever the logits' dtype).
 """
 
 from __future__ import annotations
@@ -48,11 +49,12 @@ def _logits_into(out: torch.Tensor, hidden: torch.Tensor, weight: torch.Tensor |
     return out if temperature == 1.0 else out.div_(temperature)
 
 
-def _row_dot(p: torch.Tensor, z: torch.Tensor, masked: bool) -> torch.Tensor:
-    """``sum_v p * z`` per row; with ``masked`` a ``-inf`` logit (p = 0) adds 0, not NaN."""
+def _row_dot_(p: torch.Tensor, z: torch.Tensor, masked: bool) -> torch.Tensor:
+    """``sum_v p * z`` per row, with no ``[chunk, V]`` temporary; with ``masked`` a ``-inf`` logit
+    (p = 0) adds 0, not NaN, and ``p`` is overwritten (the product is taken in place)."""
     if masked:
-        return (p * z).nansum(-1)
-    return torch.bmm(p[:, None, :], z[:, :, None]).view(-1)  # no [chunk, V] temporary
+        return p.mul_(z).nansum(-1)
+    return torch.bmm(p[:, None, :], z[:, :, None]).view(-1)
 
 
 def _grad_logits_(z: torch.Tensor, lse: torch.Tensor, labels: torch.Tensor, g_logp: torch.Tensor,
@@ -99,7 +101,7 @@ class _FusedHeadLogprob(torch.autograd.Function):
             lse[s:e] = m.view(-1) + log_total
             logp[s:e] = z.gather(-1, labels[s:e, None]).view(-1) - log_total
             if with_entropy:
-                ent[s:e] = log_total - _row_dot(p, z, weight is None) / total
+                ent[s:e] = log_total - _row_dot_(p, z, weight is None) / total  # the chunk's last use of p
         del z_buf, p_buf
         ctx.save_for_backward(hidden, weight, bias, labels, lse, ent)
         ctx.temperature, ctx.chunk = temperature, chunk
@@ -180,9 +182,10 @@ def fused_logprobs_entropy(
                          "(temperature 0) has no log-probs to recompute, use 1.0")
     if labels.dtype.is_floating_point:
         raise TypeError(f"labels must be integer token ids, got dtype {labels.dtype}")
-    if tuple(hidden.shape[:-1]) != tuple(labels.shape):
-        raise ValueError(f"hidden states of shape {tuple(hidden.shape)} need labels of shape "
-                         f"{tuple(hidden.shape[:-1])}, got {tuple(labels.shape)}")
+    what = "logits" if weight is None else "hidden states"
+    if hidden.dim() < 1 or tuple(hidden.shape[:-1]) != tuple(labels.shape):
+        raise ValueError(f"{what} of shape {tuple(hidden.shape)} need labels of shape "
+                         f"{tuple(hidden.shape[:-1])}, got labels of shape {tuple(labels.shape)}")
     if weight is not None and weight.shape[-1] != hidden.shape[-1]:
         raise ValueError(f"head weight {tuple(weight.shape)} does not take hidden states of size {hidden.shape[-1]}")
     vocab = hidden.shape[-1] if weight is None else weight.shape[0]
