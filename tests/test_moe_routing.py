@@ -12,7 +12,7 @@ import torch
 from arealite.api.types import Completion, GenerationRequest, SamplingParams
 from arealite.inference_client.errors import AttemptFailure
 from arealite.inference_client.routed_experts import RoutingRows
-from arealite.server.sampling import RequestError, parse_generate
+from arealite.server.generate_request import RequestError, parse_generate
 from arealite.train_engine.packing import pack
 from arealite.train_engine.routing_replay import RoutingCapture, RoutingReplay, micro_batch_experts, moe_routers
 from arealite.workflow.routed_experts import routed_experts_of

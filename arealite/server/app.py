@@ -27,7 +27,8 @@ from .middleware import make_guard
 from .routed_experts import encode_routed_experts
 from .runner import ModelRunner, Sequence
 from .strict import SGLangBehaviour
-from .sampling import GenerateInput, RequestCaps, SamplingConfig, parse_generate
+from .generate_request import GenerateInput, RequestCaps, parse_generate
+from .sampling import SamplingConfig
 from .lora import LoraRoutes
 from .vision import VisionSupport, is_vision_config, load_vision_model
 from .warm_up import WarmUp, self_url

@@ -33,7 +33,8 @@ from arealite.utils.json_types import JsonObject
 from arealite.train_engine.routing_replay import RoutingCapture
 
 from .prompt_cache import PromptCache, cached_row, stack_cached
-from .sampling import BatchSamplingState, GenerateInput, sample_next
+from .generate_request import GenerateInput
+from .sampling import BatchSamplingState, sample_next
 from .vision import prefill_inputs, prompt_key, rope_deltas
 
 logger = logging.getLogger("arealite.server")

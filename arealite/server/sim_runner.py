@@ -35,7 +35,7 @@ from typing import Callable, TypeVar
 import numpy as np
 
 from .runner import Sequence
-from .sampling import GenerateInput
+from .generate_request import GenerateInput
 from .sim_model import SimSpec
 
 logger = logging.getLogger("arealite.server")
