@@ -7,8 +7,8 @@
    SGLang), each in its own session, each on its own GPU(s) when GPUs are present.
 3. Waits for every server's `/health` (`launch.server_startup_timeout_s`); a
    server that exits or never answers fails the launch with its log tail.
-4. Runs `python -m torch.distributed.run --standalone --nproc_per_node
-   launch.n_trainer_procs SCRIPT --config CFG overrides...` with the server
+4. Runs torchrun (`arealite.launcher.torchrun`: its store listens on 127.0.0.1 alone)
+   with `--nproc_per_node launch.n_trainer_procs SCRIPT --config CFG overrides...` and the server
    addresses in AREALITE_SERVER_ADDRS (and the api key, if any, in
    AREALITE_SERVER_API_KEY, which the servers read too: never on a command line,
    never in a log).
@@ -54,11 +54,15 @@ from arealite.launcher.common import (  # noqa: F401  (ExitCode, DEFAULT_ENTRY..
     wait_healthy,
     watch_run,
 )
+from arealite.launcher import torchrun
 from arealite.launcher.server_cmd import gpus_per_server, judge_server_command, masked, server_command
 from arealite.reward.judge import ADDRS_ENV as JUDGE_ADDRS_ENV
 from arealite.utils import procs
-from arealite.utils.net import free_ports, ports_from
+from arealite.utils.net import free_port, free_ports, ports_from
 from arealite.utils.run import ENV_ROLLOUT_CPUS, ENV_SERVER_ADDRS, ENV_SERVER_API_KEY
+
+
+LOOPBACK = "127.0.0.1"  # the trainer's store: every rank runs on this machine
 
 
 def cpu_plan(n_servers: int, server_cpus: int | None, cpus: list[int]) -> tuple[list[list[int]], list[int]]:
@@ -265,9 +269,10 @@ class LocalLauncher:
     # -- trainer ---------------------------------------------------------------------------
 
     def trainer_command(self) -> list[str]:
-        """`python -m torch.distributed.run --standalone ... SCRIPT --config CFG overrides`."""
-        return [sys.executable, "-m", "torch.distributed.run", "--standalone",
-                "--nproc_per_node", str(self.cfg.launch.n_trainer_procs),
+        """torchrun ... `SCRIPT --config CFG overrides`, its store on a free port of 127.0.0.1 alone
+        (`arealite.launcher.torchrun`; torchrun's ``--standalone`` listens on every interface)."""
+        return [*torchrun.command(sys.executable, master_addr=LOOPBACK, master_port=free_port(LOOPBACK),
+                                  nproc_per_node=self.cfg.launch.n_trainer_procs),
                 *trainer_args(self.script, self.config_path, self.overrides)]
 
     def start_trainer(self, addrs: list[str]) -> Child:

@@ -69,12 +69,17 @@ def cmdline(pid: int) -> str | None:
         return None
 
 
+#: What the command line of a torchrun agent (not a worker) holds: torch's module, or the
+#: launcher's (`arealite.launcher.torchrun`).
+TORCHRUN_AGENTS = ("torch.distributed.run", "arealite.launcher.torchrun")
+
+
 def trainer_workers(launcher_pid: int, script: str = "examples/rlvr/train.py") -> list[int]:
     """The torchrun worker processes running ``script`` (not the torchrun agent) under a launcher."""
     out = []
     for pid in descendants(launcher_pid):
         cmd = cmdline(pid)
-        if cmd is not None and script in cmd and "torch.distributed.run" not in cmd:
+        if cmd is not None and script in cmd and not any(agent in cmd for agent in TORCHRUN_AGENTS):
             out.append(pid)
     return out
 
