@@ -178,10 +178,10 @@ class Launch:
     """One `python -m arealite.launcher.local` run in a subprocess."""
 
     def __init__(self, tmp_path: Path, model_dir: Path, mode: str, n_servers: int = 1,
-                 extra: tuple[str, ...] = ()):
+                 extra: tuple[str, ...] = (), script: str = SCRIPT, pythonpath: tuple[Path, ...] = ()):
         self.tmp = tmp_path
         self.script = tmp_path / "train.py"
-        self.script.write_text(SCRIPT)
+        self.script.write_text(script)
         self.cfg = tmp_path / "cfg.yaml"
         self.cfg.write_text(
             f"experiment: {{output_root: {tmp_path / 'runs'}, name: exp, trial: t1}}\n"
@@ -191,7 +191,7 @@ class Launch:
         self.stdout = open(tmp_path / "launcher.out", "w+b")
         self.stderr = open(tmp_path / "launcher.err", "w+b")
         env = dict(os.environ, OUT_FILE=str(self.out), MODE=mode, OMP_NUM_THREADS="1",
-                   AREALITE_LAUNCHER_GRACE_S="5", PYTHONPATH=str(REPO))
+                   AREALITE_LAUNCHER_GRACE_S="5", PYTHONPATH=os.pathsep.join(map(str, (REPO, *pythonpath))))
         env.pop("AREALITE_SERVER_ADDRS", None)
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "arealite.launcher.local", str(self.script),
@@ -307,6 +307,34 @@ def test_bad_override_exits_before_starting_anything(tmp_path, micro_model_dir):
     assert run.wait() == ExitCode.BAD_CONFIG
     assert "launch.n_servers" in run.err()
     assert run.pids() == {}
+
+
+# A trainer that starts a local OpenEnv server (as `rollout.workflow: openenv` with env_class does).
+OPENENV_SCRIPT = SCRIPT.replace("print(\"hello from the trainer\", flush=True)", r'''
+from arealite.environments.openenv_server import LocalEnvServer
+env_server = LocalEnvServer("user_pkg.openenv_guess:GuessEnv", "user_pkg.openenv_guess:GuessAction",
+                            "user_pkg.openenv_guess:GuessObservation")
+env_server.start()
+with open(out + ".env", "w") as f:
+    f.write(str(env_server.proc.pid))
+''')
+
+
+@pytest.mark.slow
+def test_an_openenv_server_the_trainer_starts_is_listed_and_stopped(tmp_path, micro_model_dir):
+    pytest.importorskip("openenv.core")
+    run = Launch(tmp_path, micro_model_dir, "sleep", script=OPENENV_SCRIPT, pythonpath=(REPO / "tests",))
+    record = run.wait_record()
+    env_file = Path(str(run.out) + ".env")
+    deadline = time.monotonic() + 60
+    while "openenv0" not in run.pids() or not env_file.exists():
+        assert time.monotonic() < deadline, f"the OpenEnv server is not listed:\n{run.err()}"
+        time.sleep(0.2)
+    env_pid = int(env_file.read_text())
+    assert run.pids()["openenv0"] == env_pid, "listed with the launcher's other children"
+    run.proc.send_signal(signal.SIGTERM)
+    assert run.wait() == ExitCode.TERMINATED, run.err()
+    _assert_all_gone([env_pid, *run.all_pids(record)])
 
 
 # ---------------------------------------------------------------- torchrun's store

@@ -13,10 +13,12 @@
    AREALITE_SERVER_API_KEY, which the servers read too: never on a command line,
    never in a log).
 5. Echoes the trainer's output and writes every process's log under
-   `<output_root>/<name>/<trial>/logs/` (`server0.log`, ..., `trainer.log`).
+   `<output_root>/<name>/<trial>/logs/` (`server0.log`, ..., `trainer.log`). A process the
+   trainer starts itself (a local OpenEnv server) registers in `<run>/children/`
+   (`utils.procs.register_child`): it is listed with the rest and stopped with the trainer.
 6. Tears everything down on success, failure, Ctrl-C or SIGTERM: SIGTERM to each
    child's process group (and to the processes torchrun started in their own
-   sessions), then SIGKILL after a grace period.
+   sessions, and those registered), then SIGKILL after a grace period.
 
 A server that dies mid-run is logged and the run goes on with the others
 (`launch.on_server_death=continue`, the default) until the last one dies.
@@ -128,6 +130,10 @@ class Child:
                 except (ProcessLookupError, PermissionError):
                     pass
 
+    def adopt(self, pid: int) -> None:
+        """Stop ``pid`` with this child: a process it started and registered (`procs.register_child`)."""
+        self.descendants.add(pid)
+
     def any_alive(self) -> bool:
         if self.proc.poll() is None:
             return True
@@ -158,6 +164,8 @@ class LocalLauncher:
         self.overrides = list(overrides)
         self.run_dir = run_dir
         self.log_dir = run_dir / "logs"
+        self.children_dir = run_dir / "children"  # what the trainer starts itself registers here
+        self.registered: dict[int, str] = {}  # pid -> name, of those the launcher has listed
         self.echo = echo if echo is not None else sys.stdout
         self.servers: list[Child] = []
         self.judges: list[Child] = []  # `agent.judge.n_servers`, outside the policy's rotation
@@ -284,6 +292,7 @@ class LocalLauncher:
         if self.cfg.server.api_key:
             env[ENV_SERVER_API_KEY] = self.cfg.server.api_key
         env["PYTHONUNBUFFERED"] = "1"
+        env[procs.ENV_CHILDREN_DIR] = str(self.children_dir)
         _, trainer_gpus = self._gpu_plan()
         if trainer_gpus is not None:
             env["CUDA_VISIBLE_DEVICES"] = trainer_gpus
@@ -330,17 +339,31 @@ class LocalLauncher:
             # that teardown reaches them even after torchrun itself is gone.
             if i % 5 == 0:
                 self.trainer.remember_descendants()
+                self._adopt_registered()
 
         code = watch_run(self.cfg, self.trainer, self.servers, self._sleep, tick=tick)
         if self.trainer.pump is not None:
             self.trainer.pump.join(timeout=5)
         return code
 
+    def _adopt_registered(self) -> None:
+        """List the processes the trainer started and registered, and stop them with it."""
+        if self.trainer is None:
+            return
+        for name, pid in procs.registered_children(self.children_dir):
+            if pid in self.registered:
+                continue
+            label = f"{name}{sum(n.rstrip('0123456789') == name for n in self.registered.values())}"
+            self.registered[pid] = label
+            self.trainer.adopt(pid)
+            log(f"the trainer started {label} (pid {pid}); log: {self.trainer.log_path}")
+
     # -- teardown --------------------------------------------------------------------------
 
     def teardown(self) -> None:
         """SIGTERM every child (trainer first), SIGKILL what is left after the grace period."""
         children = ([self.trainer] if self.trainer else []) + self.servers + self.judges
+        self._adopt_registered()
         for c in children:
             c.remember_descendants()
             if c.any_alive():
@@ -368,6 +391,9 @@ class LocalLauncher:
     def run(self) -> int:
         """Launch, watch and tear down; return the exit code (see `ExitCode`)."""
         self.log_dir.mkdir(parents=True, exist_ok=True)
+        self.children_dir.mkdir(exist_ok=True)
+        for old in self.children_dir.iterdir():  # a resumed run's: those processes are gone
+            old.unlink()
         return self._signals.run(self._launch, self.teardown)
 
     def _launch(self) -> int:
