@@ -326,7 +326,7 @@ def test_an_openenv_server_the_trainer_starts_is_listed_and_stopped(tmp_path, mi
     run = Launch(tmp_path, micro_model_dir, "sleep", script=OPENENV_SCRIPT, pythonpath=(REPO / "tests",))
     record = run.wait_record()
     env_file = Path(str(run.out) + ".env")
-    deadline = time.monotonic() + 60
+    deadline = time.monotonic() + 120
     while "openenv0" not in run.pids() or not env_file.exists():
         assert time.monotonic() < deadline, f"the OpenEnv server is not listed:\n{run.err()}"
         time.sleep(0.2)

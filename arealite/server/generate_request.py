@@ -111,19 +111,11 @@ _UNSUPPORTED_TOP: dict[str, Callable[[JsonValue], bool]] = {
     "token_ids_logprob": lambda v: v is None,
     "return_text_in_logprobs": lambda v: v is None or v is False,
     "return_hidden_states": lambda v: v is None or v is False,
-    "image_data": lambda v: v is None,
-    "video_data": lambda v: v is None,
-    "audio_data": lambda v: v is None,
-    "input_embeds": lambda v: v is None,
-    "session_params": lambda v: v is None,
-    "custom_logit_processor": lambda v: v is None,
-    "modalities": lambda v: v is None,
-    "bootstrap_host": lambda v: v is None,
-    "bootstrap_port": lambda v: v is None,
-    "bootstrap_room": lambda v: v is None,
-    "data_parallel_rank": lambda v: v is None,
-    "priority": lambda v: v is None,
     "log_metrics": lambda v: v is None or isinstance(v, bool),
+    # accepted unset only
+    **dict.fromkeys(("image_data", "video_data", "audio_data", "input_embeds", "session_params",
+                     "custom_logit_processor", "modalities", "bootstrap_host", "bootstrap_port",
+                     "bootstrap_room", "data_parallel_rank", "priority"), lambda v: v is None),
 }
 _SUPPORTED_TOP = {"text", "input_ids", "sampling_params", "rid", "return_logprob", "logprob_start_len",
                   "top_logprobs_num", "lora_path", "return_routed_experts"}  # lora_path: checked by arealite.server.lora

@@ -91,20 +91,27 @@ def trainer_workers(launcher_pid: int, script: str = "examples/rlvr/train.py") -
 ENV_CHILDREN_DIR = "AREALITE_CHILDREN_DIR"
 
 
+def start_time(pid: int) -> str | None:
+    """When ``pid`` started (clock ticks since boot; None if gone): with the pid, names one
+    process for good, as a recycled pid starts later. Set at fork, unchanged by exec."""
+    fields = _stat_fields(pid)
+    return fields[19].decode() if fields is not None and len(fields) > 19 else None
+
+
 def register_child(name: str, pid: int) -> None:
     """Tell the launcher (if one set ``AREALITE_CHILDREN_DIR``) of a process this one started:
-    a file ``<name>.<pid>`` holding its command line, by which the launcher knows the pid is
+    a file ``<name>.<pid>`` holding its `start_time`, by which the launcher knows the pid is
     still that process."""
     where = os.environ.get(ENV_CHILDREN_DIR)
-    cmd = cmdline(pid)
-    if where and cmd is not None:
+    started = start_time(pid)
+    if where and started is not None:
         with open(os.path.join(where, f"{name}.{pid}"), "w") as f:
-            f.write(cmd)
+            f.write(started)
 
 
 def registered_children(where: str | os.PathLike) -> list[tuple[str, int]]:
     """(name, pid) of every process recorded in ``where`` by `register_child` that still runs
-    the command it was recorded with (a recycled pid is left out), in the order recorded."""
+    (a recycled pid, started later, is left out), in the order recorded."""
     try:
         entries = sorted(os.scandir(where), key=lambda e: e.stat().st_mtime_ns)
     except OSError:
@@ -119,7 +126,7 @@ def registered_children(where: str | os.PathLike) -> list[tuple[str, int]]:
                 recorded = f.read()
         except OSError:
             continue
-        if is_alive(int(pid)) and cmdline(int(pid)) == recorded:
+        if is_alive(int(pid)) and start_time(int(pid)) == recorded:
             out.append((name, int(pid)))
     return out
 
