@@ -17,7 +17,8 @@ import torch
 
 from arealite.server.app import create_server
 from arealite.server.args import ServerArgs
-from arealite.server.sampling import GenerateInput, SamplingConfig
+from arealite.server.generate_request import GenerateInput
+from arealite.server.sampling import SamplingConfig
 from conftest import REPO, run_env
 
 pytestmark = [pytest.mark.gpu, pytest.mark.timeout(600)]

@@ -7,6 +7,7 @@ that no child survives by the pids the launcher and the script recorded.
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import os
 import re
@@ -19,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from arealite.config.schema import ArealiteConfig
-from arealite.launcher.local import ExitCode
+from arealite.launcher.local import ExitCode, LocalLauncher
 from arealite.launcher.server_cmd import (
     embedded_server_command,
     masked,
@@ -177,10 +178,10 @@ class Launch:
     """One `python -m arealite.launcher.local` run in a subprocess."""
 
     def __init__(self, tmp_path: Path, model_dir: Path, mode: str, n_servers: int = 1,
-                 extra: tuple[str, ...] = ()):
+                 extra: tuple[str, ...] = (), script: str = SCRIPT, pythonpath: tuple[Path, ...] = ()):
         self.tmp = tmp_path
         self.script = tmp_path / "train.py"
-        self.script.write_text(SCRIPT)
+        self.script.write_text(script)
         self.cfg = tmp_path / "cfg.yaml"
         self.cfg.write_text(
             f"experiment: {{output_root: {tmp_path / 'runs'}, name: exp, trial: t1}}\n"
@@ -190,7 +191,7 @@ class Launch:
         self.stdout = open(tmp_path / "launcher.out", "w+b")
         self.stderr = open(tmp_path / "launcher.err", "w+b")
         env = dict(os.environ, OUT_FILE=str(self.out), MODE=mode, OMP_NUM_THREADS="1",
-                   AREALITE_LAUNCHER_GRACE_S="5", PYTHONPATH=str(REPO))
+                   AREALITE_LAUNCHER_GRACE_S="5", PYTHONPATH=os.pathsep.join(map(str, (REPO, *pythonpath))))
         env.pop("AREALITE_SERVER_ADDRS", None)
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "arealite.launcher.local", str(self.script),
@@ -306,6 +307,88 @@ def test_bad_override_exits_before_starting_anything(tmp_path, micro_model_dir):
     assert run.wait() == ExitCode.BAD_CONFIG
     assert "launch.n_servers" in run.err()
     assert run.pids() == {}
+
+
+# A trainer that starts a local OpenEnv server (as `rollout.workflow: openenv` with env_class does).
+OPENENV_SCRIPT = SCRIPT.replace("print(\"hello from the trainer\", flush=True)", r'''
+from arealite.environments.openenv_server import LocalEnvServer
+env_server = LocalEnvServer("user_pkg.openenv_guess:GuessEnv", "user_pkg.openenv_guess:GuessAction",
+                            "user_pkg.openenv_guess:GuessObservation")
+env_server.start()
+with open(out + ".env", "w") as f:
+    f.write(str(env_server.proc.pid))
+''')
+
+
+@pytest.mark.slow
+def test_an_openenv_server_the_trainer_starts_is_listed_and_stopped(tmp_path, micro_model_dir):
+    pytest.importorskip("openenv.core")
+    run = Launch(tmp_path, micro_model_dir, "sleep", script=OPENENV_SCRIPT, pythonpath=(REPO / "tests",))
+    record = run.wait_record()
+    env_file = Path(str(run.out) + ".env")
+    deadline = time.monotonic() + 120
+    while "openenv0" not in run.pids() or not env_file.exists():
+        assert time.monotonic() < deadline, f"the OpenEnv server is not listed:\n{run.err()}"
+        time.sleep(0.2)
+    env_pid = int(env_file.read_text())
+    assert run.pids()["openenv0"] == env_pid, "listed with the launcher's other children"
+    run.proc.send_signal(signal.SIGTERM)
+    assert run.wait() == ExitCode.TERMINATED, run.err()
+    _assert_all_gone([env_pid, *run.all_pids(record)])
+
+
+# ---------------------------------------------------------------- torchrun's store
+
+STORE_PROBE = r'''
+import json, os, pathlib, time
+import torch.distributed as dist
+dist.init_process_group("gloo")  # through torchrun's store, as the trainer joins
+if dist.get_rank() == 0:
+    print(json.dumps([os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])]), flush=True)
+done = pathlib.Path(__file__).with_name("done")
+while not done.exists():
+    time.sleep(0.1)
+dist.destroy_process_group()
+'''
+
+
+def _listening(pid: int) -> set[tuple[str, int]]:
+    """(address, port) of every TCP socket ``pid`` listens on: its fds' socket inodes, looked up
+    in /proc/net/tcp and tcp6 (state 0A), whose addresses are 32-bit words in host order."""
+    inodes = set()
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            target = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            inodes.add(target[len("socket:["):-1])
+    out = set()
+    for table in ("tcp", "tcp6"):
+        for line in Path(f"/proc/{pid}/net/{table}").read_text().splitlines()[1:]:
+            fields = line.split()
+            if fields[3] == "0A" and fields[9] in inodes:
+                addr, port = fields[1].split(":")
+                raw = bytes.fromhex(addr)
+                ip = ipaddress.ip_address(b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4)))
+                out.add((str(ip), int(port, 16)))
+    return out
+
+
+def test_the_trainers_store_listens_on_the_master_address_alone(tmp_path):
+    """torchrun's rendezvous store, which the ranks share, is bound to 127.0.0.1, not to
+    every interface (as the weight-update store), and it is the only socket torchrun opens."""
+    script = tmp_path / "probe.py"
+    script.write_text(STORE_PROBE)
+    launcher = LocalLauncher(_cfg(launch={"n_trainer_procs": 2}), str(script), None, [], tmp_path)
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
+    proc = subprocess.Popen(launcher.trainer_command(), stdout=subprocess.PIPE, text=True, env=env)
+    try:
+        master_addr, master_port = json.loads(proc.stdout.readline())
+        assert (_listening(proc.pid), master_addr) == ({("127.0.0.1", master_port)}, "127.0.0.1")
+    finally:
+        (tmp_path / "done").touch()
+        assert proc.wait(60) == 0
 
 
 # ---------------------------------------------------------------- CPU pinning

@@ -17,7 +17,7 @@ from arealite.inference_client.sglang_wire import SGLangWire
 from arealite.moe.router_hooks import RoutingCapture, RoutingReplay, moe_routers
 from arealite.moe.trajectory import micro_batch_experts, routed_experts_of
 from arealite.moe.wire import decode_routed_experts, encode_routed_experts
-from arealite.server.sampling import RequestError, parse_generate
+from arealite.server.generate_request import RequestError, parse_generate
 from arealite.train_engine.packing import pack
 
 pytestmark = pytest.mark.timeout(120)

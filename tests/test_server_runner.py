@@ -16,7 +16,8 @@ import torch
 
 from arealite.server.args import ServerArgs
 from arealite.server.app import create_server
-from arealite.server.sampling import GenerateInput, SamplingConfig
+from arealite.server.generate_request import GenerateInput
+from arealite.server.sampling import SamplingConfig
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -6,15 +6,8 @@ import pytest
 import torch
 
 from arealite.server.args import parse_args
-from arealite.server.sampling import (
-    BatchSamplingState,
-    RequestError,
-    SamplingConfig,
-    filter_probs,
-    parse_generate,
-    parse_sampling_params,
-    sample_next,
-)
+from arealite.server.generate_request import RequestError, parse_generate, parse_sampling_params
+from arealite.server.sampling import BatchSamplingState, SamplingConfig, filter_probs, sample_next
 
 
 def _parse(body, vocab=100, ctx=64):

@@ -15,7 +15,7 @@ import torch
 
 from arealite.inference_client.sglang_client import SGLangClient
 from arealite.server.process import ServerProcess
-from arealite.server.sampling import RequestError, parse_generate
+from arealite.server.generate_request import RequestError, parse_generate
 from arealite.vision.image_io import encode_base64
 from tests.test_client import cfg, fakes, req, tok  # noqa: F401  (fakes: the fixture)
 from tests.test_server_generate import free_port, post

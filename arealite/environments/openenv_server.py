@@ -5,7 +5,8 @@
 ``create_app`` on 127.0.0.1 (one environment per session; ``max_concurrent_envs`` sessions).
 `LocalEnvServer` starts that as a child process of the process that runs the episodes,
 waits for its ``/health``, and stops it when that process exits (or dies: the child gets
-SIGTERM with its parent).
+SIGTERM with its parent). Under a launcher it is registered with it (`utils.procs.register_child`),
+which lists it with the other processes of the run and stops it with them.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import urllib.request
 
 from arealite.utils.imports import import_callable
 from arealite.utils.net import free_port
+from arealite.utils.procs import register_child
 
 INSTALL = "pip install 'arealite[envs]' (or pip install openenv-core)"
 
@@ -60,6 +62,7 @@ class LocalEnvServer:
                 return self.url
             port = free_port()
             self.proc = subprocess.Popen([sys.executable, "-m", __name__, *self.args, "--port", str(port)])
+            register_child("openenv", self.proc.pid)
             atexit.register(self.stop)
             self.url = f"http://127.0.0.1:{port}"
             self._wait_healthy()

@@ -43,7 +43,7 @@ from arealite.inference_client.errors import AttemptFailure, BadRequestError, Ge
 from arealite.inference_client.http1 import HttpConnectionError, HttpProtocolError, HttpResponseTooLarge
 from arealite.inference_client.response_check import check_segment
 from arealite.inference_client.moe_routing import RoutingRows
-from arealite.inference_client.server_pool import Attempt, Router, ServerPool, ServerState, read_body
+from arealite.inference_client.server_pool import Attempt, Router, ServerPool, ServerPoolView, ServerState, read_body
 from arealite.inference_client.coalesce import RequestBatcher, SharedFailure, retryable_status
 from arealite.inference_client.wire import JSON_HEADERS, Segment, WireFormat, describe, encode_request, error_message, snippet
 from arealite.utils.json_types import JsonObject
@@ -86,7 +86,7 @@ class _Progress:
         self.finish = "abort"
 
 
-class RemoteInferenceClient:
+class RemoteInferenceClient(ServerPoolView):
     """Generation on inference servers over HTTP (implements ``InferenceClient``).
 
     ``addrs`` are "host:port" (or "http://host:port"). ``wire`` is the backend's wire
@@ -127,20 +127,8 @@ class RemoteInferenceClient:
         can_batch = self.config.batch_requests and getattr(wire, "batches", False)
         self._batcher = RequestBatcher(wire, self.pool.max_response_bytes) if can_batch else None
 
-    def __repr__(self) -> str:  # never shows the api key
-        return f"{type(self).__name__}(servers={self.servers}, healthy={self.healthy_servers})"
-
     # ------------------------------------------------------------------ state
-
-    @property
-    def servers(self) -> list[str]:
-        """All server addresses ("host:port"), in the order given."""
-        return self.pool.addrs
-
-    @property
-    def healthy_servers(self) -> list[str]:
-        """Addresses of the servers currently in rotation."""
-        return self.pool.healthy
+    # (servers, healthy_servers, server_info, out_of_rotation, drop_unreachable: `ServerPoolView`)
 
     def get_version(self) -> int:
         """The client's view of the current policy version (for stats and fallbacks)."""
@@ -153,10 +141,6 @@ class RemoteInferenceClient:
     def server_version(self, addr: str) -> str | None:
         """The release string a server reported at ``initialize()`` (None if unknown)."""
         return self.pool.get(addr).version_text
-
-    def server_info(self, addr: str) -> JsonObject:
-        """What a server reported about itself at ``initialize()`` (empty if unknown)."""
-        return dict(self.pool.get(addr).info)
 
     @property
     def paused(self) -> bool:
@@ -190,16 +174,6 @@ class RemoteInferenceClient:
     def mark_unhealthy(self, addr: str, reason: str) -> None:
         """Take a server out of rotation; its in-flight and queued requests move to other servers."""
         self.pool.take_out(self.pool.get(addr), reason)
-
-    async def drop_unreachable(self, addrs: Iterable[str] | None = None, why: str = "") -> list[str]:
-        """Probe the given servers in rotation (default: all of them).
-
-        Those that do not answer within the probe timeout leave the rotation for good
-        (they miss weight updates, so a later probe must not bring them back with old
-        weights) and are returned. Used after a failed admin call, to tell a dead server
-        from a refused request.
-        """
-        return await self.pool.drop_unreachable(addrs, why)
 
     # --------------------------------------------------------------- lifecycle
 

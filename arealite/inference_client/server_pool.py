@@ -13,6 +13,10 @@ generation path (`remote_client.py`) and the administration (`sglang_admin.py`):
   server, an `Http1Pool` for the generation hot path; `call_all` sends one admin
   call to many servers at once and raises one `ServerAdminError` naming every failure.
 
+`ServerPoolView` is what the client and the admin both show of their one pool (the
+servers, which are in rotation, what each said about itself, dropping the unreachable):
+written once, so that both see the same rotation.
+
 `Router` picks the server of a request: affinity first, else round-robin.
 """
 
@@ -35,7 +39,7 @@ logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
-__all__ = ["Attempt", "Router", "ServerPool", "ServerState", "normalize_addr"]
+__all__ = ["Attempt", "Router", "ServerPool", "ServerPoolView", "ServerState", "normalize_addr"]
 
 _AFFINITY_CACHE = 100_000  # affinity keys remembered (LRU); old groups are done anyway
 
@@ -501,6 +505,48 @@ class ServerPool:
             headers=JSON_HEADERS if body is not None else None, timeout=t,
         ) as resp:
             return resp.status, await read_body(resp, self.max_response_bytes)
+
+
+class ServerPoolView:
+    """The servers of one `ServerPool` as its users see them.
+
+    The inference client and the admin over the same pool are both one, so a server that
+    leaves the rotation for one has left it for the other. The admin's part of
+    ``WeightUpdateAdmin`` (`arealite.api.contracts`).
+    """
+
+    pool: ServerPool
+
+    def __repr__(self) -> str:  # never shows the api key
+        return f"{type(self).__name__}(servers={self.servers}, healthy={self.healthy_servers})"
+
+    @property
+    def servers(self) -> list[str]:
+        """All server addresses ("host:port"), in the order given."""
+        return self.pool.addrs
+
+    @property
+    def healthy_servers(self) -> list[str]:
+        """Addresses of the servers currently in rotation."""
+        return self.pool.healthy
+
+    def server_info(self, addr: str) -> JsonObject:
+        """What a server reported about itself at start-up (``/server_info``; empty if unknown)."""
+        return dict(self.pool.get(addr).info)
+
+    def out_of_rotation(self) -> dict[str, str]:
+        """Every server out of rotation and why."""
+        return self.pool.out_of_rotation()
+
+    async def drop_unreachable(self, addrs: Iterable[str] | None = None, why: str = "") -> list[str]:
+        """Probe the given servers in rotation (default: all of them).
+
+        Those that do not answer within the probe timeout leave the rotation for good
+        (they miss weight updates, so a later probe must not bring them back with old
+        weights) and are returned. Used after a failed admin call, to tell a dead server
+        from a refused request.
+        """
+        return await self.pool.drop_unreachable(addrs, why)
 
 
 class Router:

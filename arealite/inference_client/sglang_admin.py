@@ -13,11 +13,11 @@ Only trainer rank 0 uses it, through the weight publisher (`arealite.weight_sync
 from __future__ import annotations
 
 import uuid
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from arealite.inference_client.errors import ServerAdminError
-from arealite.inference_client.server_pool import ServerPool, ServerState
+from arealite.inference_client.server_pool import ServerPool, ServerPoolView, ServerState
 from arealite.inference_client.sglang_wire import has_weight_update_brackets, parse_prompt_logprobs, prompt_score_body
 from arealite.inference_client.server_ready import wait_until_warm
 from arealite.utils.json_types import JsonObject, JsonValue
@@ -36,7 +36,7 @@ def _shape_lists(shapes: Sequence[Sequence[int]]) -> list[list[int]]:
     return [[int(x) for x in shp] for shp in shapes]
 
 
-class SGLangAdmin:
+class SGLangAdmin(ServerPoolView):
     """Pause/continue, cache, weight loading and the weight-update group on SGLang servers.
 
     It sets no version on anyone: the servers are tagged by the update itself, and the
@@ -48,34 +48,6 @@ class SGLangAdmin:
         self.pool = pool
         self._groups: dict[str, list[str]] = {}  # weight-update group -> member servers
         self.lora_path: str | None = None  # the LoRA adapter the log-prob probe scores with (LoRA runs)
-
-    def __repr__(self) -> str:
-        return f"SGLangAdmin(servers={self.servers}, healthy={self.healthy_servers})"
-
-    # ------------------------------------------------------------------ state
-
-    @property
-    def servers(self) -> list[str]:
-        """All server addresses ("host:port"), in the order given."""
-        return self.pool.addrs
-
-    @property
-    def healthy_servers(self) -> list[str]:
-        """Addresses of the servers currently in rotation."""
-        return self.pool.healthy
-
-    def server_info(self, addr: str) -> JsonObject:
-        """What a server reported in ``/server_info`` at start-up (empty if unknown)."""
-        return dict(self.pool.get(addr).info)
-
-    def out_of_rotation(self) -> dict[str, str]:
-        """Every server out of rotation and why."""
-        return self.pool.out_of_rotation()
-
-    async def drop_unreachable(self, addrs: Iterable[str] | None = None, why: str = "") -> list[str]:
-        """Probe the given servers in rotation (default: all); those that do not answer leave
-        it for good (they miss weight updates) and are returned."""
-        return await self.pool.drop_unreachable(addrs, why)
 
     # ------------------------------------------------------------ generation
 

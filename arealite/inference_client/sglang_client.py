@@ -103,7 +103,6 @@ class SGLangClient(RemoteInferenceClient):
     async def __aenter__(self) -> "SGLangClient":
         return await super().__aenter__()
 
-    out_of_rotation = _to_admin("out_of_rotation")
     pause_generation = _to_admin("pause_generation")
     continue_generation = _to_admin("continue_generation")
     flush_cache = _to_admin("flush_cache")

@@ -7,16 +7,18 @@
    SGLang), each in its own session, each on its own GPU(s) when GPUs are present.
 3. Waits for every server's `/health` (`launch.server_startup_timeout_s`); a
    server that exits or never answers fails the launch with its log tail.
-4. Runs `python -m torch.distributed.run --standalone --nproc_per_node
-   launch.n_trainer_procs SCRIPT --config CFG overrides...` with the server
+4. Runs torchrun (`arealite.launcher.torchrun`: its store listens on 127.0.0.1 alone)
+   with `--nproc_per_node launch.n_trainer_procs SCRIPT --config CFG overrides...` and the server
    addresses in AREALITE_SERVER_ADDRS (and the api key, if any, in
    AREALITE_SERVER_API_KEY, which the servers read too: never on a command line,
    never in a log).
 5. Echoes the trainer's output and writes every process's log under
-   `<output_root>/<name>/<trial>/logs/` (`server0.log`, ..., `trainer.log`).
+   `<output_root>/<name>/<trial>/logs/` (`server0.log`, ..., `trainer.log`). A process the
+   trainer starts itself (a local OpenEnv server) registers in `<run>/children/`
+   (`utils.procs.register_child`): it is listed with the rest and stopped with the trainer.
 6. Tears everything down on success, failure, Ctrl-C or SIGTERM: SIGTERM to each
    child's process group (and to the processes torchrun started in their own
-   sessions), then SIGKILL after a grace period.
+   sessions, and those registered), then SIGKILL after a grace period.
 
 A server that dies mid-run is logged and the run goes on with the others
 (`launch.on_server_death=continue`, the default) until the last one dies.
@@ -54,11 +56,15 @@ from arealite.launcher.common import (  # noqa: F401  (ExitCode, DEFAULT_ENTRY..
     wait_healthy,
     watch_run,
 )
+from arealite.launcher import torchrun
 from arealite.launcher.server_cmd import gpus_per_server, judge_server_command, masked, server_command
 from arealite.reward.judge import ADDRS_ENV as JUDGE_ADDRS_ENV
 from arealite.utils import procs
-from arealite.utils.net import free_ports, ports_from
+from arealite.utils.net import free_port, free_ports, ports_from
 from arealite.utils.run import ENV_ROLLOUT_CPUS, ENV_SERVER_ADDRS, ENV_SERVER_API_KEY
+
+
+LOOPBACK = "127.0.0.1"  # the trainer's store: every rank runs on this machine
 
 
 def cpu_plan(n_servers: int, server_cpus: int | None, cpus: list[int]) -> tuple[list[list[int]], list[int]]:
@@ -124,6 +130,10 @@ class Child:
                 except (ProcessLookupError, PermissionError):
                     pass
 
+    def adopt(self, pid: int) -> None:
+        """Stop ``pid`` with this child: a process it started and registered (`procs.register_child`)."""
+        self.descendants.add(pid)
+
     def any_alive(self) -> bool:
         if self.proc.poll() is None:
             return True
@@ -154,6 +164,8 @@ class LocalLauncher:
         self.overrides = list(overrides)
         self.run_dir = run_dir
         self.log_dir = run_dir / "logs"
+        self.children_dir = run_dir / "children"  # what the trainer starts itself registers here
+        self.registered: dict[int, str] = {}  # pid -> name, of those the launcher has listed
         self.echo = echo if echo is not None else sys.stdout
         self.servers: list[Child] = []
         self.judges: list[Child] = []  # `agent.judge.n_servers`, outside the policy's rotation
@@ -265,9 +277,10 @@ class LocalLauncher:
     # -- trainer ---------------------------------------------------------------------------
 
     def trainer_command(self) -> list[str]:
-        """`python -m torch.distributed.run --standalone ... SCRIPT --config CFG overrides`."""
-        return [sys.executable, "-m", "torch.distributed.run", "--standalone",
-                "--nproc_per_node", str(self.cfg.launch.n_trainer_procs),
+        """torchrun ... `SCRIPT --config CFG overrides`, its store on a free port of 127.0.0.1 alone
+        (`arealite.launcher.torchrun`; torchrun's ``--standalone`` listens on every interface)."""
+        return [*torchrun.command(sys.executable, master_addr=LOOPBACK, master_port=free_port(LOOPBACK),
+                                  nproc_per_node=self.cfg.launch.n_trainer_procs),
                 *trainer_args(self.script, self.config_path, self.overrides)]
 
     def start_trainer(self, addrs: list[str]) -> Child:
@@ -279,6 +292,7 @@ class LocalLauncher:
         if self.cfg.server.api_key:
             env[ENV_SERVER_API_KEY] = self.cfg.server.api_key
         env["PYTHONUNBUFFERED"] = "1"
+        env[procs.ENV_CHILDREN_DIR] = str(self.children_dir)
         _, trainer_gpus = self._gpu_plan()
         if trainer_gpus is not None:
             env["CUDA_VISIBLE_DEVICES"] = trainer_gpus
@@ -325,17 +339,31 @@ class LocalLauncher:
             # that teardown reaches them even after torchrun itself is gone.
             if i % 5 == 0:
                 self.trainer.remember_descendants()
+                self._adopt_registered()
 
         code = watch_run(self.cfg, self.trainer, self.servers, self._sleep, tick=tick)
         if self.trainer.pump is not None:
             self.trainer.pump.join(timeout=5)
         return code
 
+    def _adopt_registered(self) -> None:
+        """List the processes the trainer started and registered, and stop them with it."""
+        if self.trainer is None:
+            return
+        for name, pid in procs.registered_children(self.children_dir):
+            if pid in self.registered:
+                continue
+            label = f"{name}{sum(n.rstrip('0123456789') == name for n in self.registered.values())}"
+            self.registered[pid] = label
+            self.trainer.adopt(pid)
+            log(f"the trainer started {label} (pid {pid}); log: {self.trainer.log_path}")
+
     # -- teardown --------------------------------------------------------------------------
 
     def teardown(self) -> None:
         """SIGTERM every child (trainer first), SIGKILL what is left after the grace period."""
         children = ([self.trainer] if self.trainer else []) + self.servers + self.judges
+        self._adopt_registered()
         for c in children:
             c.remember_descendants()
             if c.any_alive():
@@ -363,6 +391,9 @@ class LocalLauncher:
     def run(self) -> int:
         """Launch, watch and tear down; return the exit code (see `ExitCode`)."""
         self.log_dir.mkdir(parents=True, exist_ok=True)
+        self.children_dir.mkdir(exist_ok=True)
+        for old in self.children_dir.iterdir():  # a resumed run's: those processes are gone
+            old.unlink()
         return self._signals.run(self._launch, self.teardown)
 
     def _launch(self) -> int:

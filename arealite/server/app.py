@@ -28,7 +28,8 @@ from .middleware import make_guard
 from .runner import ModelRunner
 from .runner_contract import RunnerFactory, Sequence
 from .strict import SGLangBehaviour
-from .sampling import GenerateInput, RequestCaps, SamplingConfig, parse_generate
+from .generate_request import GenerateInput, RequestCaps, parse_generate
+from .sampling import SamplingConfig
 from .lora_adapters import LoraRoutes
 from .vision import VisionSupport, is_vision_config, load_vision_model
 from .startup_request import WarmUp, self_url

@@ -17,7 +17,7 @@ from aiohttp import web
 from arealite.utils.json_types import JsonObject, JsonValue
 
 from .limits import LIMITS_KEY, OFFLOAD_BYTES, Limits, short
-from .sampling import RequestError
+from .generate_request import RequestError
 
 __all__ = ["RequestError", "check_fields", "error_response", "json_answer", "json_body", "off_loop", "want"]
 

@@ -32,8 +32,9 @@ from arealite.utils.json_types import JsonObject
 from arealite.moe.router_hooks import RoutingCapture
 
 from .prompt_cache import PromptCache, cached_row, stack_cached
+from .generate_request import GenerateInput
 from .runner_contract import PauseState, Sequence
-from .sampling import BatchSamplingState, GenerateInput, sample_next
+from .sampling import BatchSamplingState, sample_next
 from .vision import prefill_inputs, prompt_key, rope_deltas
 
 logger = logging.getLogger("arealite.server")

@@ -24,7 +24,7 @@ import torch
 from arealite.utils.json_types import JsonObject, JsonValue
 from arealite.vision.placeholders import count_block_placeholders, image_slots
 
-from .sampling import GenerateInput, RequestError
+from .generate_request import GenerateInput, RequestError
 
 #: Default caps on one image: encoded bytes and decoded pixels (checked from the header).
 MAX_IMAGE_BYTES = 32 << 20

@@ -34,8 +34,8 @@ from typing import Callable, TypeVar
 
 import numpy as np
 
+from arealite.server.generate_request import GenerateInput
 from arealite.server.runner_contract import PauseState, Sequence
-from arealite.server.sampling import GenerateInput
 
 from .cost_model import SimSpec
 

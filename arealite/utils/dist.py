@@ -43,6 +43,28 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
+def bound_store(addr: str, port: int, timeout_s: float, *, multi_tenant: bool = False) -> dist.TCPStore:
+    """A TCPStore server listening on ``addr`` alone, not on every interface as a TCPStore
+    given only a port does: the socket is bound here and handed over (``master_listen_fd``;
+    the store owns it from then on). It does not wait for its peers to connect.
+
+    With ``multi_tenant``, a later multi-tenant TCPStore server of this process on the same
+    port is this one (torch keeps one server per port), which is how torchrun's rendezvous
+    store is bound (`arealite.launcher.torchrun`).
+    """
+    family, kind, proto, _, where = socket.getaddrinfo(addr, port, type=socket.SOCK_STREAM)[0]
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(where)
+        sock.listen(1024)
+    except OSError:
+        sock.close()
+        raise
+    return dist.TCPStore(addr, port, None, True, timedelta(seconds=timeout_s), wait_for_workers=False,
+                         multi_tenant=multi_tenant, master_listen_fd=sock.detach())
+
+
 def init_default_group(backend: str | None = None, timeout_s: float = 1800.0) -> bool:
     """Join the default process group; return True if this call created it.
 

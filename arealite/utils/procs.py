@@ -1,4 +1,5 @@
-"""Process-tree lookups through /proc, and a child dying with its parent (Linux; no-ops elsewhere).
+"""Process-tree lookups through /proc, a child dying with its parent, and the processes a
+run's process starts itself, told to the launcher (Linux; no-ops elsewhere).
 
 The one place arealite reads /proc for processes: the local launcher finds and
 signals the processes below its children with it, and fault-injection tests and
@@ -69,13 +70,64 @@ def cmdline(pid: int) -> str | None:
         return None
 
 
+#: What the command line of a torchrun agent (not a worker) holds: torch's module, or the
+#: launcher's (`arealite.launcher.torchrun`).
+TORCHRUN_AGENTS = ("torch.distributed.run", "arealite.launcher.torchrun")
+
+
 def trainer_workers(launcher_pid: int, script: str = "examples/rlvr/train.py") -> list[int]:
     """The torchrun worker processes running ``script`` (not the torchrun agent) under a launcher."""
     out = []
     for pid in descendants(launcher_pid):
         cmd = cmdline(pid)
-        if cmd is not None and script in cmd and "torch.distributed.run" not in cmd:
+        if cmd is not None and script in cmd and not any(agent in cmd for agent in TORCHRUN_AGENTS):
             out.append(pid)
+    return out
+
+
+#: The directory where a process of the run records the long-lived processes it starts
+#: itself (`register_child`); the local launcher sets it, lists them and stops them with the
+#: children it started.
+ENV_CHILDREN_DIR = "AREALITE_CHILDREN_DIR"
+
+
+def start_time(pid: int) -> str | None:
+    """When ``pid`` started (clock ticks since boot; None if gone): with the pid, names one
+    process for good, as a recycled pid starts later. Set at fork, unchanged by exec."""
+    fields = _stat_fields(pid)
+    return fields[19].decode() if fields is not None and len(fields) > 19 else None
+
+
+def register_child(name: str, pid: int) -> None:
+    """Tell the launcher (if one set ``AREALITE_CHILDREN_DIR``) of a process this one started:
+    a file ``<name>.<pid>`` holding its `start_time`, by which the launcher knows the pid is
+    still that process."""
+    where = os.environ.get(ENV_CHILDREN_DIR)
+    started = start_time(pid)
+    if where and started is not None:
+        with open(os.path.join(where, f"{name}.{pid}"), "w") as f:
+            f.write(started)
+
+
+def registered_children(where: str | os.PathLike) -> list[tuple[str, int]]:
+    """(name, pid) of every process recorded in ``where`` by `register_child` that still runs
+    (a recycled pid, started later, is left out), in the order recorded."""
+    try:
+        entries = sorted(os.scandir(where), key=lambda e: e.stat().st_mtime_ns)
+    except OSError:
+        return []
+    out = []
+    for e in entries:
+        name, _, pid = e.name.rpartition(".")
+        if not (name and pid.isdigit()):
+            continue
+        try:
+            with open(e.path) as f:
+                recorded = f.read()
+        except OSError:
+            continue
+        if is_alive(int(pid)) and start_time(int(pid)) == recorded:
+            out.append((name, int(pid)))
     return out
 
 

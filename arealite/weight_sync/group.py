@@ -18,11 +18,12 @@ differently:
 from __future__ import annotations
 
 import datetime
-import socket
 from typing import Literal
 
 import torch
 import torch.distributed as dist
+
+from arealite.utils.dist import bound_store
 
 Layout = Literal["embedded", "sglang"]
 
@@ -37,23 +38,9 @@ class UpdateGroup:
 
     @staticmethod
     def host_store(master_addr: str, port: int, timeout_s: float) -> dist.TCPStore:
-        """Start the TCP store on `port`; it does not wait for the peers to connect.
-
-        It listens on `master_addr` alone (the address the servers are told to reach), not
-        on every interface as a TCPStore given only a port does: the socket is bound here and
-        handed over (``master_listen_fd``; the store owns it from then on).
-        """
-        family, kind, proto, _, where = socket.getaddrinfo(master_addr, port, type=socket.SOCK_STREAM)[0]
-        sock = socket.socket(family, kind, proto)
-        try:
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            sock.bind(where)
-            sock.listen(1024)
-        except OSError:
-            sock.close()
-            raise
-        return dist.TCPStore(master_addr, port, None, True, datetime.timedelta(seconds=timeout_s),
-                             wait_for_workers=False, master_listen_fd=sock.detach())
+        """Start the TCP store on `port`, listening on `master_addr` alone (the address the
+        servers are told to reach); it does not wait for the peers to connect."""
+        return bound_store(master_addr, port, timeout_s)
 
     @classmethod
     def join(cls, store: dist.TCPStore, *, group_name: str, world_size: int, backend: str,
