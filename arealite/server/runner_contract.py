@@ -19,7 +19,7 @@ import torch
 
 from arealite.utils.json_types import JsonObject
 
-from .sampling import GenerateInput
+from .generate_request import GenerateInput
 
 __all__ = ["GenerationRunner", "PauseState", "PromptCacheCounts", "RunnerFactory", "Sequence"]
 
