@@ -391,6 +391,41 @@ def test_the_trainers_store_listens_on_the_master_address_alone(tmp_path):
         assert proc.wait(60) == 0
 
 
+ENV_RANK_PROBE = r'''
+import os, pathlib, time
+import torch.distributed as dist
+from arealite.utils.dist import init_default_group
+init_default_group("gloo")  # RANK, WORLD_SIZE, MASTER_* set as the Ray launcher sets them
+pathlib.Path(os.environ["PROBE_DIR"], f"up{dist.get_rank()}").touch()
+while not pathlib.Path(os.environ["PROBE_DIR"], "done").exists():
+    time.sleep(0.1)
+dist.destroy_process_group()
+'''
+
+
+def test_a_group_launched_without_torchrun_serves_its_store_on_the_master_address(tmp_path):
+    """Ranks started with torchrun's environment by another launcher (Ray): rank 0's store is
+    bound to MASTER_ADDR, not to every interface, and both ranks join through it."""
+    from arealite.utils.dist import free_port
+
+    script = tmp_path / "probe.py"
+    script.write_text(ENV_RANK_PROBE)
+    port = free_port()
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO), PROBE_DIR=str(tmp_path), WORLD_SIZE="2",
+               MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    env.pop("TORCHELASTIC_USE_AGENT_STORE", None)
+    ranks = [subprocess.Popen([sys.executable, str(script)], env={**env, "RANK": str(r)}) for r in range(2)]
+    try:
+        deadline = time.monotonic() + 60
+        while not all((tmp_path / f"up{r}").exists() for r in range(2)):
+            assert time.monotonic() < deadline and all(p.poll() is None for p in ranks), "the group did not form"
+            time.sleep(0.1)
+        assert {addr for addr, p in _listening(ranks[0].pid) if p == port} == {"127.0.0.1"}
+    finally:
+        (tmp_path / "done").touch()
+        assert [p.wait(60) for p in ranks] == [0, 0]
+
+
 # ---------------------------------------------------------------- CPU pinning
 
 

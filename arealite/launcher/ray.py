@@ -307,7 +307,7 @@ class RayLauncher:
         n = cfg.launch.n_trainer_procs
         self.ranks = [self._actor(pg, r, role.bundle, "trainer" if r == 0 else f"trainer{r}",
                                   echo=self.echo if r == 0 else None) for r in range(n)]
-        # torch's store listens on every interface whatever MASTER_ADDR: the port must be free on all.
+        # Rank 0 serves the group's store on its node address alone (utils.dist.init_default_group).
         master_port = ray.get(self.ranks[0].actor.free_port.remote("0.0.0.0"))
         cmd = [PYTHON, *trainer_args(self.script, self.config_path, self.overrides)]
         base = {**forwarded_env(), **cfg.launch.trainer_env, ENV_SERVER_ADDRS: ",".join(addrs),

@@ -65,11 +65,21 @@ def bound_store(addr: str, port: int, timeout_s: float, *, multi_tenant: bool = 
                          multi_tenant=multi_tenant, master_listen_fd=sock.detach())
 
 
+def _env_store(rank: int, world: int, timeout_s: float) -> dist.Store:
+    """The default group's store at ``MASTER_ADDR:MASTER_PORT``: rank 0 serves it on that
+    address alone (`bound_store`), the others connect to it."""
+    addr, port = os.environ.get("MASTER_ADDR", "127.0.0.1"), int(os.environ["MASTER_PORT"])
+    if rank == 0:
+        return bound_store(addr, port, timeout_s)
+    return dist.TCPStore(addr, port, world, False, timedelta(seconds=timeout_s))
+
+
 def init_default_group(backend: str | None = None, timeout_s: float = 1800.0) -> bool:
     """Join the default process group; return True if this call created it.
 
     Under ``torchrun`` (``RANK``/``WORLD_SIZE``/``MASTER_ADDR`` set) the group
-    spans the launched processes. Without that environment a world of one is
+    spans the launched processes; launched with that environment by another launcher (Ray),
+    rank 0 serves the group's store on ``MASTER_ADDR`` alone, not on every interface. Without that environment a world of one is
     created on a free local port, so the same training code runs in a plain
     ``python`` process. An existing default group is reused (returns False).
     """
@@ -80,7 +90,12 @@ def init_default_group(backend: str | None = None, timeout_s: float = 1800.0) ->
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         if backend == "nccl":
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-        dist.init_process_group(backend=backend, timeout=timeout)
+        if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":  # torchrun's (bound) store
+            dist.init_process_group(backend=backend, timeout=timeout)
+        else:  # launched without torchrun (Ray): rank 0's store, bound to MASTER_ADDR alone
+            rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+            dist.init_process_group(backend=backend, timeout=timeout, rank=rank, world_size=world,
+                                    store=_env_store(rank, world, timeout_s))
     else:
         port = free_port()
         logger.info("no torchrun environment: creating a world-size-1 %s group on port %d", backend, port)
