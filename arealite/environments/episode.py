@@ -26,7 +26,7 @@ from arealite.api.contracts import InferenceClient
 from arealite.config.agent import AgentConfig
 from arealite.config.schema import GenerationConfig, RolloutConfig
 from arealite.utils.json_types import JsonObject
-from arealite.workflow.agent import AgentWorkflow
+from arealite.agent.workflow import AgentWorkflow
 
 if TYPE_CHECKING:
     from openai import AsyncOpenAI
