@@ -14,7 +14,7 @@ import os
 import sys
 from collections.abc import Sequence
 
-from arealite.utils.run import ENV_SERVER_ADDRS
+from arealite.config.run import ENV_SERVER_ADDRS
 
 
 def main(argv: Sequence[str] | None = None) -> int:

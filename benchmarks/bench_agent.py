@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from arealite.api.types import Completion, GenerationRequest  # noqa: E402
 from arealite.config.agent import AgentConfig  # noqa: E402
 from arealite.config.schema import GenerationConfig  # noqa: E402
-from arealite.workflow.agent import AgentWorkflow  # noqa: E402
+from arealite.agent.workflow import AgentWorkflow  # noqa: E402
 from arealite.workflow.base import pad_and_stack, trajectory_row  # noqa: E402
 from arealite.workflow.common import user_turn_piece  # noqa: E402
 

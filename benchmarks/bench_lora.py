@@ -46,7 +46,7 @@ from arealite.inference_client.sglang_client import SGLangClient  # noqa: E402
 from arealite.lora.engine import LoraFSDPEngine  # noqa: E402
 from arealite.weight_sync import DiskTransfer, DistributedTransfer, ShmTransfer, WeightPublisher  # noqa: E402
 from arealite.weight_sync.lora_push import AdapterSource, LoraTransfer  # noqa: E402
-from benchmarks.bench_weight_sync import start_server  # noqa: E402
+from benchmarks.push_server import start_server  # noqa: E402
 
 RANK = 16
 

@@ -29,12 +29,10 @@ import argparse
 import asyncio
 import json
 import os
-import subprocess
 import sys
 import tempfile
 import threading
 import time
-import urllib.request
 from pathlib import Path
 
 import torch
@@ -43,7 +41,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from arealite.config.schema import WeightSyncConfig  # noqa: E402
 from arealite.inference_client.sglang_client import SGLangClient  # noqa: E402
-from arealite.utils.net import free_port  # noqa: E402
 from arealite.weight_sync import (  # noqa: E402
     DiskTransfer,
     DistributedTransfer,
@@ -55,25 +52,7 @@ from arealite.weight_sync import (  # noqa: E402
     WeightPublisher,
 )
 from arealite.weight_sync.probe import probe_tokens  # noqa: E402
-
-
-def start_server(model_dir: Path, log: Path) -> tuple[subprocess.Popen, str]:
-    port = free_port()
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "arealite.server", "--model-path", str(model_dir), "--port", str(port)],
-        stdout=open(log, "wb"), stderr=subprocess.STDOUT, start_new_session=True)
-    addr = f"127.0.0.1:{port}"
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise SystemExit(f"server exited:\n{log.read_text()[-3000:]}")
-        try:
-            with urllib.request.urlopen(f"http://{addr}/health", timeout=1):
-                return proc, addr
-        except OSError:
-            time.sleep(0.3)
-    proc.kill()
-    raise SystemExit("server did not become healthy")
+from benchmarks.push_server import start_server  # noqa: E402
 
 
 def _hf_scorer(model_dir: Path, state: dict):

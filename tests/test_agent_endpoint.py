@@ -19,7 +19,7 @@ from transformers import AutoTokenizer
 from arealite.api.types import Completion, validate_trajectory
 from arealite.config.agent import AgentConfig
 from arealite.config.schema import GenerationConfig, RolloutConfig
-from arealite.workflow.agent import AgentError, AgentWorkflow
+from arealite.agent.workflow import AgentError, AgentWorkflow
 
 from conftest import RecordingClient
 

@@ -16,7 +16,7 @@ from arealite.agent.streaming import safe_prefix
 from arealite.api.types import Completion
 from arealite.config.agent import AgentConfig
 from arealite.config.schema import GenerationConfig, RolloutConfig
-from arealite.workflow.agent import AgentWorkflow
+from arealite.agent.workflow import AgentWorkflow
 
 TOOLS = [{"type": "function", "function": {
     "name": "calculator", "description": "evaluate arithmetic",

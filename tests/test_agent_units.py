@@ -17,7 +17,7 @@ from arealite.agent.tool_parsers import HermesToolParser, make_tool_parser
 from arealite.agent.trajectory import call_returns, episode_rows
 from arealite.api.types import SamplingParams
 from arealite.config.agent import AgentConfig, JudgeConfig, SandboxConfig
-from arealite.workflow.agent import AgentError, parse_result
+from arealite.agent.workflow import AgentError, parse_result
 
 
 @pytest.fixture(scope="module")

@@ -586,8 +586,8 @@ import asyncio, logging, sys
 logging.basicConfig(level=logging.DEBUG)
 from arealite.api.types import GenerationRequest, SamplingParams
 from arealite.config.loader import dump_config, parse_args
+from arealite.config.run import server_addrs, server_api_key
 from arealite.inference_client.sglang_client import SGLangClient
-from arealite.utils.run import server_addrs, server_api_key
 
 cfg = parse_args(sys.argv[1:], check_paths=False)
 print(dump_config(cfg), flush=True)
@@ -662,7 +662,7 @@ def test_stats_logger_never_sends_the_key_to_wandb(tmp_path, monkeypatch):
     """W&B uploads the run config; a stand-in module records what it was given (no network here)."""
     import types
 
-    from arealite.utils.stats_logger import StatsLogger
+    from arealite.trainer.stats_logger import StatsLogger
 
     given = {}
 

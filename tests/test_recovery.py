@@ -24,9 +24,10 @@ from conftest import REPO, free_port, run_env
 from arealite.config.schema import RecoverConfig, RolloutConfig, SaverConfig
 from arealite.data.dataset import StatefulDataLoader
 from arealite.server.process import ServerProcess
+from arealite.trainer.checkpoint import Checkpointer, fault_point
 from arealite.utils import accounting
 from arealite.utils.accounting import EpochTagged, prompt_accounting
-from arealite.utils.checkpoint import Checkpointer, complete_checkpoints, fault_point
+from arealite.utils.checkpoint_manifest import complete_checkpoints
 from arealite.utils.procs import trainer_workers
 from arealite.workflow.common import item_fields
 
@@ -115,8 +116,8 @@ class _Parts:
 
     def __init__(self, model_dir: Path):
         from arealite.config.schema import ActorConfig
-        from arealite.train_engine.fsdp import FSDPEngine
         from arealite.rollout.controller import RolloutController
+        from arealite.train_engine.fsdp import FSDPEngine
 
         self.engine = FSDPEngine(ActorConfig(model_path=str(model_dir))).initialize(total_steps=10)
         self.controller = RolloutController(None, RolloutConfig(consumer_batch_size=2))

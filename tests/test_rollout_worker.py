@@ -17,13 +17,13 @@ import pytest
 from transformers import AutoTokenizer
 
 from arealite.config.loader import load_config
+from arealite.config.run import ENV_SERVER_ADDRS
 from arealite.rollout.build import build_inference_client
 from arealite.rollout.side import LocalRollout
 from arealite.rollout.worker import CoreMigration, RolloutWorker, RolloutWorkerError, WorkerSpec, runs_in_a_worker
 from arealite.server.process import ServerProcess
 from arealite.trainer import build
 from arealite.utils import procs
-from arealite.utils.run import ENV_SERVER_ADDRS
 from conftest import REPO, free_port
 
 ITEMS = [{"prompt": f"reverse {n} =", "answer": str(n)[::-1], "prompt_id": i}

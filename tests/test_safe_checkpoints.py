@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from arealite.utils.accounting import EpochItem, epoch_items_from_plain, epoch_items_to_plain
-from arealite.utils.checkpoint import load_state_file
+from arealite.trainer.checkpoint import load_state_file
 
 
 class _Planted:

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from arealite.agent.sandbox import isolation, run_python
+from arealite.sandbox import isolation, run_python
 from arealite.config.agent import SandboxConfig
 from arealite.reward.code import extract_code, run_snippet, unit_test_reward
 

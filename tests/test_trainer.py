@@ -25,11 +25,22 @@ def test_builtin_workflows_are_found_where_they_are_defined():
     assert resolve_workflow_class("rlvr") is RLVRWorkflow
 
 
+def test_workflows_of_the_rooms_above_are_builtins_by_import_string():
+    from arealite.agent.workflow import AgentWorkflow
+    from arealite.environments.openenv_env import OpenEnvWorkflow
+    from arealite.environments.verifiers_env import VerifiersWorkflow
+
+    names = builtin_workflows()
+    assert (names["agent"], names["verifiers"], names["openenv"]) == (AgentWorkflow, VerifiersWorkflow, OpenEnvWorkflow)
+    assert resolve_workflow_class("agent") is AgentWorkflow
+
+
 @pytest.mark.parametrize("value,message", [
     ("nope", "neither a built-in workflow"),
     ("user_pkg.missing:X", "cannot import module 'user_pkg.missing'"),
     ("user_pkg.workflows:Missing", "has no attribute 'Missing'"),
     ("user_pkg.workflows:NotAWorkflow", "arun_episode"),
+    ("arealite.workflow.agent:AgentWorkflow", "'agent' (arealite.agent.workflow:AgentWorkflow)"),
 ])
 def test_a_bad_workflow_name_fails_naming_the_field(value, message):
     with pytest.raises(ConfigError) as e:

@@ -140,6 +140,6 @@ class AgentConfig(Section):
     max_calls_per_episode: int = Field(64, ge=1)
     """LLM calls one episode may make; the next one is refused (HTTP 400, code `calls_exhausted`)."""
     sandbox: SandboxConfig = Field(default_factory=SandboxConfig)
-    """Limits of sandboxed code runs (`arealite.agent.sandbox`, the code reward and tool)."""
+    """Limits of sandboxed code runs (`arealite.sandbox`, the code reward and tool)."""
     judge: JudgeConfig = Field(default_factory=JudgeConfig)
     """The LLM judge of `arealite.reward.judge:judge_reward`."""

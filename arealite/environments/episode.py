@@ -22,11 +22,11 @@ from typing import TYPE_CHECKING, Awaitable, Callable
 
 from tensordict import TensorDict
 
+from arealite.agent.workflow import AgentWorkflow
 from arealite.api.contracts import InferenceClient
 from arealite.config.agent import AgentConfig
 from arealite.config.schema import GenerationConfig, RolloutConfig
 from arealite.utils.json_types import JsonObject
-from arealite.workflow.agent import AgentWorkflow
 
 if TYPE_CHECKING:
     from openai import AsyncOpenAI

@@ -21,7 +21,8 @@ import urllib.request
 from pathlib import Path
 from typing import Callable, Protocol, Sequence
 
-from arealite.utils.run import ENV_SERVER_API_KEY, complete_checkpoints, run_dir
+from arealite.config.run import ENV_SERVER_API_KEY, run_dir
+from arealite.utils.checkpoint_manifest import complete_checkpoints
 
 #: Seconds between SIGTERM and SIGKILL when tearing a child down.
 TERM_GRACE_S = float(os.environ.get("AREALITE_LAUNCHER_GRACE_S", "10"))

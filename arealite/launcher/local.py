@@ -41,6 +41,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Callable, Sequence
 
+from arealite.config.run import ENV_ROLLOUT_CPUS, ENV_SERVER_ADDRS, ENV_SERVER_API_KEY
 from arealite.launcher.common import (  # noqa: F401  (ExitCode, DEFAULT_ENTRY... are this module's API too)
     DEFAULT_ENTRY,
     TERM_GRACE_S,
@@ -61,7 +62,6 @@ from arealite.launcher.server_cmd import gpus_per_server, judge_server_command, 
 from arealite.reward.judge import ADDRS_ENV as JUDGE_ADDRS_ENV
 from arealite.utils import procs
 from arealite.utils.net import free_port, free_ports, ports_from
-from arealite.utils.run import ENV_ROLLOUT_CPUS, ENV_SERVER_ADDRS, ENV_SERVER_API_KEY
 
 
 LOOPBACK = "127.0.0.1"  # the trainer's store: every rank runs on this machine

@@ -37,6 +37,7 @@ import time
 from pathlib import Path
 from typing import IO, Sequence
 
+from arealite.config.run import ENV_SERVER_ADDRS, ENV_SERVER_API_KEY
 from arealite.launcher import placement
 from arealite.launcher.common import (
     TERM_GRACE_S,
@@ -54,7 +55,6 @@ from arealite.launcher.common import (
 from arealite.launcher.process_host import PYTHON, ProcessHost
 from arealite.launcher.server_cmd import masked, server_command
 from arealite.utils.net import ENV_HOST_IP, split_addr
-from arealite.utils.run import ENV_SERVER_ADDRS, ENV_SERVER_API_KEY
 
 #: Driver environment passed on to every process (a node's own environment is kept otherwise).
 FORWARDED_PREFIXES = ("AREALITE_", "SGLANG_", "HF_", "TRANSFORMERS_", "TOKENIZERS_", "TORCH_", "NCCL_",

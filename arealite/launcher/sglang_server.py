@@ -15,7 +15,7 @@ import os
 import runpy
 import sys
 
-from arealite.utils.run import ENV_SERVER_API_KEY
+from arealite.config.run import ENV_SERVER_API_KEY
 
 
 def main() -> None:

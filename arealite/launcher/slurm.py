@@ -34,6 +34,7 @@ import sys
 from pathlib import Path
 from typing import Sequence
 
+from arealite.config.run import ENV_SERVER_API_KEY
 from arealite.launcher.common import (
     TERM_GRACE_S,
     ExitCode,
@@ -42,7 +43,6 @@ from arealite.launcher.common import (
     parse_launcher_args,
     trainer_args,
 )
-from arealite.utils.run import ENV_SERVER_API_KEY
 
 
 def _q(args: Sequence[str]) -> str:

@@ -22,11 +22,11 @@ import time
 from pathlib import Path
 from typing import Sequence
 
+from arealite.config.run import run_dir
 from arealite.launcher.common import ExitCode, LaunchError, log, server_env, start_version, wait_healthy
 from arealite.launcher.server_cmd import masked, server_command
 from arealite.utils import procs
 from arealite.utils.net import ENV_HOST_IP, free_port, host_ip
-from arealite.utils.run import run_dir
 
 
 def run_server(cfg, addr_dir: Path, index: int) -> None:

@@ -1,4 +1,4 @@
-"""Code rewards: run generated Python in the sandbox (`arealite.agent.sandbox`).
+"""Code rewards: run generated Python in the sandbox (`arealite.sandbox`).
 
 - ``unit_test_reward`` (a ``data.reward_fn``): the completion's code (the last fenced
   ```python block, else the whole text) followed by the item's ``tests`` (asserts, or
@@ -14,7 +14,7 @@ from __future__ import annotations
 import re
 from collections.abc import Sequence
 
-from arealite.agent.sandbox import SandboxResult, arun_python, run_python
+from arealite.sandbox import SandboxResult, arun_python, run_python
 from arealite.config.agent import SandboxConfig
 from arealite.utils.json_types import JsonValue
 

@@ -11,9 +11,9 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from arealite.api.contracts import InferenceClient
+from arealite.config.run import server_addrs, server_api_key
 from arealite.config.schema import ArealiteConfig
 from arealite.rollout.side import LocalRollout
-from arealite.utils.run import server_addrs, server_api_key
 from arealite.utils.tokenizer import vocab_bound
 from arealite.workflow.base import RolloutWorkflow
 from arealite.workflow.registry import build_workflow, samples_at_eval

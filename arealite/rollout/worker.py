@@ -31,11 +31,11 @@ from multiprocessing.connection import Connection, Pipe
 from typing import TYPE_CHECKING, Any
 
 from arealite.api.contracts import InferenceClient, Runner, StateDict, WeightUpdateAdmin
+from arealite.config.run import ENV_ROLLOUT_CPUS
 from arealite.config.schema import ArealiteConfig
 from arealite.rollout.loop_thread import LoopThread
 from arealite.utils.json_types import JsonObject
 from arealite.utils.procs import die_with_parent
-from arealite.utils.run import ENV_ROLLOUT_CPUS
 from arealite.workflow.base import RolloutWorkflow
 
 if TYPE_CHECKING:

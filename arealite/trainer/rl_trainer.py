@@ -28,18 +28,18 @@ from transformers import AutoTokenizer
 from arealite.algo.actor import PPOActor
 from arealite.api.contracts import RolloutSide, TrainEngine
 from arealite.check import check_names
+from arealite.config.run import run_dir
 from arealite.config.schema import ArealiteConfig
 from arealite.trainer import build
+from arealite.trainer.checkpoint import Checkpointer, fault_point
 from arealite.trainer.evaluation import evaluate
 from arealite.trainer.hooks import TrainerHook
+from arealite.trainer.stats_logger import StatsLogger, plot_reward_curve
 from arealite.trainer.step_stats import StepStats, reduce_stats
 from arealite.utils import accounting
-from arealite.utils.checkpoint import Checkpointer, fault_point
 from arealite.utils.heap import freeze_heap
 from arealite.utils.json_types import JsonObject
 from arealite.utils.progress import Progress
-from arealite.utils.run import run_dir
-from arealite.utils.stats_logger import StatsLogger, plot_reward_curve
 from arealite.weight_sync import make_publisher
 from arealite.weight_sync.publisher import WeightPublisher
 from arealite.workflow.base import RolloutWorkflow

@@ -2,7 +2,9 @@
 
 A built-in is a `RolloutWorkflow` subclass under ``arealite/workflow/`` decorated with
 ``@builtin_workflow("name")``: that one line is all it takes to make it nameable, and the
-list of allowed names is read from the decorated classes themselves.
+list of allowed names is read from the decorated classes themselves. The workflows built
+on this room (the agent's, the environments') are built-ins named by import string in
+`BUILTIN_SPECS`, as a user's own workflow is, so this room imports none of them.
 
 How a workflow is built from config (`build_workflow`):
 
@@ -40,6 +42,16 @@ INJECTED = ("config", "tokenizer", "generation", "rollout", "data", "reward_fn")
 _BUILTIN: dict[str, type] = {}
 _T = TypeVar("_T", bound=type)
 
+#: Built-in workflows of the rooms above this one, by short name: their ``module:Class``.
+BUILTIN_SPECS = {
+    "agent": "arealite.agent.workflow:AgentWorkflow",
+    "verifiers": "arealite.environments.verifiers_env:VerifiersWorkflow",
+    "openenv": "arealite.environments.openenv_env:OpenEnvWorkflow",
+}
+#: Modules that held built-in workflows once, and those workflows' short names (an old
+#: ``module:Class`` fails naming where its class lives now).
+MOVED = {"arealite.workflow.agent": ("agent",), "arealite.workflow.environments": ("verifiers", "openenv")}
+
 
 def builtin_workflow(name: str) -> Callable[[_T], _T]:
     """Class decorator: make a workflow nameable in config as ``rollout.workflow: <name>``."""
@@ -47,12 +59,14 @@ def builtin_workflow(name: str) -> Callable[[_T], _T]:
 
 
 def builtin_workflows() -> dict[str, type]:
-    """Every built-in workflow by short name (imports the modules of this package once)."""
+    """Every built-in workflow by short name (imports the modules of this package once, and
+    those `BUILTIN_SPECS` names)."""
     import arealite.workflow as package
 
     for mod in pkgutil.iter_modules(package.__path__):
         importlib.import_module(f"{package.__name__}.{mod.name}")
-    return dict(_BUILTIN)
+    elsewhere = {name: import_callable(spec, f"built-in workflow {name!r}") for name, spec in BUILTIN_SPECS.items()}
+    return {**_BUILTIN, **elsewhere}
 
 
 def resolve_workflow_class(spec: str) -> type:
@@ -63,6 +77,10 @@ def resolve_workflow_class(spec: str) -> type:
     if not is_import_spec(spec):
         raise ValueError(f"is neither a built-in workflow ({', '.join(sorted(builtins))}) nor "
                          "'module:Class' of your own RolloutWorkflow")
+    module = spec.partition(":")[0]
+    if module in MOVED:
+        now = " or ".join(f"{name!r} ({BUILTIN_SPECS[name]})" for name in MOVED[module])
+        raise ValueError(f"names module {module}, which no longer exists: write {now}")
     try:
         cls = import_callable(spec, "workflow")
     except (ImportError, AttributeError, TypeError) as e:

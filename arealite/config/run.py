@@ -1,9 +1,9 @@
-"""Where a run lives and what it talks to: the run directory, the inference servers'
-addresses and API key, and the environment variables the launcher passes them in."""
+"""Where a run lives and what it talks to, from its config and the launcher's environment:
+the run directory, the inference servers' addresses and API key, and the environment
+variables the launcher passes them in."""
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 
@@ -13,8 +13,6 @@ ENV_SERVER_ADDRS = "AREALITE_SERVER_ADDRS"
 ENV_SERVER_API_KEY = "AREALITE_SERVER_API_KEY"
 #: Cores for the trainers' rollout workers (comma-separated); the launcher sets the servers' cores.
 ENV_ROLLOUT_CPUS = "AREALITE_ROLLOUT_CPUS"
-#: The manifest a checkpoint directory gets last: the files it holds (``utils.checkpoint``).
-COMPLETE = "COMPLETE"
 
 
 def run_dir(cfg: ArealiteConfig) -> Path:
@@ -37,25 +35,3 @@ def server_addrs(cfg: ArealiteConfig) -> list[str]:
 
 def server_api_key(cfg: ArealiteConfig) -> str | None:
     return os.environ.get(ENV_SERVER_API_KEY) or cfg.server.api_key
-
-
-def _is_complete(path: Path) -> bool:
-    manifest = path / COMPLETE
-    try:
-        files = json.loads(manifest.read_text())["files"]
-    except (OSError, ValueError, KeyError, TypeError):
-        return False
-    return all((path / f).is_file() for f in files)
-
-
-def complete_checkpoints(root: str | Path) -> list[tuple[int, Path]]:
-    """``(step, path)`` of every complete checkpoint under ``root``, oldest first."""
-    out = []
-    r = Path(root)
-    if not r.is_dir():
-        return out
-    for p in r.iterdir():
-        num = p.name[len("step_"):]
-        if p.is_dir() and p.name.startswith("step_") and num.isdigit() and _is_complete(p):
-            out.append((int(num), p))
-    return sorted(out)

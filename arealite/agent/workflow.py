@@ -37,7 +37,6 @@ from arealite.config.schema import GenerationConfig
 from arealite.utils.imports import import_callable
 from arealite.utils.json_types import JsonObject
 from arealite.workflow.base import RolloutWorkflow, new_group_id, pad_and_stack
-from arealite.workflow.registry import builtin_workflow
 
 if TYPE_CHECKING:
     import httpx
@@ -81,7 +80,6 @@ def parse_result(out: object) -> tuple[float, dict[str, float]]:
     return reward, calls
 
 
-@builtin_workflow("agent")
 class AgentWorkflow(RolloutWorkflow):
     """Runs ``run(client, item)`` per sample through the OpenAI-compatible endpoint.
 

@@ -34,11 +34,10 @@ import torch.distributed as dist
 
 from arealite.config.schema import RecoverConfig, SaverConfig
 from arealite.utils.accounting import epoch_items_from_plain, epoch_items_to_plain
+from arealite.utils.checkpoint_manifest import COMPLETE, complete_checkpoints
 
 logger = logging.getLogger("arealite.checkpoint")
 
-from arealite.utils.run import COMPLETE as _COMPLETE
-from arealite.utils.run import complete_checkpoints  # noqa: F401 (re-exported)
 ENV_FAULT = "AREALITE_FAULT"
 #: ``ckpt_write``: after every rank's shards are on disk, before the manifest and the rename;
 #: ``ckpt_renamed``: after the rename, before old checkpoints are cleaned up;
@@ -156,7 +155,7 @@ class Checkpointer:
             missing = [f for f in expected if f not in files]
             if missing:
                 raise RuntimeError(f"checkpoint {tmp} is missing {missing} after every rank finished writing")
-            manifest = tmp / _COMPLETE
+            manifest = tmp / COMPLETE
             manifest.write_text(json.dumps({"step": step, "world_size": world, "files": files}) + "\n")
             _fsync(manifest)
             _fsync(tmp)
