@@ -29,7 +29,9 @@ else ``sdpa_loop`` (on CPU it is faster than ``flex``: measured by
 
 from __future__ import annotations
 
+import functools
 import importlib
+import inspect
 import weakref
 from collections.abc import Callable
 
@@ -176,9 +178,23 @@ def varlen_attention(module, query, key, value, attention_mask, scaling=None, dr
     cu = cu.to(device=query.device, dtype=torch.int32)
     # [1, h, T, d] -> [T, h, d]: a view of the projection's [T, h, d] output, last dim contiguous.
     q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))
-    out = varlen_attn(q, k, v, cu, cu, max_len, max_len, scale=scaling, window_size=(-1, 0),
-                      enable_gqa=key.shape[1] != query.shape[1])
+    gqa = {}
+    if key.shape[1] != query.shape[1]:
+        if _varlen_takes_gqa():
+            gqa = {"enable_gqa": True}
+        else:  # torch before 2.13: each KV head repeated for its group of query heads
+            group = query.shape[1] // key.shape[1]
+            k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    out = varlen_attn(q, k, v, cu, cu, max_len, max_len, scale=scaling, window_size=(-1, 0), **gqa)
     return out[None], None
+
+
+@functools.cache
+def _varlen_takes_gqa() -> bool:
+    """Whether this torch's ``varlen_attn`` shares KV heads itself (``enable_gqa``, torch 2.13)."""
+    from torch.nn.attention.varlen import varlen_attn
+
+    return "enable_gqa" in inspect.signature(varlen_attn).parameters
 
 
 # ---------------------------------------------------------------------------- flex
