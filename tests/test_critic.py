@@ -112,3 +112,20 @@ def test_the_critic_section_is_a_train_engine_config_and_reaches_the_engine_whol
     assert (engine_cfg.sp_size, engine_cfg.cpu_offload, engine_cfg.mb_max_tokens) == (2, True, 77)
     assert engine_cfg.optimizer.lr == 1e-5  # the critic's own default, not the actor's
     assert critic.value_clip == 0.3
+
+
+def test_a_fresh_value_head_is_the_same_whatever_the_caller_seeded(micro_model_dir):
+    """Each rank loads the value model itself: its fresh head must not depend on the process's
+    RNG state (it did: FSDP2 then stitched the ranks' different heads into one)."""
+    from transformers import AutoConfig
+
+    from arealite.critic.engine import value_model
+
+    heads = []
+    for seed in (1, 2):
+        torch.manual_seed(seed)
+        model = value_model(micro_model_dir, AutoConfig.from_pretrained(micro_model_dir))
+        heads.append(model.score.weight.detach().clone())
+    assert torch.equal(heads[0], heads[1]) and heads[0].abs().sum() > 0
+    std = AutoConfig.from_pretrained(micro_model_dir).initializer_range
+    assert 0.5 * std < heads[0].std().item() < 1.5 * std

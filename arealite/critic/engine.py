@@ -45,7 +45,27 @@ def value_model(path: Path, hf_config: PretrainedConfig, attn_implementation: st
     for module in model.modules():
         if isinstance(module, torch.nn.Dropout):
             module.p = 0.0
+    _initialise_head(model, model_config)
     return model
+
+
+#: The seed of the fresh value head: the same head on every rank and in every run.
+HEAD_SEED = 0
+
+
+def _initialise_head(model: torch.nn.Module, hf_config: PretrainedConfig) -> None:
+    """Draw the fresh head's weight from a generator of its own (as transformers initialises a
+    linear layer: normal with the config's ``initializer_range``, zero bias). transformers draws
+    it from each process's global RNG, so every rank held another head and FSDP2 stitched their
+    shards together; now every rank, and a one-process run, start from the same head."""
+    head = getattr(model, "score", None) or getattr(model, "classifier", None)
+    if not isinstance(head, torch.nn.Linear):
+        raise TypeError(f"{type(model).__name__} has no linear value head (score or classifier) to initialise")
+    g = torch.Generator().manual_seed(HEAD_SEED)
+    with torch.no_grad():
+        head.weight.copy_(torch.randn(head.weight.shape, generator=g) * getattr(hf_config, "initializer_range", 0.02))
+        if head.bias is not None:
+            head.bias.zero_()
 
 
 class ValueEngine(FSDPEngine):
