@@ -35,18 +35,20 @@ def max_diff(a: dict, b: dict) -> float:
     return max((a[k] - b[k]).abs().max().item() for k in a)
 
 
-def two_ranks(model_dir, out: Path, *extra: str) -> tuple[Path, list[dict]]:
-    """The scenario under ``torchrun --nproc_per_node 2`` (``extra``: lora, sp or tp); each rank's result."""
+def two_ranks(model_dir, out: Path, *extra: str, worker: Path = WORKER,
+              result: str = "result_rank{}.pt") -> tuple[Path, list[dict]]:
+    """The scenario under ``torchrun --nproc_per_node 2`` (``extra``: lora, sp or tp); each rank's
+    result. ``worker``: another scenario script (tests/_critic_worker.py), writing ``result``."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(HERE.parent)}
     cmd = [
         sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
         "--master_addr", "127.0.0.1", "--master_port", str(free_port()),
-        str(WORKER), str(model_dir), str(out), *extra,
+        str(worker), str(model_dir), str(out), *extra,
     ]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
     if proc.returncode != 0:
         raise AssertionError(f"torchrun failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
-    return out, [torch.load(out / f"result_rank{r}.pt", weights_only=False) for r in range(2)]
+    return out, [torch.load(out / result.format(r), weights_only=False) for r in range(2)]
 
 
 #: Every dense family a parallel layout accepts, beside the Qwen2 micro model of the scenario,

@@ -129,3 +129,38 @@ def test_a_fresh_value_head_is_the_same_whatever_the_caller_seeded(micro_model_d
     assert torch.equal(heads[0], heads[1]) and heads[0].abs().sum() > 0
     std = AutoConfig.from_pretrained(micro_model_dir).initializer_range
     assert 0.5 * std < heads[0].std().item() < 1.5 * std
+
+
+@pytest.fixture(scope="module")
+def critic_one_process(micro_model_dir, tmp_path_factory):
+    """The critic's scenario (tests/_critic_worker.py) in this process, a world of one."""
+    import importlib.util
+
+    from fsdp_scenario import HERE
+
+    spec = importlib.util.spec_from_file_location("_critic_worker", HERE / "_critic_worker.py")
+    worker = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(worker)
+    out = tmp_path_factory.mktemp("critic_1rank")
+    worker.run(str(micro_model_dir), str(out))
+    return torch.load(out / "critic_rank0.pt", weights_only=False)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", ["sp", "tp"])
+def test_the_critic_under_a_parallel_layout_matches_one_process(layout, critic_one_process, micro_model_dir,
+                                                                tmp_path_factory):
+    """critic.sp_size / critic.tp_size = 2 on two ranks: the same fresh head, the same values
+    of each rank's rows, the same value losses and gradient norms for three steps, the same head
+    after them (within 1e-5, fp32)."""
+    from fsdp_scenario import HERE, max_diff, two_ranks
+
+    _, (r0, r1) = two_ranks(micro_model_dir, tmp_path_factory.mktemp(f"critic_{layout}2"), layout,
+                            worker=HERE / "_critic_worker.py", result="critic_rank{}.pt")
+    single = critic_one_process
+    assert max_diff(r0["head"], single["head"]) == 0.0 and max_diff(r1["head"], single["head"]) == 0.0
+    for key in ("first_values", "values"):
+        assert (torch.cat([r0[key], r1[key]]) - single[key]).abs().max().item() <= 1e-5, key
+    for s2, s1 in zip(r0["stats"], single["stats"]):
+        assert abs(s2["value_loss"] - s1["value_loss"]) <= 1e-5 and abs(s2["grad_norm"] - s1["grad_norm"]) <= 1e-5
+    assert max_diff(r0["head_after"], single["head_after"]) <= 1e-5 and max_diff(r0["head_after"], r1["head_after"]) == 0
