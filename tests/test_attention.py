@@ -8,6 +8,8 @@ end (`bash ci/gpu_local.sh` runs them on a GPU).
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
@@ -32,15 +34,19 @@ class _Module(torch.nn.Module):
     training = False
 
 
-def _reference(q, k, v, lens, scale):
-    """Explicit causal softmax attention of each sequence alone (KV heads repeated)."""
+def _reference(q, k, v, lens, scale, window=None):
+    """Explicit causal softmax attention of each sequence alone (KV heads repeated), within a
+    sliding window of ``window`` tokens (itself included) when one is given."""
     H, KV = q.shape[1], k.shape[1]
     outs, a = [], 0
     for n in lens:
         b = a + n
         kk, vv = k[:, :, a:b].repeat_interleave(H // KV, 1), v[:, :, a:b].repeat_interleave(H // KV, 1)
         scores = q[:, :, a:b] @ kk.transpose(-1, -2) * scale
-        scores = scores.masked_fill(~torch.tril(torch.ones(n, n, dtype=torch.bool)), float("-inf"))
+        allowed = torch.tril(torch.ones(n, n, dtype=torch.bool))
+        if window is not None:
+            allowed &= ~torch.tril(torch.ones(n, n, dtype=torch.bool), diagonal=-window)
+        scores = scores.masked_fill(~allowed, float("-inf"))
         outs.append((scores.softmax(-1) @ vv).transpose(1, 2))
         a = b
     return torch.cat(outs, dim=1)
@@ -76,6 +82,56 @@ def test_kernel_equals_separate_sequences_with_gradients(impl):
         fn(_Module(), q, k, v, torch.ones(1, 1, T, T, dtype=torch.bool))
 
 
+@pytest.mark.parametrize("impl", CPU_IMPLS)
+def test_kernel_keeps_the_sliding_window_the_layer_passes(impl):
+    """``sliding_window=3``: each token sees itself and the 2 before it in its sequence, in
+    sequences longer and shorter than the window, forward and gradients."""
+    torch.manual_seed(0)
+    H, KV, D, W = 4, 2, 8, 3
+    lens = [5, 1, 3, 3, 3, 7]
+    T = sum(lens)
+    q, k, v = (torch.randn(1, h, T, D, requires_grad=True) for h in (H, KV, KV))
+    out, _ = attention._FUNCTIONS[impl](_Module(), q, k, v, None, scaling=0.3, cu_seq_lens_q=_cu(lens),
+                                        sliding_window=W)
+    ref = _reference(q, k, v, lens, 0.3, window=W)
+    assert (out - ref).abs().max().item() <= 1e-6
+    assert (ref - _reference(q, k, v, lens, 0.3)).abs().max().item() > 1e-2  # the window matters here
+    w = torch.randn_like(out)
+    for g, rg in zip(torch.autograd.grad((out * w).sum(), (q, k, v)), torch.autograd.grad((ref * w).sum(), (q, k, v))):
+        assert (g - rg).abs().max().item() <= 1e-5
+
+
+@pytest.mark.parametrize("impl", CPU_IMPLS)
+@pytest.mark.parametrize("family", ["mistral", "qwen2"])
+def test_packed_model_keeps_the_models_sliding_window(impl, family):
+    """A Mistral (every layer windowed) and a Qwen2 with ``use_sliding_window`` (windowed layers
+    above ``max_window_layers``) packed as the trainer packs them equal transformers' own forward
+    of each sequence alone, for sequences longer than the window (the packed kernels ignored
+    the window before, a silent mismatch with the servers on long rows)."""
+    from transformers import AutoModelForCausalLM, MistralConfig, Qwen2Config
+
+    common = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                  intermediate_size=128, vocab_size=97, max_position_embeddings=256, tie_word_embeddings=False)
+    if family == "mistral":
+        cfg = MistralConfig(**common, sliding_window=4)
+    else:
+        cfg = Qwen2Config(**common, use_sliding_window=True, sliding_window=4, max_window_layers=1)
+        assert cfg.layer_types == ["full_attention", "sliding_attention"]
+    torch.manual_seed(0)
+    ref = AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa", dtype=torch.float32)
+    packed = AutoModelForCausalLM.from_config(copy.deepcopy(cfg), attn_implementation=register_attention(impl),
+                                              dtype=torch.float32)
+    assert ref.config._attn_implementation == "sdpa"
+    packed.load_state_dict(ref.state_dict())
+    lens = [9, 3, 12]
+    ids = torch.randint(0, 97, (sum(lens),), generator=torch.Generator().manual_seed(1))
+    pos = torch.cat([torch.arange(n) for n in lens])
+    with torch.no_grad():
+        logits = packed(input_ids=ids[None], position_ids=pos[None], cu_seq_lens_q=_cu(lens), use_cache=False).logits[0]
+        want = torch.cat([ref(input_ids=part[None], use_cache=False).logits[0] for part in ids.split(lens)])
+    assert (logits - want).abs().max().item() <= 1e-5
+
+
 def test_sdpa_loop_rejects_boundaries_that_do_not_cover_the_row():
     q = torch.randn(1, 2, 22, 4)
     with pytest.raises(ValueError, match="ends at 21"):
@@ -106,7 +162,11 @@ def _models(impl):
     cfg = _tiny_qwen2()
     torch.manual_seed(0)
     ref = AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa", dtype=torch.float32)
-    packed = AutoModelForCausalLM.from_config(cfg, attn_implementation=register_attention(impl), dtype=torch.float32)
+    # A config of its own: from_config keeps the object, and setting the packed model's attention
+    # on a shared one would switch the reference's too.
+    packed = AutoModelForCausalLM.from_config(copy.deepcopy(cfg), attn_implementation=register_attention(impl),
+                                              dtype=torch.float32)
+    assert ref.config._attn_implementation == "sdpa"
     packed.load_state_dict(ref.state_dict())
     return ref.train(), packed.train()
 
@@ -140,8 +200,9 @@ def test_packed_model_equals_per_sequence_hf_forward_and_gradients(impl):
 def test_flex_block_mask_is_built_once_per_micro_batch(monkeypatch):
     _, packed = _models("flex")
     builds = []
-    build = attention._flex_masks._build
-    monkeypatch.setattr(attention._flex_masks, "_build", lambda *a: builds.append(a) or build(*a))
+    build = attention.document_causal_block_mask
+    monkeypatch.setattr(attention, "_flex_masks", {})
+    monkeypatch.setattr(attention, "document_causal_block_mask", lambda *a, **kw: builds.append(a) or build(*a, **kw))
     for lens in ([4, 9, 1], [2, 2, 6]):
         ids = torch.randint(0, 97, (1, sum(lens)))
         pos = torch.cat([torch.arange(n) for n in lens])[None]

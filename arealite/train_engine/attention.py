@@ -69,6 +69,22 @@ def _check_no_mask(name: str, attention_mask) -> None:
 _NONE = object()  # the key of a row without boundaries (one causal sequence)
 
 
+def _sliding_window(kwargs: dict) -> int | None:
+    """The layer's sliding window (``sliding_window``, passed by the model for the layers that
+    have one: Mistral's every layer, Qwen2's and Qwen3's ``sliding_attention`` layers): a token
+    sees itself and the ``window - 1`` tokens before it, as in transformers' masks and SGLang.
+    None: full causal attention."""
+    window = kwargs.get("sliding_window")
+    return int(window) if window else None
+
+
+def _band(n: int, window: int, device: torch.device) -> torch.Tensor:
+    """The ``[n, n]`` mask of causal attention within a sliding window (True: attends)."""
+    i = torch.arange(n, device=device)
+    gap = i[:, None] - i[None, :]
+    return (gap >= 0) & (gap < window)
+
+
 class _PerMicroBatch:
     """A one-entry cache keyed on the boundaries tensor of the micro-batch being run.
 
@@ -120,6 +136,7 @@ def sdpa_loop_attention(module, query, key, value, attention_mask, scaling=None,
         raise ValueError(f"cu_seq_lens_q ends at {bounds[-1]} but the packed row has {T} tokens")
     gqa = key.shape[1] != query.shape[1]
     p = dropout if module.training else 0.0
+    window = _sliding_window(kwargs)
     outs = []
     # Adjacent sequences of equal length (first-fit-decreasing packs them next to
     # each other) run as one batched SDPA call instead of one call each.
@@ -137,8 +154,10 @@ def sdpa_loop_attention(module, query, key, value, attention_mask, scaling=None,
         def rows(t, a=a, b=b, k=k, n=n):  # [1, h, k*n, d] -> [k, h, n, d]
             return t[0, :, a:b].unflatten(1, (k, n)).transpose(0, 1)
 
+        banded = window is not None and n > window
         o = torch.nn.functional.scaled_dot_product_attention(
-            rows(query), rows(key), rows(value), is_causal=True, scale=scaling, dropout_p=p, enable_gqa=gqa
+            rows(query), rows(key), rows(value), attn_mask=_band(n, window, query.device) if banded else None,
+            is_causal=not banded, scale=scaling, dropout_p=p, enable_gqa=gqa
         )
         outs.append(o.transpose(0, 1).flatten(1, 2)[None])  # back to [1, h, k*n, d]
     out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
@@ -185,7 +204,9 @@ def varlen_attention(module, query, key, value, attention_mask, scaling=None, dr
         else:  # torch before 2.13: each KV head repeated for its group of query heads
             group = query.shape[1] // key.shape[1]
             k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
-    out = varlen_attn(q, k, v, cu, cu, max_len, max_len, scale=scaling, window_size=(-1, 0), **gqa)
+    window = _sliding_window(kwargs)
+    out = varlen_attn(q, k, v, cu, cu, max_len, max_len, scale=scaling,
+                      window_size=(-1 if window is None else window - 1, 0), **gqa)
     return out[None], None
 
 
@@ -200,9 +221,10 @@ def _varlen_takes_gqa() -> bool:
 # ---------------------------------------------------------------------------- flex
 
 
-def document_causal_block_mask(cu: torch.Tensor | None, T: int, device: torch.device):
+def document_causal_block_mask(cu: torch.Tensor | None, T: int, device: torch.device, window: int | None = None):
     """The flex-attention ``BlockMask`` of a packed row: token ``q`` sees ``kv`` iff both are in
-    the same sequence and ``kv <= q``. Built on ``device`` without reading anything back."""
+    the same sequence and ``kv <= q`` (and ``q - kv < window`` with a sliding window). Built on
+    ``device`` without reading anything back."""
     from torch.nn.attention.flex_attention import create_block_mask
 
     pos = torch.arange(T, device=device)
@@ -215,10 +237,21 @@ def document_causal_block_mask(cu: torch.Tensor | None, T: int, device: torch.de
     def mask_mod(b, h, q_idx, kv_idx):
         return (doc[q_idx] == doc[kv_idx]) & (q_idx >= kv_idx)
 
-    return create_block_mask(mask_mod, None, None, T, T, device=device)
+    def window_mask_mod(b, h, q_idx, kv_idx):
+        return mask_mod(b, h, q_idx, kv_idx) & (q_idx - kv_idx < window)
+
+    return create_block_mask(mask_mod if window is None else window_mask_mod, None, None, T, T, device=device)
 
 
-_flex_masks = _PerMicroBatch(document_causal_block_mask)
+#: The block mask of the micro-batch, per sliding window (None: full causal attention); a model
+#: whose layers mix windowed and full attention keeps one of each.
+_flex_masks: dict[int | None, _PerMicroBatch] = {}
+
+
+def _flex_mask(cu: torch.Tensor | None, T: int, device: torch.device, window: int | None):
+    if window not in _flex_masks:
+        _flex_masks[window] = _PerMicroBatch(functools.partial(document_causal_block_mask, window=window))
+    return _flex_masks[window].get(cu, T, device)
 _compiled_flex: list[Callable] = []
 
 
@@ -255,7 +288,7 @@ def flex_attention(module, query, key, value, attention_mask, scaling=None, drop
     if dropout and module.training:
         raise ValueError("actor.attn_impl=flex runs without dropout; the engine turns dropout off")
     T = query.shape[2]
-    block_mask = _flex_masks.get(kwargs.get("cu_seq_lens_q"), T, query.device)
+    block_mask = _flex_mask(kwargs.get("cu_seq_lens_q"), T, query.device, _sliding_window(kwargs))
     if query.device.type == "cuda":
         out = _flex_cuda(query, key, value, block_mask, scaling, key.shape[1] != query.shape[1])
     else:
