@@ -108,7 +108,7 @@ def test_packed_model_keeps_the_models_sliding_window(impl, family):
     above ``max_window_layers``) packed as the trainer packs them equal transformers' own forward
     of each sequence alone, for sequences longer than the window (the packed kernels ignored
     the window before, a silent mismatch with the servers on long rows)."""
-    from transformers import AutoModelForCausalLM, MistralConfig, Qwen2Config
+    from transformers import MistralConfig, Qwen2Config
 
     common = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                   intermediate_size=128, vocab_size=97, max_position_embeddings=256, tie_word_embeddings=False)
@@ -117,12 +117,7 @@ def test_packed_model_keeps_the_models_sliding_window(impl, family):
     else:
         cfg = Qwen2Config(**common, use_sliding_window=True, sliding_window=4, max_window_layers=1)
         assert cfg.layer_types == ["full_attention", "sliding_attention"]
-    torch.manual_seed(0)
-    ref = AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa", dtype=torch.float32)
-    packed = AutoModelForCausalLM.from_config(copy.deepcopy(cfg), attn_implementation=register_attention(impl),
-                                              dtype=torch.float32)
-    assert ref.config._attn_implementation == "sdpa"
-    packed.load_state_dict(ref.state_dict())
+    ref, packed = _models(impl, cfg)
     lens = [9, 3, 12]
     ids = torch.randint(0, 97, (sum(lens),), generator=torch.Generator().manual_seed(1))
     pos = torch.cat([torch.arange(n) for n in lens])
@@ -156,10 +151,12 @@ def _tiny_qwen2():
                        attention_dropout=0.0, tie_word_embeddings=False)
 
 
-def _models(impl):
+def _models(impl, cfg=None):
+    """transformers' SDPA model of ``cfg`` (the tiny Qwen2 by default) and the same weights with
+    the packed attention ``impl``, both in train mode."""
     from transformers import AutoModelForCausalLM
 
-    cfg = _tiny_qwen2()
+    cfg = cfg or _tiny_qwen2()
     torch.manual_seed(0)
     ref = AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa", dtype=torch.float32)
     # A config of its own: from_config keeps the object, and setting the packed model's attention
