@@ -35,7 +35,7 @@ def test_trainer_and_server_logprobs_agree_every_step_with_images(tmp_path):
     (tmp_path / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     # The random model never answers right: reward the sum of the sampled token ids, so that a
     # group's samples differ unless they are the same tokens and the second step samples from
-    # updated weights. (The parity of the first token tied every group of a step now and then:
+    # updated weights. (The parity of the first token sometimes tied every group of a step:
     # all advantages zero, a zero gradient, and this test failed now and then.)
     (tmp_path / "parity_reward.py").write_text(
         "def reward(prompt, completion, prompt_ids, completion_ids, answer, **_):\n"
