@@ -78,10 +78,11 @@ def init_default_group(backend: str | None = None, timeout_s: float = 1800.0) ->
     """Join the default process group; return True if this call created it.
 
     Under ``torchrun`` (``RANK``/``WORLD_SIZE``/``MASTER_ADDR`` set) the group
-    spans the launched processes; launched with that environment by another launcher (Ray),
-    rank 0 serves the group's store on ``MASTER_ADDR`` alone, not on every interface. Without that environment a world of one is
-    created on a free local port, so the same training code runs in a plain
-    ``python`` process. An existing default group is reused (returns False).
+    spans the launched processes; launched with that environment by another launcher
+    (Ray), rank 0 serves the group's store on ``MASTER_ADDR`` alone, not on every
+    interface. Without that environment a world of one is created on a free local port,
+    so the same training code runs in a plain ``python`` process. An existing default
+    group is reused (returns False).
     """
     if dist.is_initialized():
         return False
