@@ -8,7 +8,7 @@ that resolve them (`NAME_CHECKS`): the advantage estimator and the policy loss
 (`arealite.algo`), the reward function (`arealite.reward`), the workflow and its
 kwargs (`arealite.workflow.registry`). The train engine judges its parallel layout
 (``sp_size``, ``tp_size``) on the trainer's ranks and the model (`RUN_CHECKS`,
-`arealite.train_engine.parallel_layout`). Everything that starts a run loads its config
+`arealite.train_engine.parallel.layout`). Everything that starts a run loads its config
 here, so that every problem is reported in one round, naming the field: the launchers,
 `python -m arealite.train`, and `RLTrainer` for a config built in code (`check_names`).
 
@@ -30,7 +30,7 @@ from arealite.config.loader import ConfigError, load_config, parse_args, split_c
 from arealite.config.problems import ConfigCheck
 from arealite.config.schema import ArealiteConfig
 from arealite.reward import reward_fn_problems
-from arealite.train_engine.parallel_layout import run_layout_problems
+from arealite.train_engine.parallel.layout import run_layout_problems
 from arealite.workflow.registry import workflow_problems
 
 __all__ = ["NAME_CHECKS", "RUN_CHECKS", "check_names", "load_run_config", "main", "parse_run_args"]

@@ -1,8 +1,9 @@
 """The critic's scenario, run under ``torchrun --nproc_per_node 2`` and in one process.
 
-    torchrun --nproc_per_node 2 tests/_critic_worker.py MODEL_DIR OUT_DIR [sp | tp]
+    torchrun --nproc_per_node N tests/_critic_worker.py MODEL_DIR OUT_DIR [sp | tp | LAYOUT]
 
-A value engine (``critic.sp_size`` or ``critic.tp_size`` = 2 on two ranks, or a world of one)
+A value engine (``critic.sp_size`` or ``critic.tp_size`` = 2 on two ranks, a composed ``LAYOUT``
+such as ``sp=2,tp=2`` on four (tests/_fsdp_worker.py's `parse_layout`), or a world of one)
 scores the rows of the fixed global batch of tests/_fsdp_worker.py (each rank its own rows,
 unequal in number and length), takes three clipped value-loss steps towards fixed returns and
 scores them again. Rank r writes ``critic_rank{r}.pt``: each step's stats, the values before
@@ -20,7 +21,7 @@ from tensordict import TensorDict
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from _fsdp_worker import GLOBAL_B, SPLIT, global_batch  # noqa: E402
+from _fsdp_worker import GLOBAL_B, ROWS, global_batch, parse_layout  # noqa: E402
 
 from arealite.config.schema import CriticConfig  # noqa: E402
 from arealite.critic import Critic, ValueEngine  # noqa: E402
@@ -31,13 +32,14 @@ def whole(t: torch.Tensor) -> torch.Tensor:
 
 
 def run(model_dir: str, out_dir: str, layout: str = "") -> None:
-    cfg = CriticConfig(model_path=model_dir, mb_max_tokens=32, sp_size=2 if layout == "sp" else 1,
-                       tp_size=2 if layout == "tp" else 1)
+    degrees = parse_layout(layout)
+    cfg = CriticConfig(model_path=model_dir, mb_max_tokens=32, dp_replicate=degrees.get("dp_replicate", 1),
+                       sp_size=degrees.get("sp", 1), tp_size=degrees.get("tp", 1))
     cfg.optimizer.lr = 1e-3
     cfg.optimizer.gradient_clipping = 0.5
     engine = ValueEngine(cfg, device="cpu").initialize()
     rank, world = engine.rank, engine.world_size
-    rows = slice(0, GLOBAL_B) if world == 1 else (slice(0, SPLIT) if rank == 0 else slice(SPLIT, GLOBAL_B))
+    rows = slice(*ROWS[world][rank])
     full = global_batch(engine.hf_config.vocab_size, seed=3)
     L = full["input_ids"].shape[1]
     target = torch.cos(torch.arange(GLOBAL_B * L, dtype=torch.float32).reshape(GLOBAL_B, L) / 7.0)

@@ -8,15 +8,17 @@ then takes a PPO step with each sequence-mean loss aggregation (the ranks hold 5
 and 3 sequences, so a rank-local mean would show). Every process runs on the
 CPU (gloo), also on a GPU machine. Rank r writes ``result_rank{r}.pt``; tests/test_fsdp_dist.py compares worlds.
 
-    torchrun --nproc_per_node 2 tests/_fsdp_worker.py MODEL_DIR OUT_DIR [lora | sp | tp | ep]
+    torchrun --nproc_per_node N tests/_fsdp_worker.py MODEL_DIR OUT_DIR [lora | sp | tp | ep | LAYOUT]
 
 With ``lora`` the engine is `LoraFSDPEngine` (rank-3 adapters on every linear module, so
 that the A matrices split unevenly over 2 ranks): the same scenario trains only the
 adapters, and rank r also writes the adapter's tensors. With ``sp`` (``tp``) the 2 ranks
 are one sequence-parallel (tensor-parallel) group: each still hands the engine its own rows,
 and the engine computes all 8 together. With ``ep`` (a mixture-of-experts model) the 2 ranks
-split each layer's experts. On a mixture-of-experts model every layout replays a fixed routing
-(R3: the batch carries ``routed_experts``).
+split each layer's experts. ``LAYOUT`` composes degrees on 4 ranks, e.g. ``sp=2,tp=2`` or
+``dp_replicate=2,sp=2`` (the keys: dp_replicate, sp, tp, ep); the 4 ranks hold 3, 2, 2 and 1 of
+the rows. On a mixture-of-experts model every layout replays a fixed routing (R3: the batch
+carries ``routed_experts``).
 """
 
 from __future__ import annotations
@@ -35,8 +37,20 @@ from arealite.train_engine.fsdp import FSDPEngine  # noqa: E402
 from arealite.weight_sync.disk import write_hf_shards  # noqa: E402
 
 GLOBAL_B = 8
-# Rows [0, SPLIT) go to rank 0 of a 2-rank world (long sequences), the rest to rank 1 (short).
-SPLIT = 5
+#: Each rank's rows in a world of 1, 2 or 4: unequal work, so that dummy micro-batches are exercised
+#: (in a world of 2, rank 0 gets the long sequences, rank 1 the short ones).
+ROWS = {1: [(0, 8)], 2: [(0, 5), (5, 8)], 4: [(0, 3), (3, 5), (5, 7), (7, 8)]}
+#: The one-word layouts of 2 ranks.
+LAYOUTS = {"sp": {"sp": 2}, "tp": {"tp": 2}, "ep": {"ep": 2}}
+
+
+def parse_layout(mode: str) -> dict[str, int]:
+    """``sp`` / ``tp`` / ``ep`` (2 ranks) or ``key=n,...`` with keys dp_replicate, sp, tp, ep."""
+    if mode in LAYOUTS:
+        return LAYOUTS[mode]
+    if not mode or mode == "lora":
+        return {}
+    return {k: int(v) for k, v in (part.split("=") for part in mode.split(","))}
 
 
 def global_batch(vocab: int, seed: int = 0) -> dict[str, torch.Tensor]:
@@ -119,10 +133,11 @@ def new_loss_steps(engine: FSDPEngine, batch: dict, logp: torch.Tensor, rows: sl
 
 def run(model_dir: str, out_dir: str, lora: bool = False, layout: str = "") -> None:
     out = Path(out_dir)
+    degrees = parse_layout(layout)
     cfg = ActorConfig(model_path=model_dir, mb_max_tokens=32,
                       lora=LoraConfig(rank=3, alpha=6.0) if lora else None,
-                      sp_size=2 if layout == "sp" else 1, tp_size=2 if layout == "tp" else 1,
-                      ep_size=2 if layout == "ep" else 1)
+                      dp_replicate=degrees.get("dp_replicate", 1), sp_size=degrees.get("sp", 1),
+                      tp_size=degrees.get("tp", 1), ep_size=degrees.get("ep", 1))
     cfg.optimizer.lr = 1e-2 if lora else 2e-3
     cfg.optimizer.warmup_steps = 1
     cfg.optimizer.lr_scheduler = "cosine"
@@ -135,12 +150,9 @@ def run(model_dir: str, out_dir: str, lora: bool = False, layout: str = "") -> N
     else:
         engine = FSDPEngine(cfg, device="cpu").initialize()
     rank, world = engine.rank, engine.world_size
-    if world == 2:
-        rows = slice(0, SPLIT) if rank == 0 else slice(SPLIT, GLOBAL_B)
-    elif world == 1:
-        rows = slice(0, GLOBAL_B)
-    else:
-        raise SystemExit("this scenario runs with 1 or 2 processes")
+    if world not in ROWS:
+        raise SystemExit(f"this scenario runs with {sorted(ROWS)} processes")
+    rows = slice(*ROWS[world][rank])
     full_batch = with_routing(global_batch(engine.hf_config.vocab_size), engine.hf_config)
     batch = {k: v[rows] for k, v in full_batch.items()}
     if "routed_experts" in batch:
@@ -203,6 +215,8 @@ def run(model_dir: str, out_dir: str, lora: bool = False, layout: str = "") -> N
             "adapter": ({n: t.clone() for b in engine.adapter_buckets(1 << 16) for n, t in b} if lora else {}),
             "n_trainable": sum(p.numel() for p in engine.model.parameters() if p.requires_grad),
             "layout": (engine.layout.dp, engine.layout.sp, engine.layout.tp),
+            "degrees": (engine.layout.dp_replicate, engine.layout.dp_shard, engine.layout.sp, engine.layout.tp,
+                        engine.layout.ep),
             "tp_split": sorted(n for n, p in engine.model.named_parameters()
                                if "tp" in (getattr(getattr(p, "device_mesh", None), "mesh_dim_names", None) or ())),
             "ep_split": {n: tuple(p.to_local().shape) for n, p in engine.model.named_parameters()
@@ -217,4 +231,4 @@ def run(model_dir: str, out_dir: str, lora: bool = False, layout: str = "") -> N
 
 if __name__ == "__main__":
     mode = sys.argv[3] if len(sys.argv) > 3 else ""
-    run(sys.argv[1], sys.argv[2], lora=mode == "lora", layout=mode if mode in ("sp", "tp", "ep") else "")
+    run(sys.argv[1], sys.argv[2], lora=mode == "lora", layout=mode)

@@ -1,4 +1,4 @@
-"""Running the scenario of tests/_fsdp_worker.py: under torchrun with 2 ranks, or in this process.
+"""Running the scenario of tests/_fsdp_worker.py: under torchrun with 2 or 4 ranks, or in this process.
 
 Shared by the tests that compare a parallel layout with one process (tests/test_fsdp_dist.py,
 tests/test_sequence_parallel.py, tests/test_tensor_parallel.py); the one-process result is a
@@ -35,20 +35,26 @@ def max_diff(a: dict, b: dict) -> float:
     return max((a[k] - b[k]).abs().max().item() for k in a)
 
 
-def two_ranks(model_dir, out: Path, *extra: str, worker: Path = WORKER,
-              result: str = "result_rank{}.pt") -> tuple[Path, list[dict]]:
-    """The scenario under ``torchrun --nproc_per_node 2`` (``extra``: lora, sp or tp); each rank's
-    result. ``worker``: another scenario script (tests/_critic_worker.py), writing ``result``."""
+def torchrun_ranks(model_dir, out: Path, *extra: str, nproc: int = 2, worker: Path = WORKER,
+                   result: str = "result_rank{}.pt") -> tuple[Path, list[dict]]:
+    """The scenario under ``torchrun --nproc_per_node nproc`` (``extra``: the layout, e.g. lora,
+    sp, tp or ``sp=2,tp=2``); each rank's result. ``worker``: another scenario script
+    (tests/_critic_worker.py), writing ``result``."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(HERE.parent)}
     cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
         "--master_addr", "127.0.0.1", "--master_port", str(free_port()),
         str(worker), str(model_dir), str(out), *extra,
     ]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=360)
     if proc.returncode != 0:
         raise AssertionError(f"torchrun failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
-    return out, [torch.load(out / result.format(r), weights_only=False) for r in range(2)]
+    return out, [torch.load(out / result.format(r), weights_only=False) for r in range(nproc)]
+
+
+def two_ranks(model_dir, out: Path, *extra: str, **kwargs) -> tuple[Path, list[dict]]:
+    """`torchrun_ranks` with 2 ranks."""
+    return torchrun_ranks(model_dir, out, *extra, nproc=2, **kwargs)
 
 
 #: Every dense family a parallel layout accepts, beside the Qwen2 micro model of the scenario,
@@ -77,11 +83,12 @@ def family_runs(family: str, layout: str, tmp_path_factory) -> tuple[dict, dict,
     return single, r0, r1
 
 
-def assert_matches_one_process(r0: dict, r1: dict, single: dict, tol: float = 1e-5) -> None:
-    """A 2-rank group's results (``r0``, ``r1``) equal the 1-process ``single`` within ``tol``:
-    every step's loss and gradient norm, the first step's gradients, the weights after every kind
-    of step (both ranks exactly alike), the log-probs of each rank's rows; and the sharded
-    checkpoint retakes a step exactly."""
+def assert_matches_one_process(ranks: list[dict], single: dict, tol: float = 1e-5) -> None:
+    """The results of a parallel run's ranks (in rank order) equal the 1-process ``single`` within
+    ``tol``: every step's loss and gradient norm, the first step's gradients, the weights after
+    every kind of step (all ranks exactly alike), the log-probs of each rank's rows; and the
+    sharded checkpoint retakes a step exactly."""
+    r0 = ranks[0]
     for s2, s1 in zip(r0["stats"] + [r0["redo"]], single["stats"] + [single["redo"]]):
         assert s2["n_tokens"] == s1["n_tokens"] and s2["n_seqs"] == s1["n_seqs"] == 8
         assert abs(s2["loss"] - s1["loss"]) <= tol and abs(s2["grad_norm"] - s1["grad_norm"]) <= tol
@@ -89,10 +96,13 @@ def assert_matches_one_process(r0: dict, r1: dict, single: dict, tol: float = 1e
         for name, s1 in single[group].items():
             assert abs(r0[group][name]["loss"] - s1["loss"]) <= tol, name
             assert abs(r0[group][name]["grad_norm"] - s1["grad_norm"]) <= tol, name
-    assert max_diff(r0["grads"], single["grads"]) <= tol and max_diff(r0["grads"], r1["grads"]) == 0.0
+    assert max_diff(r0["grads"], single["grads"]) <= tol
+    for other in ranks[1:]:
+        assert max_diff(r0["grads"], other["grads"]) == 0.0
+        for key in ("after_4", "after_seq_mean", "after_new_losses"):
+            assert max_diff(r0[key], other[key]) == 0.0, key
     for key in ("after_4", "after_seq_mean", "after_new_losses"):
-        assert max_diff(r0[key], r1[key]) == 0.0, key
         assert max_diff(r0[key], single[key]) <= tol, key
-    assert (torch.cat([r0["logp"], r1["logp"]]) - single["logp"]).abs().max().item() <= tol
+    assert (torch.cat([r["logp"] for r in ranks]) - single["logp"]).abs().max().item() <= tol
     assert max_diff(r0["redone_4"], r0["after_4"]) == 0.0
     assert max_diff(r0["restored_3"], r0["after_4"]) > 1e-6

@@ -11,8 +11,8 @@ import pytest
 import torch
 from fsdp_scenario import assert_matches_one_process, load_worker, two_ranks
 
-from arealite.train_engine.expert_parallel import expert_parallel_problems
-from arealite.train_engine.parallel_layout import layout_problems
+from arealite.train_engine.parallel.experts import expert_parallel_problems
+from arealite.train_engine.parallel.layout import layout_problems
 from arealite.moe.router_hooks import RouterLoadBalance, moe_routers
 
 pytestmark = pytest.mark.timeout(300)
@@ -49,7 +49,7 @@ def test_expert_parallel_two_ranks_match_one_process_with_routing_replay(ep_resu
     # Losses, gradient norms, first step's gradients (expert ones included), weights after steps,
     # log-probs, the checkpoint's retaken step: within 1e-5 of one process (fp32).
     assert any("experts" in name for name in r0["grads"])
-    assert_matches_one_process(r0, r1, one_process)
+    assert_matches_one_process([r0, r1], one_process)
 
 
 @pytest.mark.slow

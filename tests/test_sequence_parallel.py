@@ -13,7 +13,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from fsdp_scenario import assert_matches_one_process, family_runs, two_ranks
 
-from arealite.train_engine.parallel_layout import layout_problems, run_layout_problems
+from arealite.train_engine.parallel.layout import layout_problems, run_layout_problems
 from arealite.utils.dist import free_port
 
 
@@ -29,7 +29,7 @@ def test_sequence_parallel_two_ranks_match_one_process(sp_results, one_rank_resu
     _, (r0, r1) = sp_results
     single = one_rank_results
     assert r0["layout"] == (1, 2, 1) and r0["tp_split"] == []
-    assert_matches_one_process(r0, r1, single)
+    assert_matches_one_process([r0, r1], single)
     for s2 in r0["stats"]:
         assert s2["mean_logp"] == pytest.approx(-s2["loss"], abs=1e-6)  # the gathered log-probs are the loss's
 
@@ -39,7 +39,7 @@ def test_sequence_parallel_matches_one_process_on_qwen3(tmp_path_factory):
     """Qwen3's per-head norms run before Ulysses' all-to-all, on each rank's own tokens: their
     gradients are summed like every other weight's."""
     single, r0, r1 = family_runs("qwen3", "sp", tmp_path_factory)
-    assert_matches_one_process(r0, r1, single)
+    assert_matches_one_process([r0, r1], single)
 
 
 def _gather_tokens(x: torch.Tensor) -> torch.Tensor:
@@ -52,7 +52,7 @@ def _gather_tokens(x: torch.Tensor) -> torch.Tensor:
 def _ulysses_worker(rank: int, port: int, n_kv: int, result_path: str) -> None:
     """Rank ``rank`` of 2: Ulysses attention on its half of a packed row, against the whole row."""
     from arealite.train_engine.attention import sdpa_loop_attention
-    from arealite.train_engine.sequence_parallel import ulysses_attention
+    from arealite.train_engine.parallel.sequence import ulysses_attention
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=2)

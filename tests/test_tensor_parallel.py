@@ -12,8 +12,8 @@ import pytest
 import torch
 from fsdp_scenario import FAMILIES, assert_matches_one_process, family_runs, two_ranks
 
-from arealite.train_engine.parallel_layout import layout_problems
-from arealite.train_engine.tensor_parallel import tensor_parallel_problems
+from arealite.train_engine.parallel.layout import layout_problems
+from arealite.train_engine.parallel.tensor import tensor_parallel_problems
 
 QWEN2 = {"model_type": "qwen2", "num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 128}
 
@@ -30,7 +30,7 @@ def test_tensor_parallel_two_ranks_match_one_process(tp_results, one_rank_result
     assert r0["layout"] == (1, 1, 2)
     # The projections really are split over the tensor-parallel ranks (7 per layer, with the biases).
     assert len(r0["tp_split"]) == 2 * 10 and all("layers." in n for n in r0["tp_split"])
-    assert_matches_one_process(r0, r1, single)
+    assert_matches_one_process([r0, r1], single)
 
 
 @pytest.mark.slow
@@ -71,14 +71,14 @@ def test_tensor_parallel_matches_one_process_for_each_family(tp_family_runs):
     name, single, r0, r1 = tp_family_runs
     if name == "qwen3":
         assert {n.rsplit(".", 2)[-2] for n in r0["tp_split"]} >= {"q_norm", "k_norm"}
-    assert_matches_one_process(r0, r1, single)
+    assert_matches_one_process([r0, r1], single)
 
 
 def test_tensor_parallel_refuses_a_layer_parameter_it_does_not_know(micro_model_dir):
     """A parameter of the attention the plan neither splits nor knows as per-head is refused."""
     from transformers import AutoModelForCausalLM
 
-    from arealite.train_engine.tensor_parallel import apply_tensor_parallel
+    from arealite.train_engine.parallel.tensor import apply_tensor_parallel
 
     model = AutoModelForCausalLM.from_pretrained(micro_model_dir)
     layer = model.model.layers[0]

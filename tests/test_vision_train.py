@@ -15,7 +15,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from vision_batches import hf_row_logprobs, vision_batch  # noqa: E402
 
-from arealite.train_engine.parallel_layout import layout_problems  # noqa: E402
+from arealite.train_engine.parallel.layout import layout_problems  # noqa: E402
 from arealite.train_engine.packing import PackedIndex  # noqa: E402
 from arealite.train_engine.vision_inputs import pack_images, split_vision_keys  # noqa: E402
 

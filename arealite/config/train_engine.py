@@ -101,22 +101,31 @@ class TrainEngineConfig(Section):
     kernel on CPU), `sdpa_loop` (one SDPA call per run of equal-length sequences; runs anywhere),
     `auto` = `varlen` where it can run, else `sdpa_loop` (faster than `flex` on CPU). A choice
     that cannot run on the engine's device is refused at start (see docs/training.md)."""
+    dp_replicate: int = Field(1, ge=1)
+    """Hybrid sharding (HSDP): the data-parallel ranks form this many replicas; FSDP2 shards the
+    parameters within a replica and replicates them across replicas, so that the all-gathers and
+    reduce-scatters stay within a replica (a node) and only one gradient all-reduce crosses them.
+    1 = every rank shards (plain FSDP2). The world size must divide by it x `sp_size` x `tp_size`.
+    See docs/training.md."""
     sp_size: int = Field(1, ge=1)
     """Ulysses sequence parallelism: each packed micro-batch is split by tokens over this many
-    ranks, with an all-to-all over attention heads around attention (the ranks form a data x
-    sequence mesh; the world size must be a multiple). Lets one long answer's activations spread
-    over several devices. Needs the attention heads divisible by it (KV heads are repeated when
-    fewer). See docs/training.md."""
+    ranks, with an all-to-all over attention heads around attention (the world size must be a
+    multiple). Lets one long answer's activations spread over several devices. Needs the
+    attention heads divisible by it x `tp_size` (KV heads are repeated when fewer). See
+    docs/training.md."""
     tp_size: int = Field(1, ge=1)
     """Tensor parallelism: the attention and MLP projections of each decoder layer are split over
-    this many ranks (a data x tensor mesh, composed with FSDP2 over the data ranks), for
-    Llama/Qwen2/Qwen3/Mistral-style models; heads, KV heads and the MLP width must divide by it.
-    Not with `sp_size` > 1 or LoRA. See docs/training.md."""
+    this many neighbouring ranks (FSDP2 shards over the data ranks), for Llama/Qwen2/Qwen3/Mistral
+    and Qwen3-MoE models; heads, KV heads and the MLP width must divide by it. Composes with
+    `sp_size` (Ulysses over each rank's heads), `ep_size` and `dp_replicate`; not with LoRA. See
+    docs/training.md."""
     ep_size: int = Field(1, ge=1)
     """Expert parallelism for a mixture-of-experts model: each MoE layer's experts are split over
     this many ranks (an expert x data mesh), tokens go to their experts' ranks and back by
     all-to-all; FSDP2 shards the rest. The experts per layer and the world size must divide by
-    it. Not with `sp_size`, `tp_size` > 1 or LoRA. See docs/moe.md."""
+    it; its ranks are drawn from the data x sequence ranks (world / (`dp_replicate` x `tp_size`) must
+    divide by it). Composes with `sp_size`, `tp_size` and `dp_replicate`; not with LoRA. See
+    docs/moe.md."""
     router_aux_loss_coef: float = Field(0.0, ge=0)
     """Weight of a mixture-of-experts router's load-balancing loss (Switch-style, 1 when balanced,
     mean over MoE layers) added to the training loss; 0 = off, as the peers run RL. See docs/moe.md."""

@@ -13,7 +13,7 @@ and replays it in the forward (`replay_routing`).
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 
 import torch
@@ -98,10 +98,15 @@ def micro_batch_experts(mb: dict[str, torch.Tensor], top_k: int) -> torch.Tensor
 
 
 @contextmanager
-def replay_routing(model: torch.nn.Module, mb: dict[str, torch.Tensor] | None) -> Iterator[None]:
-    """Replay the micro-batch's server routing in the forwards inside (nothing when it carries none)."""
+def replay_routing(model: torch.nn.Module, mb: dict[str, torch.Tensor] | None,
+                   local: Callable[[torch.Tensor], torch.Tensor] | None = None) -> Iterator[None]:
+    """Replay the micro-batch's server routing in the forwards inside (nothing when it carries
+    none); ``local`` picks the rows of the tokens this rank's forward runs (sequence parallelism:
+    its share of the micro-batch, padding routed by the router's own choice)."""
     routers = moe_routers(model) if mb is not None and ROUTED_EXPERTS_KEY in mb else []
     experts = micro_batch_experts(mb, int(routers[0].top_k)) if routers else None
+    if experts is not None and local is not None:
+        experts = local(experts)
     if experts is None:
         yield
         return

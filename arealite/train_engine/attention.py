@@ -38,7 +38,7 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
-from arealite.train_engine.sequence_parallel import ulysses_attention
+from arealite.train_engine.parallel.sequence import ulysses_attention
 
 __all__ = [
     "ATTN_IMPLS", "ATTENTION_NAMES", "register_attention", "resolve_attn_impl",
@@ -305,7 +305,7 @@ def register_attention(impl: str = "sdpa_loop", sp_group: dist.ProcessGroup | No
     """Register implementation ``impl`` (not ``auto``) with transformers (idempotent); returns the
     name to load a model with (``attn_implementation=``). With ``sp_group`` (a sequence-parallel
     group of more than one rank) ``impl`` runs inside Ulysses' all-to-alls over that group
-    (`arealite.train_engine.sequence_parallel`)."""
+    (`arealite.train_engine.parallel.sequence`)."""
     from transformers import AttentionInterface
 
     if impl not in _FUNCTIONS:

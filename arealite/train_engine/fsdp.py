@@ -59,10 +59,11 @@ from arealite.train_engine.fsdp_model import build_optimizer, causal_lm, compute
 from arealite.train_engine.lm_head import ChunkedHead, capture_head, output_head
 from arealite.train_engine.microbatch import MicroBatchPlanner, PackedMicroBatch
 from arealite.train_engine.packing import PackedIndex, unpack
-from arealite.train_engine.expert_parallel import finish_expert_gradients
-from arealite.train_engine.parallel_layout import Meshes, ParallelLayout, build_meshes, layout_error, layout_problems
-from arealite.train_engine.sequence_parallel import SequenceParallel
-from arealite.train_engine.tensor_parallel import clip_grad_norm
+from arealite.train_engine.parallel.experts import finish_expert_gradients
+from arealite.train_engine.parallel.grad_norm import clip_grad_norm
+from arealite.train_engine.parallel.layout import ParallelLayout, engine_layout_problems, layout_error
+from arealite.train_engine.parallel.meshes import ParallelMeshes, build_meshes
+from arealite.train_engine.parallel.sequence import SequenceParallel
 from arealite.train_engine.vision_inputs import blank_image_pass, is_vision_config
 from arealite.utils.buckets import buckets_of
 from arealite.utils.checkpoint_names import checkpoint_tensors
@@ -104,7 +105,7 @@ class FSDPEngine:
         self.planner: MicroBatchPlanner | None = None  # the batch -> micro-batches -> model inputs
         self._head_module: torch.nn.Module | None = None  # the output head the losses apply lazily
         self.layout = ParallelLayout(world=1)
-        self.meshes: Meshes | None = None  # built by initialize()
+        self.meshes: ParallelMeshes | None = None  # built by initialize()
         self._sp: SequenceParallel | None = None  # this rank's share of each micro-batch (sp_size > 1)
         # algorithm.routing_replay (set by whoever builds the engine): "r3" replays the server's MoE
         # routing (a micro-batch's ``routed_experts``) in every forward; "none" lets the router choose.
@@ -136,7 +137,7 @@ class FSDPEngine:
             )
         device_type = self._join_group()
         self.model, self.hf_config, n_layers = load_sharded_model(
-            self.config, self.meshes, self.dtype, device_type, self.frozen, build=self.build_model,
+            self.config, self.layout, self.meshes, self.dtype, device_type, self.frozen, build=self.build_model,
             section=self.section, lora=self.lora is not None,
         )
         vision = is_vision_config(self.hf_config)
@@ -153,9 +154,8 @@ class FSDPEngine:
         if not self.frozen:
             self.optimizer, self.lr_scheduler = build_optimizer(self.model, self.config.optimizer, total_steps)
         logger.info(
-            "FSDPEngine ready: rank %d/%d on %s, %d decoder layers sharded, dtype=%s, frozen=%s, "
-            "dp=%d sp=%d tp=%d", self.rank, self.world_size, device_type, n_layers, self.dtype, self.frozen,
-            self.layout.dp, self.layout.sp, self.layout.tp,
+            "FSDPEngine ready: rank %d/%d on %s, %d decoder layers sharded, dtype=%s, frozen=%s, layout %s",
+            self.rank, self.world_size, device_type, n_layers, self.dtype, self.frozen, self.layout.describe(),
         )
         return self
 
@@ -173,16 +173,13 @@ class FSDPEngine:
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         if device_type == "cuda":
             self.device = torch.device("cuda", torch.cuda.current_device())
-        sp, tp = self.config.sp_size, self.config.tp_size
-        ep = self.config.ep_size
-        problems = layout_problems(self.section, sp, tp, self.world_size, lora=self.lora is not None, ep=ep)
+        self.layout = ParallelLayout.of(self.config, self.world_size)
+        problems = engine_layout_problems(self.section, self.config, self.world_size, lora=self.lora is not None)
         if problems:
             raise layout_error(problems)
-        self.layout = ParallelLayout(self.world_size, sp=sp, tp=tp, ep=ep)
         self.meshes = build_meshes(self.layout, device_type)
-        self.mesh = self.meshes.fsdp
-        if sp > 1:
-            self._sp = SequenceParallel(self.meshes.group)
+        if self.meshes.sp is not None:
+            self._sp = SequenceParallel(self.meshes.sp)
         self.dtype = compute_dtype(self.config.dtype, device_type)
         return device_type
 
@@ -219,7 +216,8 @@ class FSDPEngine:
         over the last hidden states ``[T, H]``), or its ``[T, ...]`` float32 output for a model
         without a plain output head (a value model); gathered from the sequence-parallel group."""
         kwargs, n_tokens = self.planner.model_inputs(mb, index)
-        with (replay_routing(self.model, mb if self.routing_replay == "r3" else None),
+        local = None if self._sp is None else self._sp.local_share
+        with (replay_routing(self.model, mb if self.routing_replay == "r3" else None, local),
               blank_image_pass(self.model, self.planner.blank_image(mb))):
             if self._head_module is None:
                 head = ChunkedHead.from_logits(self.model(**kwargs, use_cache=False).logits[0].float())
@@ -258,9 +256,10 @@ class FSDPEngine:
             logger.warning("train_batch: total loss weight is 0 (nothing to learn from); step skipped")
             return {**base, "grad_norm": 0.0, "loss": 0.0, "skipped": 1.0}
 
-        # FSDP2 averages gradients over the ranks it shards over; a model-parallel group's ranks
-        # each hold a part of one micro-batch's gradient, which that average sums.
-        scale = self.mesh.size() / total_weight
+        # FSDP2 averages gradients over the ranks it shards (and replicates) over; the sequence-
+        # parallel ranks of a group each hold a part of one micro-batch's gradient, which that
+        # average sums (the tensor-parallel ranks' parts are summed by DTensor).
+        scale = self.layout.fsdp_size / total_weight
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
         stat_sums: dict[str, list[float]] = {}
         for i, ((mb, index), w) in enumerate(zip(plan, weights)):
@@ -284,7 +283,7 @@ class FSDPEngine:
             _add_stats(stat_sums, mb.get("_stats") or {}, w)
         self.model.set_requires_gradient_sync(True)
         if self.layout.ep > 1:
-            finish_expert_gradients(self.model, self.meshes.ep_replicas, self.mesh.size())
+            finish_expert_gradients(self.model, self.meshes.ep_replicas, self.world_size)
 
         grad_norm, skipped = self._step_optimizer()
         dist.all_reduce(loss_sum)

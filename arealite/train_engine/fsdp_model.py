@@ -15,14 +15,14 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
-import torch.distributed as dist
 
 from arealite.config.schema import OptimizerConfig, TrainEngineConfig
 from arealite.train_engine.attention import register_attention, resolve_attn_impl
-from arealite.train_engine.expert_parallel import apply_expert_parallel
+from arealite.train_engine.parallel.experts import apply_expert_parallel
+from arealite.train_engine.parallel.layout import ParallelLayout, engine_layout_problems, layout_error
+from arealite.train_engine.parallel.meshes import ParallelMeshes
 from arealite.train_engine.lr_schedule import build_lr_scheduler
-from arealite.train_engine.parallel_layout import Meshes, layout_error, layout_problems
-from arealite.train_engine.tensor_parallel import apply_tensor_parallel
+from arealite.train_engine.parallel.tensor import apply_tensor_parallel
 from arealite.train_engine.vision_inputs import hide_image_outputs, is_vision_config, vision_blocks, vision_tower
 
 if TYPE_CHECKING:
@@ -114,11 +114,13 @@ def vision_language_model(path: Path, hf_config: PretrainedConfig, attn_implemen
 
 
 def load_sharded_model(
-    config: TrainEngineConfig, meshes: Meshes, dtype: torch.dtype, device_type: str, frozen: bool,
+    config: TrainEngineConfig, layout: ParallelLayout, meshes: ParallelMeshes, dtype: torch.dtype,
+    device_type: str, frozen: bool,
     build: ModelBuilder = causal_lm, section: str = "actor", lora: bool = False,
 ) -> tuple[torch.nn.Module, PretrainedConfig, int]:
     """Load ``config.model_path`` with ``build``, split its layers over ``meshes.tp`` (tensor
-    parallelism) and shard it over ``meshes.fsdp``; returns ``(model, hf_config, n_layers)``.
+    parallelism) and its experts over ``meshes.ep``, and shard the rest over ``meshes.fsdp``
+    (`layout`'s meshes); returns ``(model, hf_config, n_layers)``.
 
     ``hf_config`` stays as the user wrote it (``export_hf`` saves it); ``build`` makes the
     module from the path and that config (a causal LM unless another model is wanted, such
@@ -133,14 +135,12 @@ def load_sharded_model(
 
     path = Path(config.model_path)
     hf_config = AutoConfig.from_pretrained(path)
-    problems = layout_problems(section, config.sp_size, config.tp_size, dist.get_world_size(),
-                               lora=lora, hf_config=hf_config.to_dict(), ep=config.ep_size)
+    problems = engine_layout_problems(section, config, layout.world, lora=lora, hf_config=hf_config.to_dict())
     if problems:
         raise layout_error(problems)
     attn = resolve_attn_impl(config.attn_impl, device_type, dtype, field=f"{section}.attn_impl")
     logger.info("%s.attn_impl=%s: packed attention runs as %s", section, config.attn_impl, attn)
-    sp_group = meshes.group if config.sp_size > 1 else None
-    model = build(path, hf_config, attn_implementation=register_attention(attn, sp_group))
+    model = build(path, hf_config, attn_implementation=register_attention(attn, meshes.sp))
     model.config.use_cache = False
     if config.gradient_checkpointing and not frozen:
         _enable_checkpointing(model)
@@ -151,10 +151,9 @@ def load_sharded_model(
         device = torch.device(device_type, torch.cuda.current_device()) if device_type == "cuda" else torch.device("cpu")
         experts = apply_expert_parallel(model, meshes.ep, device)
 
-    mesh = meshes.fsdp
-    world_size = mesh.size()
     # With one rank a shard is the whole tensor: re-gathering it for backward is pure copying.
-    kwargs: dict[str, object] = {"mesh": mesh, "reshard_after_forward": world_size > 1, "ignored_params": experts}
+    sharded = layout.dp_shard * layout.sp > 1
+    kwargs: dict[str, object] = {"mesh": meshes.fsdp, "reshard_after_forward": sharded, "ignored_params": experts}
     if dtype != torch.float32:
         # Low-precision compute, fp32 gradient reduction: the sum over ranks keeps its precision.
         kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)

@@ -1,7 +1,7 @@
 """From the batch a caller hands a train engine to the model inputs of each micro-batch.
 
 `MicroBatchPlanner` checks the batch (a right-padded ``[B, L]`` TensorDict or dict), gathers the
-rows of the rank's model-parallel group when it has one (`arealite.train_engine.row_gather`),
+rows of the rank's model-parallel group when it has one (`arealite.train_engine.parallel.row_gather`),
 packs the rows into micro-batches under the token budget (every rank the same count, so that
 FSDP2's collectives line up: a rank short of real micro-batches gets dummies), and builds the
 model's keyword inputs for each (this rank's share of the tokens under sequence parallelism).
@@ -16,8 +16,8 @@ import torch.distributed as dist
 
 from arealite.api.contracts import MicroBatch, TrainBatch
 from arealite.train_engine.packing import PackedIndex, pack, sequence_lengths, split_into_microbatches
-from arealite.train_engine.row_gather import GroupRows, gather_rows
-from arealite.train_engine.sequence_parallel import SequenceParallel
+from arealite.train_engine.parallel.row_gather import GroupRows, gather_rows
+from arealite.train_engine.parallel.sequence import SequenceParallel
 from arealite.train_engine.vision_inputs import blank_image, pack_images, split_vision_keys
 
 __all__ = ["MicroBatchPlanner", "PackedMicroBatch", "as_tensor_dict"]

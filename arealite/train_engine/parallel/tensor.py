@@ -17,8 +17,9 @@ that the plan does not split is refused, rather than trained on a part of its gr
 parameters become DTensors on the data x tensor mesh once FSDP2 shards the layers over ``dp``;
 ``full_tensor()`` gathers a weight whole, which is how every weight transfer gets full tensors.
 
-`grad_norm` is the gradient norm over parameters that live on different meshes (the layers' on
-data x tensor, the rest on data alone), which ``clip_grad_norm_`` cannot stack.
+A mixture-of-experts layer (Qwen3-MoE) splits its attention the same way; its MoE block (the
+router and the experts) runs whole on every tensor-parallel rank, on the same tokens, the
+experts split by expert parallelism when ``ep_size > 1`` (`arealite.train_engine.parallel.experts`).
 """
 
 from __future__ import annotations
@@ -33,15 +34,17 @@ from arealite.config.problems import ConfigProblem
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
-__all__ = ["TP_MODEL_TYPES", "apply_tensor_parallel", "clip_grad_norm", "tensor_parallel_problems"]
+__all__ = ["TP_MODEL_TYPES", "apply_tensor_parallel", "tensor_parallel_problems"]
 
 #: Model families whose decoder layers have the projections `_LAYER_PLAN` names, in that layout.
-TP_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+TP_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe")
 
 _COLUMN = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj")
 _ROW = ("self_attn.o_proj", "mlp.down_proj")
 #: Norms applied to each head after its projection: ``[..., heads, head_dim]``, heads at dim 2.
 _PER_HEAD = ("self_attn.q_norm", "self_attn.k_norm")
+#: A mixture-of-experts block's router and experts (not split by tensor parallelism).
+_MOE_BLOCK = ("mlp.gate.", "mlp.experts.")
 
 
 def tensor_parallel_problems(hf_config: dict, tp: int, field: str) -> list[ConfigProblem]:
@@ -68,12 +71,13 @@ def apply_tensor_parallel(layers: list[torch.nn.Module], tp_mesh: DeviceMesh) ->
     from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel, SequenceParallel,
                                                    parallelize_module)
 
-    plan = {**{name: ColwiseParallel() for name in _COLUMN}, **{name: RowwiseParallel() for name in _ROW}}
+    styles = {**{name: ColwiseParallel for name in _COLUMN}, **{name: RowwiseParallel for name in _ROW}}
     for layer in layers:
         _refuse_unplanned(layer)
-        per_head = {name: SequenceParallel(sequence_dim=2, use_local_output=True)
-                    for name in _PER_HEAD if _has_submodule(layer, name)}
-        parallelize_module(layer, tp_mesh, {**plan, **per_head})
+        plan = {name: style() for name, style in styles.items() if _has_submodule(layer, name)}
+        plan.update({name: SequenceParallel(sequence_dim=2, use_local_output=True)
+                     for name in _PER_HEAD if _has_submodule(layer, name)})
+        parallelize_module(layer, tp_mesh, plan)
 
 
 def _has_submodule(module: torch.nn.Module, name: str) -> bool:
@@ -90,29 +94,9 @@ def _refuse_unplanned(layer: torch.nn.Module) -> None:
     known = _COLUMN + _ROW + _PER_HEAD
     for name, _ in layer.named_parameters():
         owner = name.rsplit(".", 1)[0]
+        if f"{owner}.".startswith(_MOE_BLOCK):  # whole on every tensor-parallel rank, on the same tokens
+            continue
         if owner.startswith(("self_attn", "mlp")) and owner not in known:
             raise NotImplementedError(
                 f"tensor parallelism does not know the decoder layer's parameter {name!r} "
                 f"({type(layer).__name__}); set tp_size=1 for this model")
-
-
-def _norm_of(grads: list[torch.Tensor]) -> torch.Tensor:
-    """The 2-norm of ``grads`` (all on one mesh, or plain tensors) as a plain tensor."""
-    norm = torch.nn.utils.get_total_norm(grads, norm_type=2.0, foreach=True)
-    return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
-
-
-def clip_grad_norm(params: list[torch.Tensor], max_norm: float) -> float:
-    """The gradient norm of ``params`` over every mesh they live on; scales the gradients by
-    ``max_norm / norm`` when that is below 1 (as ``torch.nn.utils.clip_grad_norm_`` does)."""
-    by_mesh: dict[object, list[torch.Tensor]] = {}
-    for p in params:
-        if p.grad is not None:
-            by_mesh.setdefault(getattr(p.grad, "device_mesh", None), []).append(p.grad)
-    total = math.sqrt(sum(float(_norm_of(grads)) ** 2 for grads in by_mesh.values()))
-    coef = max_norm / (total + 1e-6)
-    if math.isfinite(total) and coef < 1.0:
-        for grads in by_mesh.values():
-            for g in grads:
-                g.mul_(coef)
-    return total

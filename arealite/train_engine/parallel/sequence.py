@@ -191,6 +191,16 @@ class SequenceParallel:
             kwargs["max_length_q"] = max(max_length, n_pad)
         return kwargs, T
 
+    def local_share(self, x: torch.Tensor, fill: int = -1) -> torch.Tensor:
+        """This rank's share of a per-token tensor ``[T, ...]`` of a micro-batch (padded with
+        ``fill`` as `local_inputs` pads the row), e.g. the routing a MoE forward replays."""
+        T = x.shape[0]
+        n_pad = -(-T // self.size) * self.size - T
+        if n_pad:
+            x = torch.cat([x, x.new_full((n_pad, *x.shape[1:]), fill)])
+        per_rank = (T + n_pad) // self.size
+        return x[self.rank * per_rank:(self.rank + 1) * per_rank]
+
     def whole(self, local, n_tokens: int) -> SequenceParallelHead:
         """The whole micro-batch's `HeadOutput` from this rank's ``local`` one."""
         return SequenceParallelHead(local, self.group, n_tokens)

@@ -57,20 +57,19 @@ def moe_experts(model: torch.nn.Module) -> list[tuple[torch.nn.Module, str, torc
     return found
 
 
-def expert_parallel_problems(section: str, ep: int, world: int, *, sp: int = 1, tp: int = 1, lora: bool = False,
+def expert_parallel_problems(section: str, ep: int, ranks: int, *, lora: bool = False,
                              hf_config: dict | None = None) -> list[ConfigProblem]:
-    """What makes ``{section}.ep_size=ep`` impossible on ``world`` ranks (with ``hf_config``, the
-    model's config.json as a dict: for that model too)."""
+    """What makes ``{section}.ep_size=ep`` impossible when it draws from ``ranks`` ranks (the data x
+    sequence ranks of one replica; with ``hf_config``, the model's config.json as a dict: for that
+    model too)."""
     field = f"{section}.ep_size"
     if ep == 1:
         return []
     problems = []
-    if world % ep:
-        problems.append(ConfigProblem(field, f"does not divide the {world} trainer ranks (launch.n_trainer_procs); "
-                                      "make the world size a multiple of it", ep))
-    if sp > 1 or tp > 1:
-        problems.append(ConfigProblem(field, f"expert parallelism is not combined with {section}.sp_size or "
-                                      f"{section}.tp_size (here {sp} and {tp}); set those to 1", ep))
+    if ranks % ep:
+        problems.append(ConfigProblem(field, f"does not divide the {ranks} ranks expert parallelism draws from "
+                                      f"(the data x sequence ranks of one replica: launch.n_trainer_procs / "
+                                      f"({section}.dp_replicate x {section}.tp_size)); pick a divisor", ep))
     if lora:
         problems.append(ConfigProblem(field, f"LoRA adapters ({section}.lora) are not split over expert-parallel "
                                       f"ranks; train LoRA with {field}=1", ep))

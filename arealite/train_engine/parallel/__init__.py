@@ -1,0 +1,4 @@
+"""How a train engine's ranks split the work: the layout (`layout`: every degree, its checks),
+its meshes (`meshes`), and one module per kind of split: `sequence` (Ulysses), `tensor`
+(DTensor projections), `experts` (expert parallelism), `row_gather` (the rows a model-parallel
+group computes together) and `grad_norm` (the gradient norm over every mesh)."""
