@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # The one-GPU check that needs no SGLang (and no internet): on a CUDA machine,
 #   1. the FSDP2 engine's CUDA path (bf16 compute, fp32 reduction and master weights), and the
-#      packed-attention kernels (varlen, flex) against SDPA run on each sequence alone,
+#      packed-attention kernels (varlen, flex) against SDPA run on each sequence alone, and the
+#      parallel layout's world mesh and named views on the one GPU (NCCL): Ulysses and tensor
+#      parallelism over 1-rank views against the plain modules, a step of the engine,
 #   2. the embedded server generating on the GPU, checked token by token against an HF forward,
 #   3. a 20-step asynchronous GRPO run of the demo with the trainer and the embedded server on
 #      one GPU (weights by shm), its log-prob probe agreeing every step,
@@ -28,6 +30,6 @@ export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} TOKENIZERS_PARALLELISM=false H
 nvidia-smi -L
 $PY -c 'import torch, transformers; print(f"[gpu] torch {torch.__version__}, transformers {transformers.__version__}, {torch.cuda.get_device_name()}")'
 status=0
-$PY -m pytest -q -rs -p no:cacheprovider -m gpu tests/test_fsdp.py tests/test_attention.py tests/test_gpu.py "$@" || status=$?
+$PY -m pytest -q -rs -p no:cacheprovider -m gpu tests/test_fsdp.py tests/test_attention.py tests/test_parallel_compose.py tests/test_gpu.py "$@" || status=$?
 $PY benchmarks/bench_mfu.py --steps ${MFU_STEPS:-4} || status=$?
 exit $status

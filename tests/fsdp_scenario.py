@@ -61,11 +61,12 @@ def two_ranks(model_dir, out: Path, *extra: str, **kwargs) -> tuple[Path, list[d
 #: each built to show what a Qwen2 cannot: Qwen3 normalises each query and key head after its
 #: projection (under tensor parallelism a norm every rank holds whole but applies to its own
 #: heads only), Llama here has untied embeddings and biases in the attention and the MLP,
-#: Mistral a 4:1 GQA ratio. Keyword arguments of `arealite.models.tiny.build_tiny_model`.
+#: Mistral a 4:1 GQA ratio and a sliding window (8 tokens) shorter than most rows. Keyword
+#: arguments of `arealite.models.tiny.build_tiny_model`.
 FAMILIES = {
     "qwen3": dict(family="qwen3"),
     "llama": dict(family="llama", tie_word_embeddings=False, attention_bias=True, mlp_bias=True),
-    "mistral": dict(family="mistral", num_attention_heads=8, num_key_value_heads=2, sliding_window=None),
+    "mistral": dict(family="mistral", num_attention_heads=8, num_key_value_heads=2, sliding_window=8),
 }
 
 

@@ -1,5 +1,6 @@
 """End to end: the launcher, an embedded server, a 2-process torchrun FSDP2 trainer and
-distributed weight sync run the demo's training script for a few steps, then resume it.
+distributed weight sync run the demo's training script for a few steps, then resume it; the
+one command runs a composed layout on 4 trainer ranks.
 
 Everything is real: processes, HTTP on 127.0.0.1, gloo process groups, files.
 """
@@ -88,18 +89,24 @@ def test_async_grpo_end_to_end_then_resume(demo_dir, tmp_path):
     assert [r["step"] for r in records2 if "rollout/reward_mean" in r] == [3, 4]
 
 
-@pytest.mark.parametrize("layout", ["actor.sp_size=2", "actor.tp_size=2"])
-def test_sequence_parallel_and_tensor_parallel_runs_complete(layout, demo_dir, tmp_path):
-    """The whole system with the 2 trainer ranks as one sequence-parallel (tensor-parallel) group:
-    rollouts, training, distributed weight pushes and the final export, for 2 steps."""
+def test_a_composed_layout_trains_through_the_one_command(demo_dir, tmp_path):
+    """`python -m arealite.train` with 4 trainer ranks as one sequence x tensor-parallel group
+    (sp=2 x tp=2; the demo's model has 2 KV heads, fewer than the 4 ranks): rollouts, training,
+    distributed weight pushes gathered from every layout's shards, the final export, for 2 steps."""
     runs = tmp_path / "runs"
-    res = _launch(demo_dir, runs, "data.max_train_steps=2", "evaluation.freq_steps=null", layout)
+    cmd = [sys.executable, "-m", "arealite.train", "--config", "examples/reverse_digits/config.yaml",
+           f"experiment.output_root={runs}", "experiment.trial=e2e", f"actor.model_path={demo_dir / 'model'}",
+           f"data.train_path={demo_dir / 'train.jsonl'}", f"data.eval_path={demo_dir / 'eval.jsonl'}",
+           "launch.n_trainer_procs=4", "actor.sp_size=2", "actor.tp_size=2", "rollout.consumer_batch_size=4",
+           "generation.n_samples=4", "evaluation.freq_steps=null", "stats.progress_bar=false",
+           "weight_sync.bucket_size_mb=0.05", "data.max_train_steps=2"]
+    res = subprocess.run(cmd, cwd=REPO, env=_env(), timeout=500, capture_output=True, text=True)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     run = runs / "reverse_digits" / "e2e"
     steps = [r for r in _records(run) if "rollout/reward_mean" in r]
     assert [r["step"] for r in steps] == [1, 2]
     for r in steps:
-        assert r["rollout/n_trajectories"] == 16 and r["train/n_seqs"] == 16  # the group trains on both ranks' rows
+        assert r["rollout/n_trajectories"] == 16 and r["train/n_seqs"] == 16  # the group trains on all ranks' rows
         assert r["weight_sync/n_tensors"] > 0
     assert (run / "final_model" / "model.safetensors").exists()
 

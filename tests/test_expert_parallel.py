@@ -12,7 +12,7 @@ import torch
 from fsdp_scenario import assert_matches_one_process, load_worker, two_ranks
 
 from arealite.train_engine.parallel.experts import expert_parallel_problems
-from arealite.train_engine.parallel.layout import layout_problems
+from arealite.train_engine.parallel.layout import ParallelLayout
 from arealite.moe.router_hooks import RouterLoadBalance, moe_routers
 
 pytestmark = pytest.mark.timeout(300)
@@ -82,16 +82,15 @@ def test_expert_parallel_push_and_export_equal_one_process(ep_results, one_proce
 
 def test_expert_parallel_layout_problems_name_the_field():
     assert expert_parallel_problems("actor", 2, 4, hf_config=MOE) == []
-    assert layout_problems("actor", 1, 1, 4, hf_config=MOE, ep=4) == []
+    assert ParallelLayout(4, ep=4).problems("actor", hf_config=MOE) == []
     (odd,) = expert_parallel_problems("actor", 3, 6, hf_config=MOE)
     assert odd.path == "actor.ep_size" and odd.value == 3 and "8 experts" in odd.message
     (world,) = expert_parallel_problems("critic", 2, 3)
-    assert world.path == "critic.ep_size" and "launch.n_trainer_procs" in world.message
+    assert world.path == "critic.ep_size" and "data x sequence ranks" in world.message
     (dense,) = expert_parallel_problems("actor", 2, 2, hf_config={"model_type": "qwen2"})
     assert "no experts" in dense.message and "'qwen2'" in dense.message
-    problems = layout_problems("actor", 2, 1, 4, lora=True, hf_config=MOE, ep=2)
-    assert {p.path for p in problems} == {"actor.ep_size"}
-    assert any("sp_size" in p.message for p in problems) and any("LoRA" in p.message for p in problems)
+    (lora,) = ParallelLayout(4, sp=2, ep=2).problems("actor", lora=True, hf_config=MOE)
+    assert lora.path == "actor.ep_size" and "LoRA" in lora.message
 
 
 def test_engine_refuses_expert_parallelism_it_cannot_run(moe_dir, micro_model_dir):
@@ -99,7 +98,7 @@ def test_engine_refuses_expert_parallelism_it_cannot_run(moe_dir, micro_model_di
     from arealite.config.schema import ActorConfig
     from arealite.train_engine.fsdp import FSDPEngine
 
-    with pytest.raises(ValueError, match=r"actor.ep_size = 2.*does not divide the 1 trainer ranks"):
+    with pytest.raises(ValueError, match=r"actor.ep_size = 2: does not divide the 1 ranks expert parallelism"):
         FSDPEngine(ActorConfig(model_path=str(moe_dir), ep_size=2), device="cpu").initialize()
     engine = FSDPEngine(ActorConfig(model_path=str(micro_model_dir), router_aux_loss_coef=0.1), device="cpu")
     try:

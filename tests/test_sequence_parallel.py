@@ -13,7 +13,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from fsdp_scenario import assert_matches_one_process, family_runs, two_ranks
 
-from arealite.train_engine.parallel.layout import layout_problems, run_layout_problems
+from arealite.train_engine.parallel.layout import run_layout_problems
 from arealite.utils.dist import free_port
 
 
@@ -88,17 +88,6 @@ def test_sequence_parallel_attention_equals_whole_row_attention(n_kv, tmp_path):
     diff = torch.load(out)
     assert diff["out"] <= 1e-10
     assert max(diff["grads"]) <= 1e-10
-
-
-def test_sequence_parallel_layout_errors_name_the_fields():
-    qwen = {"model_type": "qwen2", "num_attention_heads": 6, "num_key_value_heads": 2}
-    assert layout_problems("actor", 2, 1, 4, hf_config=qwen) == []
-    (heads,) = layout_problems("actor", 4, 1, 4, hf_config=qwen)
-    assert heads.path == "actor.sp_size" and heads.value == 4 and "num_attention_heads=6" in heads.message
-    (world,) = layout_problems("critic", 2, 1, 3)
-    assert world.path == "critic.sp_size" and "launch.n_trainer_procs" in world.message
-    (window,) = layout_problems("actor", 2, 1, 2, hf_config={**qwen, "use_sliding_window": True})
-    assert "sliding-window" in window.message
 
 
 def test_sequence_parallel_config_check_reads_the_model(tiny_model_dir):

@@ -12,7 +12,6 @@ import pytest
 import torch
 from fsdp_scenario import FAMILIES, assert_matches_one_process, family_runs, two_ranks
 
-from arealite.train_engine.parallel.layout import layout_problems
 from arealite.train_engine.parallel.tensor import tensor_parallel_problems
 
 QWEN2 = {"model_type": "qwen2", "num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 128}
@@ -109,16 +108,6 @@ def test_tensor_parallel_refuses_sizes_that_do_not_divide():
     assert [p.path for p in problems] == ["critic.tp_size"] * 2
     assert any("num_key_value_heads=1" in p.message for p in problems)
     assert any("intermediate_size=130" in p.message for p in problems)
-
-
-def test_tensor_parallel_layout_errors_name_the_fields():
-    assert layout_problems("actor", 1, 2, 4, hf_config=QWEN2) == []
-    (odd,) = layout_problems("actor", 1, 2, 3)
-    assert odd.path == "actor.tp_size" and "3 trainer ranks" in odd.message and "launch.n_trainer_procs" in odd.message
-    (both,) = layout_problems("actor", 2, 2, 4)
-    assert "actor.sp_size" in both.format() and "actor.tp_size=2" in both.format()
-    (lora,) = layout_problems("actor", 1, 2, 2, lora=True)
-    assert lora.path == "actor.tp_size" and "actor.lora" in lora.message
 
 
 def test_tensor_parallel_engine_refuses_lora_before_loading(micro_model_dir):

@@ -15,7 +15,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from vision_batches import hf_row_logprobs, vision_batch  # noqa: E402
 
-from arealite.train_engine.parallel.layout import layout_problems  # noqa: E402
+from arealite.train_engine.parallel.layout import ParallelLayout  # noqa: E402
 from arealite.train_engine.packing import PackedIndex  # noqa: E402
 from arealite.train_engine.vision_inputs import pack_images, split_vision_keys  # noqa: E402
 
@@ -135,9 +135,10 @@ def test_sequence_and_tensor_parallel_refused_for_a_vlm(vl_model_dir):
 
     hf = json.loads((vl_model_dir / "config.json").read_text())
     for sp, tp, field in ((2, 1, "actor.sp_size"), (1, 2, "actor.tp_size")):
-        problems = [p for p in layout_problems("actor", sp, tp, 2, hf_config=hf) if "vision-language" in p.message]
+        problems = [p for p in ParallelLayout(2, sp=sp, tp=tp).problems("actor", hf_config=hf)
+                    if "vision-language" in p.message]
         assert problems and problems[0].path == field
-    assert not [p for p in layout_problems("actor", 1, 1, 2, hf_config=hf)]
+    assert not ParallelLayout(2).problems("actor", hf_config=hf)
 
 
 def test_freeze_vision_keeps_the_tower_bit_identical(vl_model_dir, vl_batch, worker, one_process):

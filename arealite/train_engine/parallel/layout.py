@@ -113,7 +113,6 @@ class ParallelLayout:
 
     def _rank_problems(self, section: str) -> list[ConfigProblem]:
         """The degrees against the number of ranks."""
-        ranks = "the trainer ranks (launch.n_trainer_procs)"
         inner = self.dp_replicate * self.sp * self.tp
         if self.world % inner == 0:
             return []
@@ -121,8 +120,8 @@ class ParallelLayout:
                  (f"{section}.tp_size", self.tp)]
         field, value = max(names, key=lambda nv: nv[1])
         product = " x ".join(f"{n}={v}" for n, v in names)
-        return [ConfigProblem(field, f"{product} = {inner} does not divide the {self.world} {ranks}; make the world "
-                              "size a multiple of it", value)]
+        return [ConfigProblem(field, f"{product} = {inner} does not divide the {self.world} trainer ranks "
+                              "(launch.n_trainer_procs); make the world size a multiple of it", value)]
 
 
 def layout_error(problems: list[ConfigProblem]) -> ValueError:
