@@ -34,7 +34,7 @@ def whole(t: torch.Tensor) -> torch.Tensor:
 def run(model_dir: str, out_dir: str, layout: str = "") -> None:
     degrees = parse_layout(layout)
     cfg = CriticConfig(model_path=model_dir, mb_max_tokens=32, dp_replicate=degrees.get("dp_replicate", 1),
-                       sp_size=degrees.get("sp", 1), tp_size=degrees.get("tp", 1))
+                       sp_size=degrees.get("sp", 1), tp_size=degrees.get("tp", 1), ep_size=degrees.get("ep", 1))
     cfg.optimizer.lr = 1e-3
     cfg.optimizer.gradient_clipping = 0.5
     engine = ValueEngine(cfg, device="cpu").initialize()

@@ -143,6 +143,11 @@ def run(model_dir: str, out_dir: str, lora: bool = False, layout: str = "") -> N
     cfg.optimizer.lr_scheduler = "cosine"
     cfg.optimizer.total_steps = 6
     cfg.optimizer.gradient_clipping = 0.5
+    # Adam divides each gradient by its own size: at the default eps (1e-8) a weight whose gradient
+    # is ~1e-9 (rounding noise of a sum taken in another order) moves by a sizeable part of the LR,
+    # so comparing weights after steps would compare rounding, not layouts (seen: Mistral under tp,
+    # a 1e-9 gradient, first-step gradients equal to 6e-9, weights 1.5e-5 apart after 4 steps).
+    cfg.optimizer.eps = 1e-6
     if lora:
         from arealite.lora import LoraFSDPEngine
 

@@ -116,14 +116,17 @@ def test_parallel_compose_ep2_tp2(moe_dir, tmp_path_factory):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("layout", ["sp=2,tp=2", "dp_replicate=2,sp=2"])
-def test_parallel_compose_critic(layout, micro_model_dir, tmp_path_factory):
-    """The critic under composed layouts: the same fresh value head, the same values of each rank's
-    rows, value losses, gradient norms and head after three steps as one process (1e-5)."""
+@pytest.mark.parametrize("layout, model", [("sp=2,tp=2", "micro_model_dir"), ("dp_replicate=2,sp=2", "micro_model_dir"),
+                                           ("ep=2,tp=2", "moe_dir")])
+def test_parallel_compose_critic(layout, model, request, tmp_path_factory):
+    """The critic under composed layouts (on the MoE model, a value model whose experts split by
+    expert parallelism): the same fresh value head, the same values of each rank's rows, value
+    losses, gradient norms and head after three steps as one process (1e-5)."""
     from fsdp_scenario import HERE
 
-    single = _critic_one_process(micro_model_dir, tmp_path_factory)
-    _, ranks = torchrun_ranks(micro_model_dir, tmp_path_factory.mktemp("critic_compose"), layout, nproc=4,
+    model_dir = request.getfixturevalue(model)
+    single = _critic_one_process(model_dir, tmp_path_factory)
+    _, ranks = torchrun_ranks(model_dir, tmp_path_factory.mktemp("critic_compose"), layout, nproc=4,
                               worker=HERE / "_critic_worker.py", result="critic_rank{}.pt")
     for r in ranks:
         assert max_diff(r["head"], single["head"]) == 0.0

@@ -64,6 +64,7 @@ from arealite.train_engine.parallel.grad_norm import clip_grad_norm
 from arealite.train_engine.parallel.layout import ParallelLayout, engine_layout_problems, layout_error
 from arealite.train_engine.parallel.meshes import ParallelMeshes, build_meshes
 from arealite.train_engine.parallel.sequence import SequenceParallel
+from arealite.train_engine.parallel.tensor import whole_tensor
 from arealite.train_engine.vision_inputs import blank_image_pass, is_vision_config
 from arealite.utils.buckets import buckets_of
 from arealite.utils.checkpoint_names import checkpoint_tensors
@@ -452,7 +453,7 @@ class FSDPEngine:
                 t = p.detach()
                 if t.device != self.device:
                     t = t.to(self.device)  # CPU-offloaded shards: NCCL gathers on the GPU
-                yield from checkpoint_tensors(self.model, name, t.full_tensor() if hasattr(t, "full_tensor") else t)
+                yield from checkpoint_tensors(self.model, name, whole_tensor(t))
 
         yield from buckets_of(full_weights(), bucket_bytes)
 

@@ -24,7 +24,9 @@ experts split by expert parallelism when ``ep_size > 1`` (`arealite.train_engine
 
 from __future__ import annotations
 
-import math
+import contextlib
+import logging
+from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 import torch
@@ -34,7 +36,7 @@ from arealite.config.problems import ConfigProblem
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
-__all__ = ["TP_MODEL_TYPES", "apply_tensor_parallel", "tensor_parallel_problems"]
+__all__ = ["TP_MODEL_TYPES", "apply_tensor_parallel", "tensor_parallel_problems", "whole_tensor"]
 
 #: Model families whose decoder layers have the projections `_LAYER_PLAN` names, in that layout.
 TP_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe")
@@ -100,3 +102,26 @@ def _refuse_unplanned(layer: torch.nn.Module) -> None:
             raise NotImplementedError(
                 f"tensor parallelism does not know the decoder layer's parameter {name!r} "
                 f"({type(layer).__name__}); set tp_size=1 for this model")
+
+
+@contextlib.contextmanager
+def _quiet_redistribute() -> Iterator[None]:
+    """DTensor logs a warning each time it gathers a tensor-parallel weight that FSDP2 also
+    shards (two all-gathers, one per mesh dimension, which it cannot merge): expected here, and
+    a weight push gathers every weight."""
+    log = logging.getLogger("torch.distributed.tensor._redistribute")
+    level = log.level
+    log.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        log.setLevel(level)
+
+
+def whole_tensor(t: torch.Tensor) -> torch.Tensor:
+    """``t`` whole on this rank: a DTensor gathered from every mesh it is split over (a
+    collective), a plain tensor as it is."""
+    if not hasattr(t, "full_tensor"):
+        return t
+    with _quiet_redistribute():
+        return t.full_tensor()
