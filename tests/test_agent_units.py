@@ -14,11 +14,12 @@ from arealite.agent.errors import RequestError
 from arealite.agent.protocol import SamplingPolicy, parse_request
 from arealite.agent.session import LLMCall, SessionStore
 from arealite.agent.tool_parsers import HermesToolParser, make_tool_parser
-from arealite.agent.trajectory import call_returns, episode_rows, routed_experts_of_rows
+from arealite.agent.trajectory import call_returns, episode_rows, with_routed_experts
 from arealite.api.types import Completion, SamplingParams
 from arealite.config.agent import AgentConfig, JudgeConfig, SandboxConfig
 from arealite.agent.workflow import AgentError, parse_result
 from arealite.moe.trajectory import kept_routed_experts
+from arealite.workflow.base import pad_and_stack
 
 
 @pytest.fixture(scope="module")
@@ -216,22 +217,22 @@ def with_routing(calls):
 @pytest.mark.parametrize("mode", ["conversation", "call"])
 def test_rows_take_each_tokens_routing_from_the_first_call_that_ran_it(mode):
     rows = episode_rows(with_routing(branched_calls()), mode)
-    lengths = [r["input_ids"].shape[0] for r, _, _ in rows]
-    routing = routed_experts_of_rows([path for _, _, path in rows], lengths, 9)
-    assert routing.shape == (len(rows), 9, 2) and routing.dtype == torch.int16
+    routing = with_routed_experts(pad_and_stack([r for r, _, _ in rows]), [p for _, _, p in rows])["routed_experts"]
+    assert routing.shape == (len(rows), 8, 2) and routing.dtype == torch.int16
     ids = {r["input_ids"][-1].item(): k for k, (r, _, _) in enumerate(rows)}  # a row by its last token
     # c0 + user turn [5] + c1: c0 ran tokens 0..2; c1's prefill ran the user turn and c0's last token
-    assert routing[ids[6], :, 0].tolist() == [-1, 100, 101, 102, 203, 204, -1, -1, -1]
+    assert routing[ids[6], :, 0].tolist() == [-1, 100, 101, 102, 203, 204, -1, -1]
     # the branch c0 -> c2 keeps c0's routing for the shared tokens
-    assert routing[ids[10], :, 0].tolist() == [-1, 100, 101, 102, 303, 304, 305, 306, -1]
-    assert routing[ids[21], :, 0].tolist() == [-1, 400] + [-1] * 7
+    assert routing[ids[10], :, 0].tolist() == [-1, 100, 101, 102, 303, 304, 305, 306]
+    assert routing[ids[21], :, 0].tolist() == [-1, 400] + [-1] * 6
     if mode == "call":
-        assert routing[ids[4], :, 0].tolist() == [-1, 100, 101, 102] + [-1] * 5
+        assert routing[ids[4], :, 0].tolist() == [-1, 100, 101, 102] + [-1] * 4
     assert (routing[..., 0] == routing[..., 1]).all()
     calls = with_routing(branched_calls())
     calls[1].routed_experts = None  # a call the server was not asked for routing: no key
     rows = episode_rows(calls, mode)
-    assert routed_experts_of_rows([p for _, _, p in rows], [r["input_ids"].shape[0] for r, _, _ in rows], 9) is None
+    assert "routed_experts" not in with_routed_experts(pad_and_stack([r for r, _, _ in rows]),
+                                                       [p for _, _, p in rows]).keys()
 
 
 def test_a_reply_cut_at_a_stop_string_keeps_the_routing_of_the_tokens_it_keeps():

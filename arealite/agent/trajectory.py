@@ -18,7 +18,7 @@ return of its first trained call, ``G_i = r_i + [i ends a conversation] R + gamm
 (next: the call's last continuation), and rows are advantaged on their own.
 
 MoE routing replay: when the calls carry the server's routing, the rows get the
-``routed_experts`` key (`routed_experts_of_rows`), laid out as in the other workflows.
+``routed_experts`` key (`with_routed_experts`), laid out as in the other workflows.
 """
 
 from __future__ import annotations
@@ -26,12 +26,13 @@ from __future__ import annotations
 from typing import Sequence
 
 import torch
+from tensordict import TensorDict
 
 from arealite.agent.session import LLMCall
-from arealite.moe.trajectory import place_routed_experts
+from arealite.moe.trajectory import ROUTED_EXPERTS_KEY, place_routed_experts
 from arealite.workflow.base import trajectory_row
 
-__all__ = ["episode_rows", "call_returns", "routed_experts_of_rows"]
+__all__ = ["episode_rows", "call_returns", "with_routed_experts"]
 
 Row = dict[str, torch.Tensor]
 
@@ -104,7 +105,7 @@ def episode_rows(calls: Sequence[LLMCall], rows: str) -> list[tuple[Row, int, li
     """``(row, index of the first call trained in it, the calls behind the row)`` for every row;
     rows that train nothing (a branch fully trained elsewhere) are left out. The calls behind a
     row are its chain, in order, the last one ending the row; a ``call`` row's chain is the call
-    and those it continues (who first ran its prompt: `routed_experts_of_rows`)."""
+    and those it continues (who first ran its prompt: `with_routed_experts`)."""
     by_index = {c.index: c for c in calls}
     if rows == "call":
         out = []
@@ -127,13 +128,17 @@ def episode_rows(calls: Sequence[LLMCall], rows: str) -> list[tuple[Row, int, li
     return out
 
 
-def routed_experts_of_rows(paths: Sequence[Sequence[LLMCall]], lengths: Sequence[int],
-                           width: int) -> torch.Tensor | None:
-    """The ``routed_experts`` key (``[n, width, n_layers * top_k]``) of n rows behind which are the
-    calls ``paths[i]`` (`episode_rows`), ``lengths[i]`` tokens each; None when a call has no routing.
+def with_routed_experts(td: TensorDict, paths: Sequence[Sequence[LLMCall]]) -> TensorDict:
+    """``td`` (rows right-padded, `pad_and_stack`) with the ``routed_experts`` key, row i from the
+    calls ``paths[i]`` behind it (`episode_rows`); as it was when a call has no routing (the
+    servers were not asked: routing replay off).
 
     Each call ran its whole prompt forward, so every token of a row, the prompt, the tool and
     user messages and the replies, takes its routing from the first call of the chain that ran
     it, as in the multi-turn workflow (`arealite.moe.trajectory.place_routed_experts`).
     """
-    return place_routed_experts([[c.routed_experts for c in path] for path in paths], lengths, width)
+    routing = place_routed_experts([[c.routed_experts for c in path] for path in paths],
+                                   td["attention_mask"].sum(-1).tolist(), td["input_ids"].shape[1])
+    if routing is not None:
+        td[ROUTED_EXPERTS_KEY] = routing
+    return td

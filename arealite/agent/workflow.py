@@ -31,11 +31,10 @@ from typing import TYPE_CHECKING, Awaitable, Callable
 import torch
 from tensordict import TensorDict
 
-from arealite.agent.trajectory import call_returns, episode_rows, routed_experts_of_rows
+from arealite.agent.trajectory import call_returns, episode_rows, with_routed_experts
 from arealite.api.contracts import InferenceClient
 from arealite.config.agent import AgentConfig
 from arealite.config.schema import GenerationConfig
-from arealite.moe.trajectory import ROUTED_EXPERTS_KEY
 from arealite.utils.imports import import_callable
 from arealite.utils.json_types import JsonObject
 from arealite.workflow.base import RolloutWorkflow, new_group_id, pad_and_stack
@@ -243,9 +242,4 @@ class AgentWorkflow(RolloutWorkflow):
         if self.stepwise:
             tensors["traj_id"] = torch.tensor(per_row["traj_id"], dtype=torch.int64)
             tensors["step_id"] = torch.tensor(per_row["step_id"], dtype=torch.int64)
-        td = pad_and_stack(rows, tensors)
-        routing = routed_experts_of_rows(paths, [r["input_ids"].shape[0] for r in rows],
-                                         td["input_ids"].shape[1])  # MoE routing replay (R3)
-        if routing is not None:
-            td[ROUTED_EXPERTS_KEY] = routing
-        return td
+        return with_routed_experts(pad_and_stack(rows, tensors), paths)  # MoE routing replay (R3)
