@@ -99,6 +99,7 @@ async def test_openai_client_chat_stream_and_completions(tok, engine):
     wf = workflow(tok, run, rows="call")
     td = await wf.arun_episode(engine, {"prompt_id": 3})
     validate_trajectory(td)
+    assert "routed_experts" not in td.keys()  # routing replay off: the servers were not asked
     calls = engine.calls
     assert len(calls) == 4 and td.batch_size[0] == 4  # 2 choices + 1 streamed + 1 completion
     r = seen["chat"]

@@ -14,10 +14,12 @@ from arealite.agent.errors import RequestError
 from arealite.agent.protocol import SamplingPolicy, parse_request
 from arealite.agent.session import LLMCall, SessionStore
 from arealite.agent.tool_parsers import HermesToolParser, make_tool_parser
-from arealite.agent.trajectory import call_returns, episode_rows
-from arealite.api.types import SamplingParams
+from arealite.agent.trajectory import call_returns, episode_rows, with_routed_experts
+from arealite.api.types import Completion, SamplingParams
 from arealite.config.agent import AgentConfig, JudgeConfig, SandboxConfig
 from arealite.agent.workflow import AgentError, parse_result
+from arealite.moe.trajectory import kept_routed_experts
+from arealite.workflow.base import pad_and_stack
 
 
 @pytest.fixture(scope="module")
@@ -184,7 +186,7 @@ def branched_calls():
 
 def test_conversation_rows_train_each_reply_once():
     rows = episode_rows(branched_calls(), "conversation")
-    assert [(first, last.index) for _, first, last in rows] == [(0, 1), (2, 2), (3, 3)]
+    assert [(first, path[-1].index) for _, first, path in rows] == [(0, 1), (2, 2), (3, 3)]
     r0, r1, r2 = (r for r, _, _ in rows)
     assert r0["input_ids"].tolist() == [1, 2, 3, 4, 5, 6]
     assert r0["loss_mask"].tolist() == [False, False, True, True, False, True]
@@ -202,6 +204,46 @@ def test_call_rows_and_discounted_returns():
     g = call_returns(calls, reward=1.0, gamma=0.5)
     # c2 ends a conversation (1.0) and has its own 0.5; c0's last continuation is c2
     assert g == {3: 1.0, 2: 1.5, 1: 1.0, 0: 0.75}
+
+
+def with_routing(calls):
+    """Give call i the routing ``100 * (i + 1) + j`` for each token j it ran forward (2 ids per token)."""
+    for c in calls:
+        ran = len(c.prompt_ids) + len(c.output_ids) - 1
+        c.routed_experts = (100 * (c.index + 1) + torch.arange(ran, dtype=torch.int32)).repeat_interleave(2).view(ran, 2)
+    return calls
+
+
+@pytest.mark.parametrize("mode", ["conversation", "call"])
+def test_rows_take_each_tokens_routing_from_the_first_call_that_ran_it(mode):
+    rows = episode_rows(with_routing(branched_calls()), mode)
+    routing = with_routed_experts(pad_and_stack([r for r, _, _ in rows]), [p for _, _, p in rows])["routed_experts"]
+    assert routing.shape == (len(rows), 8, 2) and routing.dtype == torch.int16
+    ids = {r["input_ids"][-1].item(): k for k, (r, _, _) in enumerate(rows)}  # a row by its last token
+    # c0 + user turn [5] + c1: c0 ran tokens 0..2; c1's prefill ran the user turn and c0's last token
+    assert routing[ids[6], :, 0].tolist() == [-1, 100, 101, 102, 203, 204, -1, -1]
+    # the branch c0 -> c2 keeps c0's routing for the shared tokens
+    assert routing[ids[10], :, 0].tolist() == [-1, 100, 101, 102, 303, 304, 305, 306]
+    assert routing[ids[21], :, 0].tolist() == [-1, 400] + [-1] * 6
+    if mode == "call":
+        assert routing[ids[4], :, 0].tolist() == [-1, 100, 101, 102] + [-1] * 4
+    assert (routing[..., 0] == routing[..., 1]).all()
+    calls = with_routing(branched_calls())
+    calls[1].routed_experts = None  # a call the server was not asked for routing: no key
+    rows = episode_rows(calls, mode)
+    assert "routed_experts" not in with_routed_experts(pad_and_stack([r for r, _, _ in rows]),
+                                                       [p for _, _, p in rows]).keys()
+
+
+def test_a_reply_cut_at_a_stop_string_keeps_the_routing_of_the_tokens_it_keeps():
+    rows = torch.arange(5 * 4, dtype=torch.int32).view(5, 4)
+    comp = Completion("r", [5, 6, 7], [8, 9, 10], [0.0] * 3, [0] * 3, "stop", routed_experts=rows)
+    assert torch.equal(kept_routed_experts(comp, 3), rows) and torch.equal(kept_routed_experts(comp, 1), rows[:3])
+    comp.routed_experts = rows[:4]
+    with pytest.raises(ValueError, match=r"completion r: routed_experts has shape \(4, 4\), expected \[5,"):
+        kept_routed_experts(comp, 1)
+    comp.routed_experts = None
+    assert kept_routed_experts(comp, 1) is None
 
 
 def test_a_broken_chain_is_an_error_not_a_silent_misalignment():

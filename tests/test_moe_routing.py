@@ -10,7 +10,7 @@ import socket
 import pytest
 import torch
 
-from arealite.api.types import Completion, GenerationRequest, SamplingParams
+from arealite.api.types import Completion, GenerationRequest, SamplingParams, validate_trajectory
 from arealite.inference_client.errors import AttemptFailure
 from arealite.inference_client.moe_routing import RoutingRows
 from arealite.inference_client.sglang_wire import SGLangWire
@@ -143,12 +143,29 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_server_returns_the_routing_of_every_forwarded_token(moe_dir, moe, tmp_path):
-    from arealite.inference_client.sglang_client import SGLangClient
+@pytest.fixture(scope="module")
+def moe_server(moe_dir, tmp_path_factory):
+    """The embedded server on the tiny MoE, recording the routing (what R3 starts)."""
     from arealite.server.process import ServerProcess
 
     proc = ServerProcess(moe_dir, _free_port(), extra_args=["--enable-return-routed-experts"],
-                         log_path=tmp_path / "server.log", threads=1)
+                         log_path=tmp_path_factory.mktemp("moe_server") / "server.log", threads=1)
+    try:
+        yield proc.wait_healthy()
+    finally:
+        proc.stop()
+
+
+def _captured(moe, ids: list[int]) -> torch.Tensor:
+    """The routing of ``ids`` in one plain forward, ``[len(ids), layers, k]`` with each token's
+    experts sorted (the server reports them in its top-k order)."""
+    with torch.no_grad(), RoutingCapture(moe) as cap:
+        moe(input_ids=torch.tensor([ids]))
+        return cap.take().sort(-1).values
+
+
+def test_server_returns_the_routing_of_every_forwarded_token(moe_server, moe):
+    from arealite.inference_client.sglang_client import SGLangClient
 
     async def run(url):
         async with SGLangClient([url]) as client:
@@ -157,17 +174,78 @@ def test_server_returns_the_routing_of_every_forwarded_token(moe_dir, moe, tmp_p
             return await asyncio.gather(*[client.agenerate(GenerationRequest(p, sp))
                                           for p in ([5, 6, 7, 8, 9], [10, 11, 12])])
 
-    try:
-        comps = asyncio.run(run(proc.wait_healthy().url))
-    finally:
-        proc.stop()
-    for c in comps:
+    for c in asyncio.run(run(moe_server.url)):
         n = len(c.input_ids) + len(c.output_ids) - 1
         assert c.routed_experts.shape == (n, 2 * 2)
-        with torch.no_grad(), RoutingCapture(moe) as cap:
-            moe(input_ids=torch.tensor([c.all_ids[:-1]]))
-            ref = cap.take()
-        assert torch.equal(c.routed_experts.view(n, 2, 2).sort(-1).values, ref.sort(-1).values)
+        assert torch.equal(c.routed_experts.view(n, 2, 2).sort(-1).values, _captured(moe, c.all_ids[:-1]))
+
+
+async def _two_turn_agent(client, item):
+    """A user question, the model's answer, a tool-like reply from the environment, an answer."""
+    msgs = [{"role": "user", "content": "What is 2 + 3?"}]
+    first = await client.chat.completions.create(model="policy", messages=msgs, max_tokens=5)
+    msgs += [{"role": "assistant", "content": first.choices[0].message.content},
+             {"role": "user", "content": "The calculator says 5. Answer again."}]
+    await client.chat.completions.create(model="policy", messages=msgs, max_tokens=5)
+    return 1.0
+
+
+def test_agent_trajectories_carry_the_servers_routing_and_train_with_r3(moe_dir, moe_server, moe):
+    """Through the OpenAI endpoint with the real `openai` client, both row shapes: every token of a
+    row but the first takes the routing the server reported for it (a plain forward's, for the
+    same tokens), the first and the padding -1; the engine trains on the rows with R3 on."""
+    from transformers import AutoTokenizer
+
+    from arealite.agent.workflow import AgentWorkflow
+    from arealite.config.schema import ActorConfig, GenerationConfig
+    from arealite.inference_client.sglang_client import SGLangClient
+    from arealite.train_engine.fsdp import FSDPEngine
+    from conftest import RecordingClient
+
+    tok = AutoTokenizer.from_pretrained(moe_dir)
+
+    async def episodes():
+        async with SGLangClient([moe_server.url], return_routed_experts=True) as client:
+            rec, out = RecordingClient(client), {}
+            for rows in ("conversation", "call"):
+                wf = AgentWorkflow(_two_turn_agent, tokenizer=tok, rows=rows,
+                                   generation=GenerationConfig(n_samples=1, max_new_tokens=5))
+                try:
+                    out[rows] = await wf.arun_episode(rec, {"prompt_id": 0})
+                finally:
+                    await (await wf.endpoint()).aclose()
+            return out, rec.calls
+
+    tds, calls = asyncio.run(episodes())
+    assert len(calls) == 4 and calls[1][0][:len(calls[0][1].all_ids)] == calls[0][1].all_ids  # turn 2 continues turn 1
+    conv, per_call = tds["conversation"], tds["call"]
+    assert conv.batch_size[0] == 1 and per_call.batch_size[0] == 2
+    for td in (conv, per_call):
+        validate_trajectory(td)
+        for i in range(td.batch_size[0]):
+            n = int(td["attention_mask"][i].sum())
+            ids = td["input_ids"][i, :n].tolist()
+            routing = td["routed_experts"][i]
+            assert (routing[0] == -1).all() and (routing[n:] == -1).all()
+            got = routing[1:n].view(n - 1, 2, 2).to(torch.int32).sort(-1).values
+            assert torch.equal(got, _captured(moe, ids[:-1])), f"row {i}"
+    # the conversation row: tokens the first turn ran carry its report, the rest the second turn's
+    first, second = calls[0][1], calls[1][1]
+    ran = len(first.all_ids) - 1
+    assert torch.equal(conv["routed_experts"][0, 1:ran + 1].int(), first.routed_experts)
+    assert torch.equal(conv["routed_experts"][0, ran + 1:].int(), second.routed_experts[ran:])
+
+    batch = {k: per_call[k] for k in ("input_ids", "attention_mask", "loss_mask", "routed_experts")}
+    engine = FSDPEngine(ActorConfig(model_path=str(moe_dir), mb_max_tokens=256), device="cpu").initialize()
+    try:
+        engine.routing_replay = "r3"
+        logp = engine.forward(batch, lambda head, mb: head.logprobs(mb["labels"]))
+        mask = per_call["loss_mask"]
+        assert torch.allclose(logp[mask], per_call["logprobs"][mask], atol=1e-4)  # the behaviour log-probs
+        stats = engine.train_batch(batch, lambda head, mb: -head.logprobs(mb["labels"]).mean(), lambda mb: 1.0)
+        assert math.isfinite(stats["loss"]) and stats["grad_norm"] > 0
+    finally:
+        engine.destroy()
 
 
 def test_fsdp_engine_trains_the_moe_and_replays_the_batchs_routing(moe_dir, moe):

@@ -9,10 +9,11 @@ Routes (each also under ``/s/<session>/v1/...``, the session carried by the URL)
 
 Every generation goes through the inference client the episode was given
 (``client.agenerate``): routing, retries, interruption by weight updates and per-token
-versions all apply. Each request belongs to a session (`arealite.agent.session`), found by
-its API key or URL; its calls are recorded there for the workflow. Errors come back in
-OpenAI's shape (`arealite.agent.errors`), so the ``openai`` client raises its usual
-exceptions.
+versions all apply; the experts an MoE model routed each token to, when the server reports
+them, stay with each call (routing replay). Each request belongs to a session
+(`arealite.agent.session`), found by its API key or URL; its calls are recorded there for
+the workflow. Errors come back in OpenAI's shape (`arealite.agent.errors`), so the
+``openai`` client raises its usual exceptions.
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ from arealite.api.types import GenerationRequest
 from arealite.config.agent import AgentConfig
 from arealite.config.schema import GenerationConfig
 from arealite.inference_client.errors import BadRequestError, GenerationError, NoHealthyServerError
+from arealite.moe.trajectory import kept_routed_experts
 from arealite.utils.tokenizer import prepare_decode
 from arealite.workflow.common import sampling_from_config
 from arealite.inference_client.wire import loads as strict_json  # no NaN, bounded nesting
@@ -286,7 +288,8 @@ class AgentEndpoint:
             else:
                 key = key_prefix + c.text if isinstance(key_prefix, str) else None
             s.record(LLMCall(rid, 0, list(prompt_ids), c.output_ids, c.logprobs, c.versions, c.finish_reason,
-                             parent, key, tool_calls=len(c.tool_calls), vision=vision))
+                             parent, key, tool_calls=len(c.tool_calls), vision=vision,
+                             routed_experts=kept_routed_experts(c.completion, len(c.output_ids))))
         self._count(req, choices, len(prompt_ids))
         return rid, len(prompt_ids), choices
 

@@ -3,7 +3,8 @@
 A session is what keeps concurrent episodes apart: each has a secret key (the API key its
 client sends) and an id (usable in the URL, ``/s/<id>/v1``); a request carrying neither a
 known key nor a known id is refused. The session records each call (`LLMCall`: the exact
-prompt tokens, the sampled tokens with their log-probs and policy versions) and links it
+prompt tokens, the sampled tokens with their log-probs and policy versions, the MoE routing
+when the server reports it) and links it
 to the call it continues (``parent``), so that the workflow can rebuild the episode's
 conversations token-exactly.
 """
@@ -13,10 +14,13 @@ from __future__ import annotations
 import asyncio
 import secrets
 from dataclasses import dataclass, field
-from typing import Union
+from typing import TYPE_CHECKING, Union
 
 from arealite.api.contracts import InferenceClient
 from arealite.vision.prompt import VisionPrompt
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = ["CallKey", "LLMCall", "Session", "SessionStore"]
 
@@ -41,6 +45,9 @@ class LLMCall:
     reward: float | None = None
     tool_calls: int = 0
     vision: VisionPrompt | None = None  # the images of a vision-language prompt (its first render)
+    #: The MoE routing the server reported (routing replay, `arealite.moe.trajectory`): int32
+    #: ``[len(prompt_ids) + len(output_ids) - 1, n_moe_layers * top_k]``; None: not asked.
+    routed_experts: torch.Tensor | None = None
 
 
 @dataclass

@@ -16,6 +16,9 @@ Rewards: the episode's reward ``R`` (what the agent returned) and per-call rewar
 advantage per episode, given to all its rows). Without it each row gets the discounted
 return of its first trained call, ``G_i = r_i + [i ends a conversation] R + gamma G_next``
 (next: the call's last continuation), and rows are advantaged on their own.
+
+MoE routing replay: when the calls carry the server's routing, the rows get the
+``routed_experts`` key (`with_routed_experts`), laid out as in the other workflows.
 """
 
 from __future__ import annotations
@@ -23,11 +26,13 @@ from __future__ import annotations
 from typing import Sequence
 
 import torch
+from tensordict import TensorDict
 
 from arealite.agent.session import LLMCall
+from arealite.moe.trajectory import ROUTED_EXPERTS_KEY, place_routed_experts
 from arealite.workflow.base import trajectory_row
 
-__all__ = ["episode_rows", "call_returns"]
+__all__ = ["episode_rows", "call_returns", "with_routed_experts"]
 
 Row = dict[str, torch.Tensor]
 
@@ -61,8 +66,19 @@ def _chain(leaf: LLMCall, by_index: dict[int, LLMCall]) -> list[LLMCall]:
     return path[::-1]
 
 
+def _check_chain(path: list[LLMCall]) -> None:
+    """Each call of ``path`` continues the one before token-exactly (its prompt starts with that
+    call's prompt and output). Sessions link a call to its parent only when this holds; check
+    rather than trust, as a misaligned chain would misplace every token after it."""
+    for c, nxt in zip(path, path[1:]):
+        done = c.prompt_ids + c.output_ids
+        if nxt.prompt_ids[: len(done)] != done:
+            raise ValueError(f"call {nxt.index} does not continue call {c.index} token-exactly")
+
+
 def _conversation_row(path: list[LLMCall], trained: set[int]) -> tuple[Row, int]:
     """The row of one chain, and the index of its first call trained here (-1: none)."""
+    _check_chain(path)
     pieces = []
     first = -1
     for k, c in enumerate(path):
@@ -72,12 +88,7 @@ def _conversation_row(path: list[LLMCall], trained: set[int]) -> tuple[Row, int]
             trained.add(c.index)
             first = c.index if first < 0 else first
         if k + 1 < len(path):
-            done = len(c.prompt_ids) + len(c.output_ids)
-            nxt = path[k + 1].prompt_ids
-            # Sessions link a call to its parent only when this holds; check rather than trust.
-            if nxt[: len(c.prompt_ids)] != c.prompt_ids or nxt[len(c.prompt_ids): done] != c.output_ids:
-                raise ValueError(f"call {path[k + 1].index} does not continue call {c.index} token-exactly")
-            pieces.append((nxt[done:], None, None))
+            pieces.append((path[k + 1].prompt_ids[len(c.prompt_ids) + len(c.output_ids):], None, None))
     return trajectory_row(path[0].prompt_ids, pieces), first
 
 
@@ -90,13 +101,20 @@ def _with_images(row: Row, call: LLMCall) -> Row:
     return row
 
 
-def episode_rows(calls: Sequence[LLMCall], rows: str) -> list[tuple[Row, int, LLMCall]]:
-    """``(row, index of the first call trained in it, last call of the row)`` for every row;
-    rows that train nothing (a branch fully trained elsewhere) are left out."""
-    if rows == "call":
-        return [(_with_images(trajectory_row(c.prompt_ids, [(c.output_ids, c.logprobs, c.versions)]), c), c.index, c)
-                for c in calls]
+def episode_rows(calls: Sequence[LLMCall], rows: str) -> list[tuple[Row, int, list[LLMCall]]]:
+    """``(row, index of the first call trained in it, the calls behind the row)`` for every row;
+    rows that train nothing (a branch fully trained elsewhere) are left out. The calls behind a
+    row are its chain, in order, the last one ending the row; a ``call`` row's chain is the call
+    and those it continues (who first ran its prompt: `with_routed_experts`)."""
     by_index = {c.index: c for c in calls}
+    if rows == "call":
+        out = []
+        for c in calls:
+            path = _chain(c, by_index)
+            _check_chain(path[-2:])  # each link once: the chain's earlier links are its parents'
+            out.append((_with_images(trajectory_row(c.prompt_ids, [(c.output_ids, c.logprobs, c.versions)]), c),
+                        c.index, path))
+        return out
     kids = _children(calls)
     trained: set[int] = set()
     out = []
@@ -106,5 +124,21 @@ def episode_rows(calls: Sequence[LLMCall], rows: str) -> list[tuple[Row, int, LL
         path = _chain(leaf, by_index)
         row, first = _conversation_row(path, trained)
         if first >= 0:
-            out.append((_with_images(row, path[0]), first, leaf))
+            out.append((_with_images(row, path[0]), first, path))
     return out
+
+
+def with_routed_experts(td: TensorDict, paths: Sequence[Sequence[LLMCall]]) -> TensorDict:
+    """``td`` (rows right-padded, `pad_and_stack`) with the ``routed_experts`` key, row i from the
+    calls ``paths[i]`` behind it (`episode_rows`); as it was when a call has no routing (the
+    servers were not asked: routing replay off).
+
+    Each call ran its whole prompt forward, so every token of a row, the prompt, the tool and
+    user messages and the replies, takes its routing from the first call of the chain that ran
+    it, as in the multi-turn workflow (`arealite.moe.trajectory.place_routed_experts`).
+    """
+    routing = place_routed_experts([[c.routed_experts for c in path] for path in paths],
+                                   td["attention_mask"].sum(-1).tolist(), td["input_ids"].shape[1])
+    if routing is not None:
+        td[ROUTED_EXPERTS_KEY] = routing
+    return td

@@ -13,7 +13,8 @@ episodes at once; each gets a client of its own session of the OpenAI-compatible
 endpoint (`arealite.agent.endpoint`), served on the controller's event loop, so the
 agent's calls go through the inference client like any workflow's. When the agent
 returns, the session's calls become rows (`arealite.agent.trajectory`), one group per
-item.
+item; with MoE routing replay (``algorithm.routing_replay: r3``) they carry the servers'
+routing (``routed_experts``) as the other workflows' rows do.
 
 An agent that raises, or does not return within ``timeout_s``, fails the item: the
 controller's ``rollout.on_workflow_error`` decides (``fail`` stops the run, ``drop``
@@ -30,7 +31,7 @@ from typing import TYPE_CHECKING, Awaitable, Callable
 import torch
 from tensordict import TensorDict
 
-from arealite.agent.trajectory import call_returns, episode_rows
+from arealite.agent.trajectory import call_returns, episode_rows, with_routed_experts
 from arealite.api.contracts import InferenceClient
 from arealite.config.agent import AgentConfig
 from arealite.config.schema import GenerationConfig
@@ -212,6 +213,7 @@ class AgentWorkflow(RolloutWorkflow):
 
     def _group(self, episodes: list[Episode], gid: int, item: JsonObject) -> TensorDict | None:
         rows, per_row = [], {"rewards": [], "traj_id": [], "step_id": [], "truncated": [], "n_calls": []}
+        paths: list[list[LLMCall]] = []  # the calls behind each row (MoE routing)
         for calls, reward, call_rewards in episodes:
             if not calls:
                 self.counters["episodes_without_calls"] += 1
@@ -219,12 +221,13 @@ class AgentWorkflow(RolloutWorkflow):
             traj = new_group_id()
             total = reward + sum(c.reward or 0.0 for c in calls)
             returns = None if self.stepwise else call_returns(calls, reward, self.turn_discount)
-            for step, (row, first, last) in enumerate(episode_rows(calls, self.rows)):
+            for step, (row, first, path) in enumerate(episode_rows(calls, self.rows)):
                 rows.append(row)
+                paths.append(path)
                 per_row["rewards"].append(total if returns is None else returns[first])
                 per_row["traj_id"].append(traj)
                 per_row["step_id"].append(step)
-                per_row["truncated"].append(last.finish_reason == "length")
+                per_row["truncated"].append(path[-1].finish_reason == "length")
                 per_row["n_calls"].append(len(calls))
         if not rows:
             return None
@@ -239,4 +242,4 @@ class AgentWorkflow(RolloutWorkflow):
         if self.stepwise:
             tensors["traj_id"] = torch.tensor(per_row["traj_id"], dtype=torch.int64)
             tensors["step_id"] = torch.tensor(per_row["step_id"], dtype=torch.int64)
-        return pad_and_stack(rows, tensors)
+        return with_routed_experts(pad_and_stack(rows, tensors), paths)  # MoE routing replay (R3)

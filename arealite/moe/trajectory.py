@@ -7,8 +7,9 @@ packing (`arealite.train_engine.packing`, which shifts per-token keys by one) po
 then holds token t's own routing.
 
 Both sides of that layout are here: the workflows write the key (`routed_experts_of`,
-`conversation_routed_experts`), the train engine reads it back from a packed micro-batch
-and replays it in the forward (`replay_routing`).
+`conversation_routed_experts`; the agent workflow `place_routed_experts` of its recorded calls),
+the train engine reads it back from a packed micro-batch and replays it in the forward
+(`replay_routing`).
 """
 
 from __future__ import annotations
@@ -21,29 +22,29 @@ import torch
 from arealite.api.types import Completion
 from arealite.moe.router_hooks import RoutingReplay, moe_routers
 
-__all__ = ["ROUTED_EXPERTS_KEY", "conversation_routed_experts", "micro_batch_experts", "replay_routing",
-           "routed_experts_of"]
+__all__ = ["ROUTED_EXPERTS_KEY", "conversation_routed_experts", "kept_routed_experts", "micro_batch_experts",
+           "place_routed_experts", "replay_routing", "routed_experts_of"]
 
 #: The trajectory key holding the server's routing (``[B, L, n_moe_layers * top_k]``, int16/int32;
 #: position t: the experts routed at token t-1, the forward that scored token t; -1: none).
 ROUTED_EXPERTS_KEY = "routed_experts"
 
 
+def _checked_rows(c: Completion) -> torch.Tensor | None:
+    """``c.routed_experts`` after checking it covers every token ``c`` ran forward."""
+    rows = c.routed_experts
+    ran = len(c.input_ids) + len(c.output_ids) - 1
+    if rows is not None and (rows.dim() != 2 or rows.shape[0] != ran):
+        raise ValueError(f"completion {c.rid}: routed_experts has shape {tuple(rows.shape)}, expected "
+                         f"[{ran}, n_layers * top_k] (prompt + output - 1 tokens)")
+    return rows
+
+
 def routed_experts_of(comps: Sequence[Completion], width: int) -> torch.Tensor | None:
     """``[n, width, n_layers * top_k]`` int16 for the single-turn samples ``comps`` (prompt + output,
     right-padded to ``width``); None when any sample has no routing (the server was not asked)."""
-    if not comps or any(c.routed_experts is None for c in comps):
-        return None
-    per_token = comps[0].routed_experts.shape[1]
-    out = torch.full((len(comps), width, per_token), -1, dtype=torch.int16)
-    for i, c in enumerate(comps):
-        rows = c.routed_experts
-        n = len(c.input_ids) + len(c.output_ids)
-        if rows.shape != (n - 1, per_token):
-            raise ValueError(f"completion {c.rid}: routed_experts has shape {tuple(rows.shape)}, expected "
-                             f"[{n - 1}, {per_token}] (prompt + output - 1 tokens)")
-        out[i, 1:n] = rows.to(torch.int16)
-    return out
+    return conversation_routed_experts([[c] for c in comps], [len(c.input_ids) + len(c.output_ids) for c in comps],
+                                       width)
 
 
 def conversation_routed_experts(turns: Sequence[Sequence[Completion]], lengths: Sequence[int],
@@ -56,18 +57,28 @@ def conversation_routed_experts(turns: Sequence[Sequence[Completion]], lengths: 
     the environment's tokens, the next turn's prefill), as an interrupted request keeps each row
     from the segment that first ran it: the routing that produced the behaviour log-prob.
     """
-    if not turns or any(not row or any(c.routed_experts is None for c in row) for row in turns):
+    return place_routed_experts([[_checked_rows(c) for c in row] for row in turns], lengths, width)
+
+
+def place_routed_experts(turns: Sequence[Sequence[torch.Tensor | None]], lengths: Sequence[int],
+                         width: int) -> torch.Tensor | None:
+    """`conversation_routed_experts` of turns given by their routing alone (the agent's calls).
+
+    ``turns[i]`` holds, in order, the routing each model turn of row i reported:
+    ``[ran, n_layers * top_k]``, one row per token of the conversation's first ``ran + 1`` the
+    turn ran forward. None when a row has no turn or a turn has no routing.
+    """
+    if not turns or any(not row or any(rows is None for rows in row) for row in turns):
         return None
-    per_token = turns[0][0].routed_experts.shape[1]
+    per_token = turns[0][0].shape[1]
     out = torch.full((len(turns), width, per_token), -1, dtype=torch.int16)
     for i, (row, n) in enumerate(zip(turns, lengths)):
         done = 0  # tokens of row i whose routing is placed
-        for c in row:
-            rows = c.routed_experts
-            ran = len(c.input_ids) + len(c.output_ids) - 1
-            if rows.shape != (ran, per_token) or ran > n - 1:
-                raise ValueError(f"completion {c.rid}: routed_experts has shape {tuple(rows.shape)}, expected "
-                                 f"[{ran}, {per_token}] within a conversation of {n} tokens")
+        for k, rows in enumerate(row):
+            ran = rows.shape[0]
+            if rows.dim() != 2 or rows.shape[1] != per_token or ran > n - 1:
+                raise ValueError(f"row {i}, turn {k}: routed_experts has shape {tuple(rows.shape)}, expected "
+                                 f"[at most {n - 1}, {per_token}] within a conversation of {n} tokens")
             if ran > done:
                 out[i, 1 + done:1 + ran] = rows[done:ran].to(torch.int16)
                 done = ran
@@ -75,6 +86,14 @@ def conversation_routed_experts(turns: Sequence[Sequence[Completion]], lengths: 
             raise ValueError(f"conversation {i}: routing covers {done} of its {n - 1} forwarded tokens; "
                              "its last model turn must end the row")
     return out
+
+
+def kept_routed_experts(comp: Completion, n_output: int) -> torch.Tensor | None:
+    """The routing of ``comp``'s prompt and first ``n_output`` output tokens, ``[len(input_ids) +
+    n_output - 1, n_layers * top_k]``: a reply cut short (at a stop string) keeps the rows of the
+    tokens it keeps, as if generation had stopped there. None: the server was not asked."""
+    rows = _checked_rows(comp)
+    return None if rows is None else rows[:len(comp.input_ids) + n_output - 1]
 
 
 def micro_batch_experts(mb: dict[str, torch.Tensor], top_k: int) -> torch.Tensor | None:
