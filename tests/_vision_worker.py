@@ -20,9 +20,10 @@ from arealite.config.schema import ActorConfig, AlgorithmConfig, LoraConfig  # n
 from arealite.train_engine.fsdp import FSDPEngine  # noqa: E402
 
 
-def engine_for(model_dir: str, freeze_vision: bool = False, lora: bool = False, mb_max_tokens: int = 60) -> FSDPEngine:
+def engine_for(model_dir: str, freeze_vision: bool = False, lora: bool = False, mb_max_tokens: int = 60,
+               sp_size: int = 1) -> FSDPEngine:
     cfg = ActorConfig(model_path=model_dir, mb_max_tokens=mb_max_tokens, freeze_vision=freeze_vision,
-                      lora=LoraConfig(rank=3, alpha=6.0) if lora else None)
+                      lora=LoraConfig(rank=3, alpha=6.0) if lora else None, sp_size=sp_size)
     cfg.optimizer.lr = 1e-2 if lora else 2e-3
     cfg.optimizer.gradient_clipping = 0.5
     if lora:
@@ -54,16 +55,30 @@ def steps(engine: FSDPEngine, batch: dict, rows: slice) -> dict:
 IMAGE_ROWS = ROWS[1:] + [([(5, (56, 56))], 3)]
 
 
-def run(model_dir: str, out_dir: str, lora: bool = False, mixed: bool = False) -> dict:
+def image_feeds(engine: FSDPEngine, part: dict) -> list[tuple | str]:
+    """Per micro-batch of ``part``: what this rank's vision tower ran ("model": the model took the
+    images; "blank"; or its slots, images run and the features kept)."""
+    out = []
+    for mb, _ in engine.planner.plan(engine.planner.rows(part).data):
+        feed = engine.planner.image_feed(mb)
+        if feed is None or feed.slots is None:
+            out.append("model" if feed is None else "blank")
+        else:
+            out.append((int(feed.slots.sum()), int(feed.image_grid_thw.shape[0]), feed.keep.start, feed.keep.stop))
+    return out
+
+
+def run(model_dir: str, out_dir: str, lora: bool = False, mixed: bool = False, sp: bool = False) -> dict:
     """The scenario: one micro-batch per rank of rows with images (``mixed``: micro-batches of at
     most 60 tokens over rows with 0, 1, 2 and 1 images, so rank 0's first has no image while
-    rank 1's has two)."""
-    engine = engine_for(model_dir, lora=lora, mb_max_tokens=60 if mixed else 1000)
+    rank 1's has two; ``sp``: the two ranks split each micro-batch of all rows, sp_size=2)."""
+    engine = engine_for(model_dir, lora=lora, mb_max_tokens=60 if mixed else 1000, sp_size=2 if sp else 1)
     batch = vision_batch(Path(model_dir), rows=ROWS if mixed else IMAGE_ROWS)
     B = batch["input_ids"].shape[0]
     rank, world = engine.rank, engine.world_size
     rows = slice(0, B) if world == 1 else (slice(0, B // 2) if rank == 0 else slice(B // 2, B))
-    result = steps(engine, batch, rows)
+    feeds = image_feeds(engine, {k: v[rows] for k, v in batch.items()}) if sp else []
+    result = {**steps(engine, batch, rows), "image_feeds": feeds}
     if world > 1:
         torch.save(result, Path(out_dir) / f"result_rank{rank}.pt")
     engine.destroy()
@@ -71,4 +86,4 @@ def run(model_dir: str, out_dir: str, lora: bool = False, mixed: bool = False) -
 
 
 if __name__ == "__main__":
-    run(sys.argv[1], sys.argv[2], lora="lora" in sys.argv[3:], mixed="mixed" in sys.argv[3:])
+    run(sys.argv[1], sys.argv[2], lora="lora" in sys.argv[3:], mixed="mixed" in sys.argv[3:], sp="sp" in sys.argv[3:])

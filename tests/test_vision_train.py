@@ -1,6 +1,7 @@
 """Training a vision-language model (issue 33): packed micro-batches with 0, 1 and 2 images per
 row score as a plain per-row HF forward; 2 gloo ranks match one process on the same batch;
-``actor.freeze_vision`` leaves the vision tower untouched; sp/tp with a VLM are refused."""
+``actor.freeze_vision`` leaves the vision tower untouched; 2 ranks splitting each micro-batch by
+sequence parallelism match one process; tp with a VLM is refused."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from vision_batches import hf_row_logprobs, vision_batch  # noqa: E402
 
 from arealite.train_engine.parallel.layout import ParallelLayout  # noqa: E402
+from arealite.train_engine.parallel.sequence_images import local_images  # noqa: E402
 from arealite.train_engine.packing import PackedIndex  # noqa: E402
 from arealite.train_engine.vision_inputs import pack_images, split_vision_keys  # noqa: E402
 
@@ -130,15 +132,28 @@ def test_bad_image_keys_are_refused(vl_model_dir, vl_batch):
                     AutoConfig.from_pretrained(vl_model_dir))
 
 
-def test_sequence_and_tensor_parallel_refused_for_a_vlm(vl_model_dir):
+def test_layout_splits_a_vlm_by_sequence_but_not_by_tensor(vl_model_dir):
     import json
 
     hf = json.loads((vl_model_dir / "config.json").read_text())
-    for sp, tp, field in ((2, 1, "actor.sp_size"), (1, 2, "actor.tp_size")):
-        problems = [p for p in ParallelLayout(2, sp=sp, tp=tp).problems("actor", hf_config=hf)
-                    if "vision-language" in p.message]
-        assert problems and problems[0].path == field
-    assert not ParallelLayout(2).problems("actor", hf_config=hf)
+    assert ParallelLayout(world=2, sp=2).problems("actor", hf_config=hf) == []
+    problems = ParallelLayout(world=2, tp=2).problems("actor", hf_config=hf)
+    assert [p.path for p in problems if "vision-language" in p.message] == ["actor.tp_size"]
+
+
+def test_local_images_keep_the_features_of_the_share():
+    # Two images of 2 and 3 merged tokens (grids of 8 and 12 patches, merge 2); slots 2-3 and 5-7.
+    slots = torch.tensor([0, 0, 1, 1, 0, 1, 1, 1, 0, 0], dtype=torch.bool)
+    grid = torch.tensor([[1, 2, 4], [1, 2, 6]])
+    patches = torch.arange(20.0)[:, None]
+    left = local_images(slots, patches, grid, 2, slice(0, 6))  # image 0 whole, image 1's first slot
+    assert torch.equal(left.image_grid_thw, grid) and left.keep == slice(0, 3) and left.slots.sum() == 3
+    right = local_images(slots, patches, grid, 2, slice(6, 12))  # past the end: the sp padding
+    assert torch.equal(right.image_grid_thw, grid[1:]) and torch.equal(right.pixel_values, patches[8:])
+    assert right.keep == slice(1, 3) and right.slots.tolist() == [1, 1, 0, 0, 0, 0]
+    assert local_images(slots, patches, grid, 2, slice(8, 10)) is None
+    with pytest.raises(ValueError, match="2 image slots but its image_grid_thw"):
+        local_images(slots[:4].clone(), patches, grid, 2, slice(0, 2))
 
 
 def test_freeze_vision_keeps_the_tower_bit_identical(vl_model_dir, vl_batch, worker, one_process):
@@ -177,13 +192,39 @@ def test_two_ranks_match_one_process(vl_model_dir, tmp_path, worker, one_process
     assert_ranks_match_one_process(*two_ranks(vl_model_dir, tmp_path), one_process)
 
 
-def test_text_only_micro_batch_beside_images_on_another_rank(vl_model_dir, tmp_path, worker):
+@pytest.fixture(scope="module")
+def one_process_mixed(vl_model_dir, worker) -> dict:
+    return worker.run(str(vl_model_dir), "", mixed=True)
+
+
+def test_text_only_micro_batch_beside_images_on_another_rank(vl_model_dir, tmp_path, one_process_mixed):
     """Rank 0's first micro-batch is a row without images while rank 1's has images (and the
     ranks' micro-batches differ in image count): the blank-image pass keeps FSDP2's collectives
     in step, and the result is one process's on the same rows."""
     r0, r1 = two_ranks(vl_model_dir, tmp_path, "mixed")
-    one = worker.run(str(vl_model_dir), "", mixed=True)
-    assert_ranks_match_one_process(r0, r1, one)
+    assert_ranks_match_one_process(r0, r1, one_process_mixed)
+
+
+@pytest.fixture(scope="module")
+def sequence_parallel_ranks(vl_model_dir, tmp_path_factory) -> list[dict]:
+    """The mixed scenario with sp_size=2: both ranks compute every micro-batch, each half its tokens."""
+    return two_ranks(vl_model_dir, tmp_path_factory.mktemp("vl_sp"), "mixed", "sp")
+
+
+@pytest.mark.slow
+def test_sequence_parallel_ranks_match_one_process(sequence_parallel_ranks, one_process_mixed):
+    assert_ranks_match_one_process(*sequence_parallel_ranks, one_process_mixed)
+
+
+@pytest.mark.slow
+def test_sequence_parallel_splits_images_at_the_token_boundary(sequence_parallel_ranks):
+    """What each rank's tower ran per micro-batch of the run above: (its image slots, images run,
+    features kept). Row 2 (50 tokens, 25 a rank) has its second image's 6 slots at tokens 20-25:
+    rank 0 runs both images and keeps 11 features, rank 1 runs the second and keeps its last one.
+    Rows 3 and 1 hold their images in rank 0's half (rank 1 runs a blank image); row 0 has none."""
+    feeds0, feeds1 = (r["image_feeds"] for r in sequence_parallel_ranks)
+    assert feeds0 == [(11, 2, 0, 11), (8, 1, 0, 8), (4, 1, 0, 4), "blank"]
+    assert feeds1 == [(1, 1, 5, 6), "blank", "blank", "blank"]
 
 
 def test_lora_trains_a_vlm(vl_model_dir, vl_batch, hf_model, worker):

@@ -65,7 +65,7 @@ from arealite.train_engine.parallel.layout import ParallelLayout, engine_layout_
 from arealite.train_engine.parallel.meshes import ParallelMeshes, build_meshes
 from arealite.train_engine.parallel.sequence import SequenceParallel
 from arealite.train_engine.parallel.tensor import whole_tensor
-from arealite.train_engine.vision_inputs import blank_image_pass, is_vision_config
+from arealite.train_engine.vision_inputs import image_pass, is_vision_config
 from arealite.utils.buckets import buckets_of
 from arealite.utils.checkpoint_names import checkpoint_tensors
 from arealite.utils.dist import default_backend, init_default_group, resolve_device_type
@@ -219,7 +219,7 @@ class FSDPEngine:
         kwargs, n_tokens = self.planner.model_inputs(mb, index)
         local = None if self._sp is None else self._sp.local_share
         with (replay_routing(self.model, mb if self.routing_replay == "r3" else None, local),
-              blank_image_pass(self.model, self.planner.blank_image(mb))):
+              image_pass(self.model, self.planner.image_feed(mb))):
             if self._head_module is None:
                 head = ChunkedHead.from_logits(self.model(**kwargs, use_cache=False).logits[0].float())
             else:

@@ -18,7 +18,8 @@ from arealite.api.contracts import MicroBatch, TrainBatch
 from arealite.train_engine.packing import PackedIndex, pack, sequence_lengths, split_into_microbatches
 from arealite.train_engine.parallel.row_gather import GroupRows, gather_rows
 from arealite.train_engine.parallel.sequence import SequenceParallel
-from arealite.train_engine.vision_inputs import blank_image, pack_images, split_vision_keys
+from arealite.train_engine.parallel.sequence_images import local_images, packed_image_slots
+from arealite.train_engine.vision_inputs import ImageFeed, blank_image, pack_images, split_vision_keys
 
 __all__ = ["MicroBatchPlanner", "PackedMicroBatch", "as_tensor_dict"]
 
@@ -100,11 +101,23 @@ class MicroBatchPlanner:
                 plan.append(PackedMicroBatch(None, None))
         return plan
 
-    def blank_image(self, mb: dict | None) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """The blank image a micro-batch without images runs through the vision tower on several
-        ranks (`vision_inputs.blank_image_pass`), else None (a text model, one rank, or images)."""
-        if self.hf_config is None or dist.get_world_size() == 1 or (mb is not None and "pixel_values" in mb):
+    def image_feed(self, mb: dict | None) -> ImageFeed | None:
+        """What the vision tower computes in a micro-batch's forward beside the model's inputs
+        (`vision_inputs.image_pass`), or None: a text model, or the model takes the micro-batch's
+        images itself. Under sequence parallelism the images this rank's tokens hold; a blank
+        image where a forward on several ranks holds none (the tower's collectives)."""
+        if self.hf_config is None or dist.get_world_size() == 1:
             return None
+        has_images = mb is not None and "pixel_values" in mb
+        if self.sp is None:
+            return None if has_images else blank_image(self.hf_config, self.device)
+        if has_images:
+            slots = packed_image_slots(mb["input_ids"], mb["cu_seqlens"], self.hf_config)
+            share = self.sp.token_range(slots.shape[0])
+            feed = local_images(slots, mb["pixel_values"], mb["image_grid_thw"],
+                                int(self.hf_config.vision_config.spatial_merge_size), share)
+            if feed is not None:
+                return feed
         return blank_image(self.hf_config, self.device)
 
     def model_inputs(self, mb: dict | None, index: PackedIndex | None) -> tuple[dict[str, torch.Tensor | int], int]:
@@ -118,14 +131,16 @@ class MicroBatchPlanner:
             ids, pos, cu, max_len = mb["input_ids"], mb["position_ids"], mb["cu_seqlens"], max(index.lengths)
         if pos is None:
             pos = torch.zeros_like(ids)
-        if self.sp is not None:
+        mrope = mb is not None and "mrope_position_ids" in mb
+        if mrope:
+            # Qwen2.5-VL's packed form: the text positions (sequence starts), then the 3-D ones.
+            pos = torch.cat([pos[None], mb["mrope_position_ids"]])
+        if self.sp is not None:  # the images go in through image_feed
             return self.sp.local_inputs(ids, pos, cu, max_len)
-        kwargs: dict[str, torch.Tensor | int] = {"input_ids": ids[None], "position_ids": pos[None]}
+        kwargs: dict[str, torch.Tensor | int] = {"input_ids": ids[None],
+                                                 "position_ids": pos[:, None] if mrope else pos[None]}
         if cu is not None:
             kwargs.update(cu_seq_lens_q=cu, max_length_q=max_len)
-        if mb is not None and "mrope_position_ids" in mb:
-            # Qwen2.5-VL's packed form: the text positions (sequence starts), then the 3-D ones.
-            kwargs["position_ids"] = torch.cat([pos[None], mb["mrope_position_ids"]])[:, None, :]
-            if "pixel_values" in mb:
-                kwargs.update(pixel_values=mb["pixel_values"], image_grid_thw=mb["image_grid_thw"])
+        if mb is not None and "pixel_values" in mb:
+            kwargs.update(pixel_values=mb["pixel_values"], image_grid_thw=mb["image_grid_thw"])
         return kwargs, ids.shape[0]

@@ -13,8 +13,10 @@ Under FSDP2 each vision block is sharded on its own: its all-gathers and reduce-
 collectives, so every rank must run the tower in every micro-batch or none may. On several
 ranks a micro-batch without images (a text-only row, or a dummy) therefore runs the tower on
 one blank image (`blank_image`, a single merged token's patches) and adds zero times its
-output to the token embeddings (`blank_image_pass`): the same collectives as a rank with
-images, gradients exactly zero, the result unchanged. For the same reason the model's output
+output to the token embeddings (`image_pass`): the same collectives as a rank with images,
+gradients exactly zero, the result unchanged. Under sequence parallelism the model gets no
+images; `image_pass` runs the tower on the images this rank's tokens hold and places their
+features itself (`arealite.train_engine.parallel.sequence_images`). For the same reason the model's output
 leaves out the tower's features (`hide_image_outputs`): FSDP2 hooks the backward of every
 tensor the root module returns, and a root hook firing mid-backward on the ranks with images
 alone would prefetch a layer there and nowhere else.
@@ -24,15 +26,15 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
 from arealite.train_engine.packing import PackedIndex
 from arealite.vision.rope import mrope_positions, row_grids
 
-__all__ = ["VISION_KEYS", "blank_image", "blank_image_pass", "hide_image_outputs", "is_vision_config", "pack_images",
-           "split_vision_keys", "vision_blocks", "vision_tower"]
+__all__ = ["VISION_KEYS", "ImageFeed", "blank_image", "hide_image_outputs", "image_pass", "is_vision_config",
+           "pack_images", "split_vision_keys", "vision_blocks", "vision_tower"]
 
 #: The batch keys that hold images (not per-token: never packed as tokens are).
 VISION_KEYS = ("pixel_values", "image_grid_thw")
@@ -99,13 +101,25 @@ def pack_images(images: dict[str, torch.Tensor], input_ids: torch.Tensor, index:
     return out
 
 
-def blank_image(hf_config: Any, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """The smallest image the tower takes, all zero: ``pixel_values [m*m, D]`` and
+class ImageFeed(NamedTuple):
+    """What the vision tower computes inside one forward (`image_pass`) and where its features go:
+    the tower runs on ``pixel_values``/``image_grid_thw``, and features ``keep`` of its output
+    (merged tokens, in image order) replace the token embeddings at ``slots`` (a bool mask over
+    the forward's tokens; None: none, the features are dropped)."""
+
+    pixel_values: torch.Tensor
+    image_grid_thw: torch.Tensor
+    keep: slice = slice(0, 0)
+    slots: torch.Tensor | None = None
+
+
+def blank_image(hf_config: Any, device: torch.device) -> ImageFeed:
+    """The smallest image the tower takes, all zero, to be dropped: ``pixel_values [m*m, D]`` and
     ``image_grid_thw [[1, m, m]]`` (``m`` the spatial merge size: one merged token)."""
     vc = hf_config.vision_config
     m = vc.spatial_merge_size
     dim = vc.in_channels * vc.temporal_patch_size * vc.patch_size ** 2
-    return torch.zeros(m * m, dim, device=device), torch.tensor([[1, m, m]], device=device)
+    return ImageFeed(torch.zeros(m * m, dim, device=device), torch.tensor([[1, m, m]], device=device))
 
 
 def hide_image_outputs(model: torch.nn.Module) -> None:
@@ -123,21 +137,27 @@ def hide_image_outputs(model: torch.nn.Module) -> None:
 
 
 @contextmanager
-def blank_image_pass(model: torch.nn.Module, image: tuple[torch.Tensor, torch.Tensor] | None) -> Iterator[None]:
-    """While active (``image`` from `blank_image`; None: inactive), the model's token embedding
-    also runs the vision tower on ``image`` and adds zero times its output, so a micro-batch
-    without images makes the tower's collectives (and gives it zero gradients) like one with."""
-    if image is None:
+def image_pass(model: torch.nn.Module, feed: ImageFeed | None) -> Iterator[None]:
+    """While active (``feed``: None, inactive), the model's token embedding also runs the vision
+    tower on ``feed``'s images and puts the features it keeps at its slots. A feed that keeps
+    nothing (`blank_image`) adds zero times the features instead, so a forward without images
+    makes the tower's collectives (and gives it zero gradients) like one with."""
+    if feed is None:
         yield
         return
     base = model.get_base_model() if callable(getattr(model, "get_base_model", None)) else model
     inner = base.model  # Qwen2_5_VLModel: get_image_features runs the tower and its merger
 
-    def add_blank(_module, _args, embeds: torch.Tensor) -> torch.Tensor:
-        features = inner.get_image_features(*image, return_dict=True).pooler_output
-        return embeds + 0.0 * torch.cat(list(features)).sum().to(embeds.dtype)
+    def place_features(_module, _args, embeds: torch.Tensor) -> torch.Tensor:
+        out = inner.get_image_features(feed.pixel_values, feed.image_grid_thw, return_dict=True).pooler_output
+        features = torch.cat(list(out)).to(embeds.dtype)
+        kept = features[feed.keep]
+        if kept.shape[0] == 0:
+            return embeds + 0.0 * features.sum()
+        slots = feed.slots.view(1, -1, 1).expand_as(embeds)
+        return embeds.masked_scatter(slots, kept)
 
-    handle = base.get_input_embeddings().register_forward_hook(add_blank)
+    handle = base.get_input_embeddings().register_forward_hook(place_features)
     try:
         yield
     finally:

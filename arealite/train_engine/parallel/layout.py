@@ -93,9 +93,6 @@ class ParallelLayout:
                                           f"{sp_field})", self.tp))
         if hf_config is None:
             return problems
-        if "vision_config" in hf_config and self.sp > 1:
-            problems.append(ConfigProblem(sp_field, "a vision-language model's images are not split by sequence "
-                                          f"parallelism yet; set {sp_field}=1", self.sp))
         if "vision_config" in hf_config and self.tp > 1:
             problems.append(ConfigProblem(tp_field, "a vision-language model's layers are not split by tensor "
                                           f"parallelism; set {tp_field}=1 and split long contexts with "

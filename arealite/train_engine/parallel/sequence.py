@@ -164,27 +164,35 @@ class SequenceParallel:
         self.group = group
         self.size, self.rank = dist.get_world_size(group), dist.get_rank(group)
 
+    def token_range(self, n_tokens: int) -> slice:
+        """This rank's consecutive share of a micro-batch of ``n_tokens`` tokens, in the row padded
+        to a multiple of the group size (it may reach past ``n_tokens``)."""
+        per_rank = -(-n_tokens // self.size)
+        return slice(self.rank * per_rank, (self.rank + 1) * per_rank)
+
     def local_inputs(self, input_ids: torch.Tensor, position_ids: torch.Tensor, cu_seqlens: torch.Tensor | None,
                      max_length: int | None = None) -> tuple[dict[str, torch.Tensor | int], int]:
         """The model's keyword inputs on this rank for a packed row of ``T`` tokens, and ``T``.
 
         The row is padded to a multiple of the group size with pad tokens that form a sequence of
         their own (so they attend only to each other); this rank gets its consecutive share of
-        ``input_ids`` and ``position_ids`` (``[1, T_pad / sp]``) and the whole padded row's
-        boundaries (``cu_seq_lens_q``) and longest sequence (``max_length_q``, from ``max_length``
-        of the unpadded row).
+        ``input_ids`` and ``position_ids`` and the whole padded row's boundaries
+        (``cu_seq_lens_q``) and longest sequence (``max_length_q``, from ``max_length`` of the
+        unpadded row). ``position_ids`` is ``[T]`` (given as ``[1, T/sp]``) or ``[k, T]``, rows of
+        positions such as Qwen2.5-VL's text and 3-D ones (given as ``[k, 1, T/sp]``).
         """
-        T = input_ids.shape[0]
-        n_pad = -(-T // self.size) * self.size - T
+        T = input_ids.shape[-1]
+        share = self.token_range(T)
+        n_pad = (share.stop - share.start) * self.size - T
         if n_pad:
             input_ids = torch.cat([input_ids, input_ids.new_zeros(n_pad)])
-            position_ids = torch.cat([position_ids, torch.arange(n_pad, dtype=position_ids.dtype,
-                                                                 device=position_ids.device)])
+            pad_pos = torch.arange(n_pad, dtype=position_ids.dtype, device=position_ids.device)
+            position_ids = torch.cat([position_ids, pad_pos.expand(*position_ids.shape[:-1], n_pad)], dim=-1)
             if cu_seqlens is not None:
                 cu_seqlens = torch.cat([cu_seqlens, cu_seqlens.new_tensor([T + n_pad])])
-        per_rank = (T + n_pad) // self.size
-        share = slice(self.rank * per_rank, (self.rank + 1) * per_rank)
-        kwargs = {"input_ids": input_ids[share][None], "position_ids": position_ids[share][None]}
+        local_pos = position_ids[..., share]
+        kwargs = {"input_ids": input_ids[share][None],
+                  "position_ids": local_pos[None] if local_pos.dim() == 1 else local_pos[:, None]}
         if cu_seqlens is not None:
             kwargs["cu_seq_lens_q"] = cu_seqlens
         if max_length is not None:
@@ -194,12 +202,11 @@ class SequenceParallel:
     def local_share(self, x: torch.Tensor, fill: int = -1) -> torch.Tensor:
         """This rank's share of a per-token tensor ``[T, ...]`` of a micro-batch (padded with
         ``fill`` as `local_inputs` pads the row), e.g. the routing a MoE forward replays."""
-        T = x.shape[0]
-        n_pad = -(-T // self.size) * self.size - T
+        share = self.token_range(x.shape[0])
+        n_pad = (share.stop - share.start) * self.size - x.shape[0]
         if n_pad:
             x = torch.cat([x, x.new_full((n_pad, *x.shape[1:]), fill)])
-        per_rank = (T + n_pad) // self.size
-        return x[self.rank * per_rank:(self.rank + 1) * per_rank]
+        return x[share]
 
     def whole(self, local, n_tokens: int) -> SequenceParallelHead:
         """The whole micro-batch's `HeadOutput` from this rank's ``local`` one."""
