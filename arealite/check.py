@@ -8,7 +8,8 @@ that resolve them (`NAME_CHECKS`): the advantage estimator and the policy loss
 (`arealite.algo`), the reward function (`arealite.reward`), the workflow and its
 kwargs (`arealite.workflow.registry`). The train engine judges its parallel layout
 (``sp_size``, ``tp_size``) on the trainer's ranks and the model (`RUN_CHECKS`,
-`arealite.train_engine.parallel.layout`). Everything that starts a run loads its config
+`arealite.train_engine.parallel.layout`), and the planner whether every trainer rank and
+server fits on the GPUs ``launch.gpus`` names (`arealite.plan.run_plan.fit_problems`). Everything that starts a run loads its config
 here, so that every problem is reported in one round, naming the field: the launchers,
 `python -m arealite.train`, and `RLTrainer` for a config built in code (`check_names`).
 
@@ -29,6 +30,7 @@ from arealite.config.launch_checks import check_launch
 from arealite.config.loader import ConfigError, load_config, parse_args, split_config_args
 from arealite.config.problems import ConfigCheck
 from arealite.config.schema import ArealiteConfig
+from arealite.plan.run_plan import fit_problems
 from arealite.reward import reward_fn_problems
 from arealite.train_engine.parallel.layout import run_layout_problems
 from arealite.workflow.registry import workflow_problems
@@ -41,9 +43,10 @@ _ALGORITHM_CHECKS: tuple[ConfigCheck, ...] = (estimator_problems, policy_loss_pr
 _WORKFLOW_CHECKS: tuple[ConfigCheck, ...] = (reward_fn_problems, workflow_problems)
 #: The checks of names that only the packages resolving them can judge.
 NAME_CHECKS: tuple[ConfigCheck, ...] = _ALGORITHM_CHECKS + _WORKFLOW_CHECKS
-#: Every check of a run's config beyond the config package's own: the names, and the train
-#: engines' parallel layouts on the trainer's ranks (with the models' configs where they exist).
-RUN_CHECKS: tuple[ConfigCheck, ...] = NAME_CHECKS + (run_layout_problems,)
+#: Every check of a run's config beyond the config package's own: the names, the train
+#: engines' parallel layouts on the trainer's ranks (with the models' configs where they exist),
+#: and, when ``launch.gpus`` names the cluster's GPUs, whether every process fits in its memory.
+RUN_CHECKS: tuple[ConfigCheck, ...] = NAME_CHECKS + (run_layout_problems, fit_problems)
 
 
 def check_names(cfg: ArealiteConfig, *, workflow_from_config: bool = True) -> ArealiteConfig:

@@ -103,6 +103,16 @@ class LaunchConfig(Section):
     the environment variable AREALITE_SERVER_ADDRS (comma-separated)."""
     n_trainer_procs: int = Field(1, ge=1)
     """Number of trainer processes `torchrun` starts (one per GPU on CUDA)."""
+    gpus: str | None = None
+    """The cluster's GPUs, e.g. `8xH100`, `2x8xH100` (nodes x per node), `H200`: with it, the config
+    check predicts every trainer rank's and server's memory on that card and refuses a layout that
+    will not fit, naming the cheapest change that does (`python -m arealite.plan` shows the whole
+    plan). None = no memory check. See docs/planning.md."""
+    gpu_memory_gib: float | None = Field(None, gt=0)
+    """The memory of one of `gpus` in GiB when it differs from the named card's (None = the card's)."""
+    memory_check: Literal["error", "warn", "off"] = "error"
+    """What a predicted out-of-memory does when `gpus` is set: refuse the config (`error`), log a
+    warning (`warn`) or nothing (`off`)."""
     server_startup_timeout_s: float = Field(300.0, gt=0)
     """How long to wait for every server's `/health` before giving up."""
     server_cpus: int | None = Field(None, ge=1)
