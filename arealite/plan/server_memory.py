@@ -155,7 +155,7 @@ def _sglang(cfg: ArealiteConfig, gpu: GpuSpec, hf_config: dict, reserved_gib: fl
     size = model_size(hf_config)
     dtype = "bfloat16" if cfg.server.dtype == "auto" else cfg.server.dtype  # as the launcher passes it
     kv_dtype = _flag(o.extra_args, "--kv-cache-dtype") or "auto"
-    kv_dtype = dtype if kv_dtype in ("auto", "bf16") else kv_dtype
+    kv_dtype = {"auto": dtype, "bf16": "bfloat16", "mxfp8": "fp8_e4m3"}.get(kv_dtype, kv_dtype)
     if kv_dtype not in _DTYPE_BYTES:
         raise ValueError(f"server.sglang.extra_args: --kv-cache-dtype {kv_dtype!r} is not one the planner "
                          f"knows ({', '.join(_DTYPE_BYTES)})")
