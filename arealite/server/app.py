@@ -59,12 +59,7 @@ def load_model(args: ServerArgs):
     hf_logging.disable_progress_bar()
     device = resolve_device(args.device)
     cfg = AutoConfig.from_pretrained(args.model_path)
-    if args.dtype == "auto":
-        dtype = getattr(cfg, "dtype", None) or getattr(cfg, "torch_dtype", None) or torch.float32
-        if isinstance(dtype, str):
-            dtype = parse_dtype(dtype)
-    else:
-        dtype = parse_dtype(args.dtype)
+    dtype = parse_dtype(args.served_dtype_name(cfg))
     if is_vision_config(cfg):  # vision tower + language model (`arealite.server.vision`)
         model = load_vision_model(args.model_path, dtype).to(device).eval()
     else:
@@ -87,9 +82,7 @@ class EmbeddedServer:
         self.device = device
         cfg = model.config
         self.vocab_size = int(model.get_input_embeddings().num_embeddings)
-        text_cfg = getattr(cfg, "text_config", None) or cfg  # a VLM keeps it on its language model's config
-        self.context_length = int(args.context_length or getattr(cfg, "max_position_embeddings", None)
-                                  or getattr(text_cfg, "max_position_embeddings", 4096))
+        self.context_length = args.served_context_length(cfg)  # the planner reads the same rule
         self.state = model_state(model)
         self.started = time.time()
         self.limits = args.limits()

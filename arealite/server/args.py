@@ -77,6 +77,22 @@ class ServerArgs:
     freeze_gc: bool = True
     """Once loaded, keep the garbage collector off the startup heap (`arealite.utils.heap`)."""
 
+    def served_context_length(self, model_config: object) -> int:
+        """The longest prompt + completion served: ``--context-length``, else the model's
+        ``max_position_embeddings`` (a vision model's language config's), else 4096.
+        ``model_config``: a transformers config or config.json as a dict."""
+        text = _config_field(model_config, "text_config") or model_config
+        return int(self.context_length or _config_field(model_config, "max_position_embeddings")
+                   or _config_field(text, "max_position_embeddings") or 4096)
+
+    def served_dtype_name(self, model_config: object) -> str:
+        """The dtype the weights are loaded in: ``--dtype``; ``auto`` is the checkpoint's own
+        (``dtype`` or ``torch_dtype`` in its config), float32 when it names none."""
+        if self.dtype != "auto":
+            return self.dtype
+        named = _config_field(model_config, "dtype") or _config_field(model_config, "torch_dtype") or "float32"
+        return str(named).removeprefix("torch.")
+
     def limits(self) -> Limits:
         """The per-request caps these flags set."""
         origins = frozenset(normalize_origin(o) for o in self.allowed_origins.split(",") if o.strip())
@@ -91,6 +107,13 @@ class ServerArgs:
 
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
+def _config_field(model_config: object, name: str) -> object:
+    """``name`` of a transformers config object or of a config.json dict (None when absent)."""
+    if isinstance(model_config, dict):
+        return model_config.get(name)
+    return getattr(model_config, name, None)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import numpy as np
 
-__all__ = ["GPUS", "MODELS", "GpuSpec", "ModelSpec", "SimSpec", "load_lengths"]
+__all__ = ["GPUS", "GPU_ALIASES", "MODELS", "GpuSpec", "ModelSpec", "SimSpec", "load_lengths"]
 
 
 @dataclass(frozen=True)
@@ -59,6 +59,14 @@ GPUS = {
     "a100": GpuSpec(peak_tflops=312.0, hbm_gbps=2039.0, memory_gb=80.0),
     "h100": GpuSpec(peak_tflops=989.0, hbm_gbps=3350.0, memory_gb=80.0),
     "h200": GpuSpec(peak_tflops=989.0, hbm_gbps=4800.0, memory_gb=141.0),
+    "l40s": GpuSpec(peak_tflops=362.0, hbm_gbps=864.0, memory_gb=48.0),
+}
+
+#: Other names of the cards above (lower case): the SXM H100 and H800 (same bf16 peak,
+#: bandwidth and memory; the H800's NVLink is cut, which nothing here models).
+GPU_ALIASES = {
+    "h100-80gb": "h100", "h100-sxm": "h100", "h100-sxm5": "h100", "h800": "h100",
+    "a100-80gb": "a100", "a100-sxm": "a100", "h200-141gb": "h200",
 }
 
 #: Models of AReaL's paper (DeepSeek-R1-Distill-Qwen, i.e. Qwen2.5 shapes), from their config.json.
@@ -118,11 +126,15 @@ class SimSpec:
     """Bandwidth of one server's weight update (GB/s; e.g. NCCL over one 200 Gb/s NIC)."""
     time_scale: float = 1.0
     """Simulated seconds take this many real seconds (0.01: 100x faster than the GPU)."""
+    gpu_shape: GpuSpec | None = None
+    """A card given by its figures instead of ``gpu`` (the planner: a memory override)."""
+    model_shape: ModelSpec | None = None
+    """A model given by its shape instead of ``model`` (the planner: the run's own model)."""
 
     def __post_init__(self) -> None:
-        if self.gpu not in GPUS:
+        if self.gpu_shape is None and self.gpu not in GPUS:
             raise ValueError(f"--sim-gpu {self.gpu!r} is not known (known: {', '.join(GPUS)})")
-        if self.model not in MODELS:
+        if self.model_shape is None and self.model not in MODELS:
             raise ValueError(f"--sim-model {self.model!r} is not known (known: {', '.join(MODELS)})")
         for name in ("gpus_per_server", "mem_fraction", "mbu", "mfu_decode", "mfu_prefill", "length_median",
                      "weight_gbps", "time_scale"):
@@ -136,11 +148,11 @@ class SimSpec:
 
     @property
     def gpu_spec(self) -> GpuSpec:
-        return GPUS[self.gpu]
+        return self.gpu_shape or GPUS[self.gpu]
 
     @property
     def model_spec(self) -> ModelSpec:
-        return MODELS[self.model]
+        return self.model_shape or MODELS[self.model]
 
     @property
     def kv_capacity_tokens(self) -> int:

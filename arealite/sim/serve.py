@@ -83,7 +83,7 @@ def parse_sim_args(argv: list[str]) -> tuple[ServerArgs, SimSpec, list[int], str
     try:
         lengths = load_lengths(ns.sim_lengths_file) if ns.sim_lengths_file else ()
         fields = {f.name: getattr(ns, "sim_" + f.name) for f in dataclasses.fields(SimSpec)
-                  if f.name != "lengths"}
+                  if f.name not in ("lengths", "gpu_shape", "model_shape")}  # no flags: the planner's
         spec = SimSpec(**fields, lengths=lengths)
     except ValueError as e:
         p.error(str(e))
