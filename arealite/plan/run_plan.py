@@ -20,7 +20,7 @@ from arealite.config.problems import ConfigProblem
 from arealite.config.schema import ArealiteConfig
 from arealite.plan.breakdown import GIB, MemoryBreakdown
 from arealite.plan.gpus import Cluster, parse_gpus
-from arealite.plan.server_memory import ServerPlan, server_memory
+from arealite.plan.server_memory import ServerPlan, answer_tokens, server_memory
 from arealite.plan.throughput import ThroughputPlan, plan_throughput
 from arealite.plan.trainer_memory import trainer_rank_memory
 
@@ -53,34 +53,24 @@ class RunPlan:
     @property
     def capacity(self) -> int:
         """One card's memory in bytes."""
-        return int(self.cluster.spec.memory_gb * GIB)
+        return self.cluster.memory_bytes
 
     def over(self) -> list[tuple[str, MemoryBreakdown]]:
-        """The processes predicted over the card: ``(section, breakdown)``."""
+        """The processes predicted not to fit: ``(section, breakdown)``."""
         out = [(s, b) for s, b in self.trainers.items() if b.total > self.capacity]
-        if self.server is not None and self.server.kv_tokens < self.cfg_answer_tokens():
+        if self.server is not None and not self.server.fits:
             out.append(("server", self.server.breakdown))
         return out
 
-    def cfg_answer_tokens(self) -> int:
-        """The tokens of one answer of the configured maximum length (prompt and answer; the prompt
-        counts 0 when ``data.max_prompt_len`` is unset)."""
-        return _answer_tokens(self.cfg)
-
     def table(self) -> str:
-        parts = [f"cluster: {self.cluster.n_gpus} x {self.cluster.name} ({self.cluster.spec.memory_gb:.0f} GiB each)"]
-        parts += [b.table(self.capacity) for b in self.trainers.values()]
+        parts = [f"cluster: {self.cluster.describe()}"]
+        for breakdown in self.trainers.values():
+            parts.append("\n".join([breakdown.table(self.capacity)] + [f"  note: {n}" for n in breakdown.notes]))
         if self.server is not None:
-            parts.append(self.server.breakdown.table(self.capacity))
-            parts.append(f"  KV capacity {self.server.kv_tokens} tokens: {self.server.concurrent_answers} answers "
-                         f"of {self.cfg_answer_tokens()} tokens at once")
+            parts.append(self.server.table())
         if self.throughput is not None:
             parts.append(self.throughput.table())
         return "\n\n".join(parts)
-
-
-def _answer_tokens(cfg: ArealiteConfig) -> int:
-    return int(cfg.data.max_prompt_len or 0) + int(cfg.generation.max_new_tokens)
 
 
 def plan_run(cfg: ArealiteConfig, cluster: Cluster, *, mfu: float | None = None, device: str = "cuda") -> RunPlan:
@@ -106,7 +96,7 @@ Fix = Callable[[ArealiteConfig, str], Iterator[tuple[str, object]]]
 
 def _smaller_micro_batches(cfg: ArealiteConfig, section: str) -> Iterator[tuple[str, object]]:
     engine = getattr(cfg, section)
-    floor = _answer_tokens(cfg)  # a row is never split across micro-batches
+    floor = answer_tokens(cfg)  # a row is never split across micro-batches
     budget = engine.mb_max_tokens // 2
     while budget >= floor:
         yield f"{section}.mb_max_tokens", budget
@@ -161,14 +151,18 @@ def _trainer_fix(plan: RunPlan, section: str, device: str) -> str | None:
 
 
 def _server_fix(plan: RunPlan) -> str | None:
-    """A change that gives one answer of the maximum length room in the KV cache."""
+    """The cheapest change that lets a server run one answer of the configured length."""
     cfg = plan.cfg
     hf = model_config(cfg.server.model_path) or model_config(cfg.actor.model_path)
-    fraction = cfg.server.sglang.mem_fraction_static
-    candidates = [("server.sglang.mem_fraction_static", round(f, 2)) for f in (0.85, 0.9) if f > fraction]
-    candidates += [("server.sglang.tp_size", cfg.server.sglang.tp_size * k) for k in (2, 4, 8)]
+    if cfg.launch.server_backend == "sglang":
+        fraction = cfg.server.sglang.mem_fraction_static
+        candidates = [("server.sglang.mem_fraction_static", f) for f in (0.85, 0.9) if f > fraction]
+        candidates += [("server.sglang.tp_size", cfg.server.sglang.tp_size * k) for k in (2, 4, 8)]
+    else:
+        rows = cfg.server.max_batch_size
+        candidates = [("server.max_batch_size", rows // k) for k in (2, 4, 8, 16) if rows // k >= 1]
     for path, value in candidates:
-        if server_memory(_with(cfg, path, value), plan.cluster.spec, hf).kv_tokens >= plan.cfg_answer_tokens():
+        if server_memory(_with(cfg, path, value), plan.cluster.spec, hf).fits:
             return f"{path}={json.dumps(value)}"
     return None
 
@@ -180,11 +174,9 @@ def plan_problems(plan: RunPlan, device: str = "cuda") -> list[ConfigProblem]:
     for section, breakdown in plan.over():
         if section == "server":
             fix = _server_fix(plan)
-            need = plan.cfg_answer_tokens()
-            message = (f"the server's KV cache holds {plan.server.kv_tokens} tokens, fewer than one answer of "
-                       f"{need} (data.max_prompt_len + generation.max_new_tokens) on a {plan.cluster.name} of "
-                       f"{cap / GIB:.0f} GiB")
-            field_path = "server.sglang.mem_fraction_static"
+            message = f"a server on a {plan.cluster.name} of {cap / GIB:.0f} GiB: " + "; ".join(plan.server.problems)
+            field_path = ("server.sglang.mem_fraction_static" if plan.cfg.launch.server_backend == "sglang"
+                          else "server.max_batch_size")
         else:
             fix = _trainer_fix(plan, section, device)
             largest = max(breakdown.parts, key=breakdown.parts.get)
