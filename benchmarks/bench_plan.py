@@ -60,38 +60,14 @@ def _nll(head, mb):
     return -(logp * mask).sum() / mask.sum().clamp(min=1)
 
 
-def _tracker_class():
-    from torch.distributed._tools.mem_tracker import MemTracker
-
-    class Tracker(MemTracker):
-        """MemTracker without its per-module statistics, which refuse a module run twice in one
-        step (several micro-batches) and register gradient hooks on frozen parameters (LoRA's
-        base). The model's and optimizer's tensors are registered by ``track_external``; what
-        the step allocates is counted by the dispatch mode, as in MemTracker."""
-
-        def _pre_fw_hook(self, module, inputs):
-            pass
-
-        def _post_fw_hook(self, module, inputs, outputs):
-            pass
-
-        def _pre_bw_hook(self, module, args):
-            pass
-
-        def _post_bw_hook(self, module, args):
-            pass
-
-    return Tracker
-
-
 def child(model_dir: str, name: str, out: str) -> None:
     """One rank: warm up, then measure one step's peak of live tensor bytes."""
     import torch
     import torch.distributed as dist
     from arealite.lora.engine import LoraFSDPEngine
+    from arealite.plan.measured import step_peak
     from arealite.train_engine.fsdp import FSDPEngine
 
-    _Tracker = _tracker_class()
     spec = CONFIGS[name]
     cfg = _config(model_dir, spec)
     engine = (LoraFSDPEngine(cfg.actor, device="cpu") if spec.get("lora")
@@ -104,14 +80,8 @@ def child(model_dir: str, name: str, out: str) -> None:
     batch = {"input_ids": ids[mine], "attention_mask": mask, "loss_mask": mask}
     weight = lambda mb: mb["loss_mask"].sum()  # noqa: E731
     engine.train_batch(batch, _nll, weight)
-    tracker = _Tracker()
-    tracker.track_external(engine.model, engine.optimizer)
-    with tracker:
-        engine.train_batch(batch, _nll, weight)
-    peak = tracker.get_tracker_snapshot("peak")[torch.device("cpu")]
-    Path(f"{out}.{engine.rank}").write_text(json.dumps({"peak": int(peak["Total"]),
-                                                        **{str(k.value): int(v) for k, v in peak.items()
-                                                           if hasattr(k, "value")}}))
+    peak = step_peak(engine, batch, _nll, weight)
+    Path(f"{out}.{engine.rank}").write_text(json.dumps(peak))
     if dist.is_initialized():
         dist.barrier()
     engine.destroy()

@@ -75,8 +75,9 @@ class LiveBytes(TorchDispatchMode):
         out = func(*args, **(kwargs or {}))
         # A view or an in-place op returns an input's storage: counted where it was made, or
         # not at all when it was there before (a weight's transpose is the weight).
-        if not any(r.alias_info is not None for r in func._schema.returns):
-            tree_map_only(torch.Tensor, self.track, out)
+        inputs: set[int] = set()
+        tree_map_only(torch.Tensor, lambda t: inputs.add(id(t.untyped_storage())), (args, kwargs))
+        tree_map_only(torch.Tensor, lambda t: None if id(t.untyped_storage()) in inputs else self.track(t), out)
         return out
 
 
