@@ -167,6 +167,13 @@ def _server_fix(plan: RunPlan) -> str | None:
     return None
 
 
+def _value(cfg: ArealiteConfig, path: str) -> object:
+    node: object = cfg
+    for name in path.split("."):
+        node = getattr(node, name)
+    return node
+
+
 def plan_problems(plan: RunPlan, device: str = "cuda") -> list[ConfigProblem]:
     """One `ConfigProblem` per process predicted not to fit, naming the fields and the cheapest fix."""
     problems = []
@@ -174,19 +181,19 @@ def plan_problems(plan: RunPlan, device: str = "cuda") -> list[ConfigProblem]:
     for section, breakdown in plan.over():
         if section == "server":
             fix = _server_fix(plan)
-            message = f"a server on a {plan.cluster.name} of {cap / GIB:.0f} GiB: " + "; ".join(plan.server.problems)
+            message = f"a server on a {plan.cluster.name} of {cap / GIB:.3g} GiB: " + "; ".join(plan.server.problems)
             field_path = ("server.sglang.mem_fraction_static" if plan.cfg.launch.server_backend == "sglang"
                           else "server.max_batch_size")
         else:
             fix = _trainer_fix(plan, section, device)
             largest = max(breakdown.parts, key=breakdown.parts.get)
             message = (f"a trainer rank is predicted to need {breakdown.total / GIB:.1f} GiB on a "
-                       f"{plan.cluster.name} of {cap / GIB:.0f} GiB (largest part: {largest}, "
+                       f"{plan.cluster.name} of {cap / GIB:.3g} GiB (largest part: {largest}, "
                        f"{breakdown.parts[largest] / GIB:.1f} GiB)")
             field_path = f"{section}.mb_max_tokens"
         message += f"; cheapest fix that fits: {fix}" if fix else "; no single change fits: use more or larger GPUs"
         problems.append(ConfigProblem(field_path, message + " (python -m arealite.plan shows every part)",
-                                      getattr(plan.cfg.launch, "gpus", None)))
+                                      _value(plan.cfg, field_path)))
     return problems
 
 
