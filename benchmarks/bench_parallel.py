@@ -108,7 +108,7 @@ def _status_kb(key: str) -> int:
     raise KeyError(key)
 
 
-def _rows(engine, ids: torch.Tensor) -> slice:
+def _rows(engine) -> slice:
     """This rank's share of the micro-batch's rows: every model-parallel group gets all of them
     (the ``sp x tp`` ranks of a group are neighbours, ``tp`` innermost), split among its ranks."""
     size = engine.layout.group_size
@@ -127,7 +127,7 @@ def child(model_dir: str, layout: str, seq_len: int, seqs: int, out: str) -> Non
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(10, engine.hf_config.vocab_size, (seqs, seq_len), generator=g)
     mask = torch.ones_like(ids, dtype=torch.bool)
-    rows = _rows(engine, ids)
+    rows = _rows(engine)
     batch = {"input_ids": ids[rows], "attention_mask": mask[rows], "loss_mask": mask[rows]}
     engine.train_batch(batch, token_mean_nll, n_loss_tokens)
     if dist.is_initialized():
