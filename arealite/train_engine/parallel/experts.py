@@ -14,7 +14,7 @@ The expert weights (transformers 5 keeps them fused: ``experts.gate_up_proj [E, 
 ``experts.down_proj [E, H, I]``) become DTensors ``Shard(0)`` on the ``ep`` mesh, left out
 of FSDP2 (its ``ignored_params``); FSDP2 shards everything else over all ranks as without
 experts parallelism. So a full state dict, a DCP checkpoint, a weight push and the gradient
-norm (`tensor_parallel.clip_grad_norm`, per mesh) see the experts of every rank without
+norm (`parallel.grad_norm.clip_grad_norm`, per mesh) see the experts of every rank without
 further code. The gradient of an expert weight holds what every rank's tokens contributed
 through the all-to-all; `finish_expert_gradients` sums it over the ``edp`` replicas
 and divides by the world size, which is what FSDP2's average over ranks does to the others.
