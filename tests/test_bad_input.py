@@ -352,7 +352,7 @@ def test_server_binds_to_loopback_by_default(server):
 
 
 def test_launcher_and_config_default_to_loopback():
-    from arealite.launcher.server_cmd import embedded_server_command, sglang_server_command
+    from arealite.server.command_line import embedded_server_command, sglang_server_command
 
     cfg = ArealiteConfig.model_validate({"actor": {"model_path": "/m"}})
     for cmd in (embedded_server_command(cfg, 1234), sglang_server_command(cfg, 1234)):

@@ -26,7 +26,7 @@ import pytest
 
 from arealite.config.schema import ArealiteConfig, RolloutConfig
 from arealite.launcher.common import server_env
-from arealite.launcher.server_cmd import embedded_server_command
+from arealite.server.command_line import embedded_server_command
 
 from conftest import free_port, run_env, stop_process
 

@@ -71,7 +71,7 @@ def test_every_server_failing_is_an_error(micro_model_dir):
 
 def test_launched_judges_are_checked_and_get_their_own_model():
     from arealite.config.schema import ArealiteConfig
-    from arealite.launcher.server_cmd import judge_server_command
+    from arealite.server.command_line import judge_server_command
     from arealite.launcher.slurm import check_slurm
 
     with pytest.raises(ValueError, match="agent.judge.n_servers=2 needs agent.judge.model_path"):

@@ -21,7 +21,7 @@ import pytest
 
 from arealite.config.schema import ArealiteConfig
 from arealite.launcher.local import ExitCode, LocalLauncher
-from arealite.launcher.server_cmd import (
+from arealite.server.command_line import (
     embedded_server_command,
     masked,
     server_command,

@@ -153,7 +153,7 @@ def test_lora_engine_needs_lora_settings(micro_model_dir):
 
 
 def test_sglang_launch_flags_follow_actor_lora(micro_model_dir):
-    from arealite.launcher.server_cmd import sglang_server_command
+    from arealite.server.command_line import sglang_server_command
 
     cfg = ArealiteConfig.model_validate({"actor": {"model_path": str(micro_model_dir)}})
     assert "--enable-lora" not in sglang_server_command(cfg, 30000)

@@ -122,7 +122,7 @@ def test_sglang_extra_args_are_read():
 @pytest.fixture(scope="module")
 def embedded(micro_model_dir):
     """The plan of a run on the micro model and the embedded server the launcher would start."""
-    from arealite.launcher.server_cmd import embedded_server_command
+    from arealite.server.command_line import embedded_server_command
     from arealite.server.app import create_server
     from arealite.server.args import parse_args
 

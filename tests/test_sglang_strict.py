@@ -242,7 +242,7 @@ def _as_source(state):
 
 
 def test_sglang_command_starts_at_the_run_version_and_refuses_data_parallelism(tmp_path):
-    from arealite.launcher.server_cmd import embedded_server_command, sglang_server_command
+    from arealite.server.command_line import embedded_server_command, sglang_server_command
 
     cfg = ArealiteConfig(actor={"model_path": str(tmp_path)}, launch={"server_backend": "sglang"})
     cmd = sglang_server_command(cfg, 30000, 0, weight_version=12)

@@ -21,7 +21,7 @@ import yaml
 from conftest import free_port, run_env
 
 from arealite.config.schema import ArealiteConfig
-from arealite.launcher.server_cmd import check_sim_backend, server_command
+from arealite.server.command_line import check_sim_backend, server_command
 from arealite.server.generate_request import GenerateInput
 from arealite.server.sampling import SamplingConfig
 from arealite.sim.cost_model import SimSpec, load_lengths

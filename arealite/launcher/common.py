@@ -333,7 +333,7 @@ def load_checked_config(args: argparse.Namespace):
     is wrong."""
     from arealite.check import load_run_config
     from arealite.config.launch_checks import check_launch
-    from arealite.launcher.server_cmd import check_sim_backend, server_model_path
+    from arealite.server.command_line import check_sim_backend, server_model_path
 
     cfg = load_run_config(args.config, args.overrides)
     external_addrs = check_launch(cfg)

@@ -58,7 +58,7 @@ from arealite.launcher.common import (  # noqa: F401  (ExitCode, DEFAULT_ENTRY..
     watch_run,
 )
 from arealite.launcher import torchrun
-from arealite.launcher.server_cmd import gpus_per_server, judge_server_command, masked, server_command
+from arealite.server.command_line import gpus_per_server, judge_server_command, masked, server_command
 from arealite.reward.judge import ADDRS_ENV as JUDGE_ADDRS_ENV
 from arealite.utils import procs
 from arealite.utils.net import free_port, free_ports, ports_from

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from arealite.launcher.server_cmd import gpus_per_server
+from arealite.server.command_line import gpus_per_server
 
 Resources = dict[str, float]
 

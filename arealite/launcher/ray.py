@@ -53,7 +53,7 @@ from arealite.launcher.common import (
     watch_run,
 )
 from arealite.launcher.process_host import PYTHON, ProcessHost
-from arealite.launcher.server_cmd import masked, server_command
+from arealite.server.command_line import masked, server_command
 from arealite.utils.net import ENV_HOST_IP, split_addr
 
 #: Driver environment passed on to every process (a node's own environment is kept otherwise).

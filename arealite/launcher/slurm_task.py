@@ -24,7 +24,7 @@ from typing import Sequence
 
 from arealite.config.run import run_dir
 from arealite.launcher.common import ExitCode, LaunchError, log, server_env, start_version, wait_healthy
-from arealite.launcher.server_cmd import masked, server_command
+from arealite.server.command_line import masked, server_command
 from arealite.utils import procs
 from arealite.utils.net import ENV_HOST_IP, free_port, host_ip
 

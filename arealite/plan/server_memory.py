@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 
 from arealite.config.schema import ArealiteConfig
-from arealite.launcher.server_cmd import embedded_server_command, server_model_path
+from arealite.server.command_line import embedded_server_command, server_model_path
 from arealite.server.args import parse_args
 from arealite.server.prompt_cache import DEFAULT_MAX_BYTES
 from arealite.sim.cost_model import GpuSpec, SimSpec

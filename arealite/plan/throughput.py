@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from arealite.config.schema import ArealiteConfig
-from arealite.launcher.server_cmd import gpus_per_server
+from arealite.server.command_line import gpus_per_server
 from arealite.sim.cost_model import ModelSpec, SimSpec
 from arealite.train_engine.parallel.layout import ParallelLayout
 

@@ -20,7 +20,7 @@ finish. A fresh name per version would not work: SGLang remembers every name it 
 and quietly reloads an unloaded one from its old path when a request names it.
 
 The servers need ``--enable-lora``, ``--max-lora-rank`` and ``--lora-target-modules`` (the
-launcher passes them, see `arealite.launcher.server_cmd`). The directory must be on a
+launcher passes them, see `arealite.server.command_line`). The directory must be on a
 filesystem the servers see (``weight_sync.disk_dir``).
 """
 

@@ -1,4 +1,4 @@
-"""Command lines of the inference servers the launcher starts.
+"""Command lines of a run's inference servers (the launchers start them; the planner reads them).
 
 Two backends speak the same HTTP protocol: arealite's embedded server (CPU or
 GPU, PyTorch) and SGLang (GPU). Both command lines are built from the config
