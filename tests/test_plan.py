@@ -93,3 +93,15 @@ def test_a_critic_is_planned_beside_the_actor(config_only):
     plan = plan_run(cfg, parse_gpus("8xH100"))
     assert set(plan.trainers) == {"actor", "critic"}
     assert plan.table().count("trainer rank") == 2
+
+
+@pytest.mark.parametrize("example", sorted(REPO.glob("examples/planning/*.yaml")), ids=lambda p: p.stem)
+def test_the_worked_examples_of_docs_planning_fit_as_the_docs_say(example, capsys, monkeypatch):
+    """docs/planning.md's runs (published models' config.json, no weights) plan and fit; the 7B one
+    without checkpointing is refused with checkpointing named."""
+    monkeypatch.chdir(REPO)
+    assert plan_main([str(example.relative_to(REPO))]) == 0
+    assert "fits: every process" in capsys.readouterr().out
+    if "qwen2.5-7b" in example.name:
+        assert plan_main([str(example.relative_to(REPO)), "actor.gradient_checkpointing=false"]) == 1
+        assert "cheapest fix that fits: actor.gradient_checkpointing=true" in capsys.readouterr().err

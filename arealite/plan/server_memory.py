@@ -44,7 +44,8 @@ class ModelSize:
     params: int
     """Every parameter (tied embeddings once)."""
     matmul_params: int
-    """Parameters of the linear layers, the output head included (what a token's FLOPs count)."""
+    """Parameters of the linear layers a token runs, the output head included (what a token's
+    FLOPs count; a mixture of experts' experts at the top-k share a token activates)."""
     layers: int
     kv_heads: int
     head_dim: int
@@ -85,6 +86,11 @@ def _model_size(config_json: str) -> ModelSize:
     params = sum(p.numel() for p in model.parameters())
     matmul = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
     text = d.get("text_config") or d
+    # A mixture of experts' fused expert weights are not Linear modules; a token runs top-k of them.
+    experts = sum(p.numel() for name, p in model.named_parameters() if ".experts." in name)
+    n_experts = text.get("num_experts") or text.get("num_local_experts")
+    if experts and n_experts:
+        matmul += experts * int(text.get("num_experts_per_tok") or 1) // int(n_experts)
     heads = int(text["num_attention_heads"])
     head_dim = int(text.get("head_dim") or text["hidden_size"] // heads)
     return ModelSize(params=params, matmul_params=matmul, layers=int(text["num_hidden_layers"]),

@@ -36,11 +36,10 @@ from arealite.train_engine.parallel.layout import ParallelLayout
 
 __all__ = ["trainer_rank_memory", "largest_microbatch"]
 
-NOT_MODELLED = [
-    "not modelled: the allocator's fragmentation and cached blocks (PyTorch's caching allocator "
-    "typically adds 5-15% on a GPU), NCCL's buffers and the CUDA context (~0.5-1 GiB per GPU)",
-    "MoE experts are traced with balanced routing; an unbalanced router loads some ranks more",
-]
+NOT_MODELLED = ("not modelled: the allocator's fragmentation and cached blocks (PyTorch's caching allocator "
+                "typically adds 5-15% on a GPU), NCCL's buffers and the CUDA context (~0.5-1 GiB per GPU)")
+#: A mixture of experts' routing depends on the data, which fake tensors do not have.
+BALANCED_ROUTING = "MoE experts are traced with balanced routing; an unbalanced router loads some ranks more"
 
 
 def _local_numel(p: ParamShape, layout: ParallelLayout, shard: bool = True) -> int:
@@ -66,8 +65,11 @@ def _fsdp_unit_numel(params: list[ParamShape], layout: ParallelLayout) -> int:
 
 def largest_microbatch(cfg: ArealiteConfig, engine: TrainEngineConfig) -> list[int]:
     """The sequence lengths of the largest micro-batch the config allows: answers of the longest
-    prompt plus ``generation.max_new_tokens`` packed up to ``mb_max_tokens``."""
-    longest = min(engine.mb_max_tokens, (cfg.data.max_prompt_len or 0) + cfg.generation.max_new_tokens)
+    prompt plus ``generation.max_new_tokens`` packed up to ``mb_max_tokens``; an answer longer than
+    the budget is a micro-batch of its own (packing never splits a row)."""
+    longest = (cfg.data.max_prompt_len or 0) + cfg.generation.max_new_tokens
+    if longest >= engine.mb_max_tokens:
+        return [longest]
     n, rest = divmod(engine.mb_max_tokens, longest)
     return [longest] * n + ([rest] if rest else [])
 
@@ -76,7 +78,8 @@ def _n_microbatches(cfg: ArealiteConfig, engine: TrainEngineConfig, layout: Para
     """Micro-batches of a step on one rank at the longest answers (the optimizer step's share)."""
     rows = cfg.rollout.consumer_batch_size * cfg.generation.n_samples / max(cfg.algorithm.n_minibatches, 1)
     longest = (cfg.data.max_prompt_len or 0) + cfg.generation.max_new_tokens
-    return max(1, math.ceil(rows / layout.dp * longest / engine.mb_max_tokens))
+    per_micro_batch = max(1, engine.mb_max_tokens // longest)
+    return max(1, math.ceil(rows / layout.dp / per_micro_batch))
 
 
 def trainer_rank_memory(cfg: ArealiteConfig, section: str = "actor", hf_config: dict | None = None,
@@ -123,7 +126,9 @@ def trainer_rank_memory(cfg: ArealiteConfig, section: str = "actor", hf_config: 
                      + ", ".join(f"{n} {sum(p.values()) / 2**20:.1f} MiB" for n, p in phases.items() if n != name))
     out.notes.append(f"largest micro-batch: {sum(seq_lens)} tokens in {len(seq_lens)} sequences (longest "
                      f"{max(seq_lens)}), {math.ceil(sum(seq_lens) / layout.sp)} per rank; {n_mb} micro-batch(es) per step")
-    out.notes.extend(NOT_MODELLED)
+    out.notes.append(NOT_MODELLED)
+    if getattr(hf, "num_experts", None) or getattr(hf, "num_local_experts", None):
+        out.notes.append(BALANCED_ROUTING)
     return out
 
 
