@@ -28,30 +28,19 @@ import torch.distributed as dist
 __all__ = ["SequenceParallel", "SequenceParallelHead", "ulysses_attention"]
 
 
-class _SeqToHeads(torch.autograd.Function):
-    """``[1, H, T/sp, d]`` (all heads, local tokens) -> ``[1, H/sp, T, d]`` (local heads, all tokens)."""
+class _Exchange(torch.autograd.Function):
+    """The all-to-all between the two layouts of attention's inputs: ``to_heads`` takes
+    ``[1, H, T/sp, d]`` (all heads, local tokens) to ``[1, H/sp, T, d]`` (local heads, all
+    tokens), else the other way; the backward exchanges the gradient back."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
-        ctx.group = group
-        return _seq_to_heads(x, group)
+    def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup, to_heads: bool) -> torch.Tensor:
+        ctx.group, ctx.to_heads = group, to_heads
+        return (_seq_to_heads if to_heads else _heads_to_seq)(x, group)
 
     @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return _heads_to_seq(grad, ctx.group), None
-
-
-class _HeadsToSeq(torch.autograd.Function):
-    """``[1, H/sp, T, d]`` (local heads, all tokens) -> ``[1, H, T/sp, d]`` (all heads, local tokens)."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
-        ctx.group = group
-        return _heads_to_seq(x, group)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return _seq_to_heads(grad, ctx.group), None
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        return (_heads_to_seq if ctx.to_heads else _seq_to_heads)(grad, ctx.group), None, None
 
 
 def _seq_to_heads(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
@@ -115,10 +104,10 @@ def ulysses_attention(inner: AttentionFn, group: dist.ProcessGroup) -> Attention
         if n_heads % sp:
             raise ValueError(f"{n_heads} attention heads do not split over sp_size={sp} ranks")
         key, value = _repeat_kv(key, n_heads, sp), _repeat_kv(value, n_heads, sp)
-        q, k, v = (_SeqToHeads.apply(t, group) for t in (query, key, value))
+        q, k, v = (_Exchange.apply(t, group, True) for t in (query, key, value))
         out, _ = inner(module, q, k, v, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
         # inner returns [1, T, H/sp, d]; back to [1, T/sp, H, d].
-        local = _HeadsToSeq.apply(out.transpose(1, 2), group)
+        local = _Exchange.apply(out.transpose(1, 2), group, False)
         return local.transpose(1, 2).contiguous(), None
 
     return attention
