@@ -174,11 +174,10 @@ def run_layout(mode: Mode, model_dir: Path, checkpointing: bool, names: list[str
                 peaks[name] = measured_peak(engine, batch_of(answer_lengths(n, mode.max_seq), vocab, 1), baseline,
                                             capacity)
             except torch.OutOfMemoryError as e:  # a case meant to fit did not: no figure, the goal missed
-                print(f"  measured {name}: out of memory ({str(e).splitlines()[0][:200]})", flush=True)
-                peaks[name] = None
-                free_device()
-                continue
-            print(f"  measured {name}: {peaks[name] / MIB:.1f} MiB", flush=True)
+                peaks[name], said = None, f"out of memory ({str(e).splitlines()[0][:200]})"
+            if peaks[name] is None:
+                free_device()  # out of the except block: its traceback no longer holds the step's tensors
+            print(f"  measured {name}: {said if peaks[name] is None else f'{peaks[name] / MIB:.1f} MiB'}", flush=True)
         if oom_tokens:
             raised, said = try_oom(engine, batch_of(answer_lengths(oom_tokens, mode.max_seq), vocab, 2), capacity)
             oom = {"raised": raised, "said": said}
