@@ -9,7 +9,10 @@
 #      one GPU (weights by shm), its log-prob probe agreeing every step,
 #   4. training MFU and tokens/s of a randomly initialised Qwen2.5-1.5B-shaped model (bf16,
 #      long-tailed packed RL batches) against transformers' padded SDPA loop
-#      (benchmarks/bench_mfu.py), whatever the tests said.
+#      (benchmarks/bench_mfu.py), whatever the tests said,
+#   5. the planner's trainer memory against torch.cuda.max_memory_allocated for the same
+#      1.5B-shaped model (checkpointing off and on, two lengths each; goal within 10%), and a
+#      length it predicts over the card really running out of memory (benchmarks/bench_plan_gpu.py).
 #
 #   bash ci/gpu_local.sh
 #
@@ -32,4 +35,5 @@ $PY -c 'import torch, transformers; print(f"[gpu] torch {torch.__version__}, tra
 status=0
 $PY -m pytest -q -rs -p no:cacheprovider -m gpu tests/test_fsdp.py tests/test_attention.py tests/test_parallel_compose.py tests/test_gpu.py "$@" || status=$?
 $PY benchmarks/bench_mfu.py --steps ${MFU_STEPS:-4} || status=$?
+$PY benchmarks/bench_plan_gpu.py || status=$?
 exit $status
