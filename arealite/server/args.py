@@ -25,6 +25,9 @@ class ServerArgs:
     port: int = 30000
     dtype: str = "auto"
     """``auto`` (the checkpoint's dtype), ``float32``, ``bfloat16`` or ``float16``."""
+    quantization: str | None = None
+    """``fp8``: serve the linear layers' weights as block-wise float8_e4m3fn with their
+    ``weight_scale_inv`` (`arealite.server.fp8_linear`), as SGLang's ``--quantization fp8``."""
     random_seed: int = 0
     """Seeds the shared sampling generator (requests without ``sampling_seed``)."""
     api_key: str | None = None
@@ -107,6 +110,7 @@ class ServerArgs:
 
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+QUANTIZATIONS = ("fp8",)
 
 
 def _config_field(model_config: object, name: str) -> object:
@@ -126,6 +130,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=30000)
     p.add_argument("--dtype", default="auto", choices=DTYPES)
+    p.add_argument("--quantization", default=None, choices=QUANTIZATIONS,
+                   help="fp8: linear weights stored as block-wise float8_e4m3fn + weight_scale_inv, "
+                        "quantised on load and on every weight update")
     p.add_argument("--random-seed", type=int, default=0)
     # Launchers pass the key in the environment: a command line shows in `ps`. --api-key
     # stays for SGLang's flag set, and is warned about.

@@ -22,6 +22,7 @@ from aiohttp import web
 from .body import RequestError, check_fields, json_body, want
 from .files import UnsafeFile, check_regular
 from .limits import short
+from .fp8_linear import store
 from .shm_alias import AliasedFiles, alias_problem, alias_weights, aliasable, own_weights
 from .strict import NO_SESSION, OUTSIDE_SESSION, READBACK_FAILED, SESSION_OPEN, SGLangBehaviour
 from .weights import (
@@ -185,7 +186,7 @@ class WeightRoutes:
             def copy() -> None:
                 with torch.no_grad():
                     for name, dt, shape, off in zip(names, dtypes, shapes, offsets):
-                        self.state[name].copy_(shm.tensor(off, dt, shape))
+                        store(self.state, name, shm.tensor(off, dt, shape))
 
             def swap() -> None:
                 alias_weights(self.model, self.state, shm, names, dtypes, shapes, offsets)

@@ -38,6 +38,7 @@ import torch
 from arealite.utils.checkpoint_names import checkpoint_views
 
 from .files import UnsafeFile, checkpoint_files, load_safetensors, open_regular
+from .fp8_linear import arrives_quantised, store
 from .limits import short
 
 logger = logging.getLogger("arealite.server")
@@ -106,7 +107,7 @@ def check_metadata(
         t = state[name]
         if tuple(t.shape) != shape:
             return f"tensor {name!r}: shape {list(shape)} does not match the model's {list(t.shape)}"
-        if t.dtype != dt:
+        if t.dtype != dt and not arrives_quantised(t, dt):
             return f"tensor {name!r}: dtype {dt} does not match the model's {t.dtype}"
     return None
 
@@ -149,16 +150,26 @@ def check_full_checkpoint(state: dict[str, torch.Tensor], tensors: dict[str, tor
     for name, t in state.items():
         by_ptr.setdefault(t.data_ptr(), []).append(name)
     for aliases in by_ptr.values():
+        if any(_scale_made_on_arrival(a, state, tensors) for a in aliases):
+            continue
         if not any(a in tensors for a in aliases):
             return f"the checkpoint lacks tensor {aliases[0]!r} (a partial update would mix old and new weights)"
     return None
 
 
+def _scale_made_on_arrival(name: str, state: dict[str, torch.Tensor], tensors: dict[str, torch.Tensor]) -> bool:
+    """Whether `name` is the scale of an FP8 weight that `tensors` gives in float: the
+    server quantises that weight on arrival and writes this scale itself (`store`)."""
+    weight = name.removesuffix("_scale_inv")
+    return weight != name and weight in tensors and arrives_quantised(state[weight], tensors[weight].dtype)
+
+
 @torch.no_grad()
 def copy_into_model(state: dict[str, torch.Tensor], tensors: dict[str, torch.Tensor]) -> None:
-    """Copy checked tensors into the model's own storage (casting to its dtype)."""
+    """Copy checked tensors into the model's own storage (casting to its dtype; quantising
+    a floating tensor sent to an FP8 weight, `arealite.server.fp8_linear.store`)."""
     for name, t in tensors.items():
-        state[name].copy_(t.to(device=state[name].device, dtype=state[name].dtype))
+        store(state, name, t)
 
 
 class ShmWeightFile:

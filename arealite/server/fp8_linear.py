@@ -1,0 +1,77 @@
+"""The embedded server's FP8 linear layers (``--quantization fp8``), on any device.
+
+Each quantised ``nn.Linear`` becomes an `Fp8Linear` that stores its weight as block-wise
+float8_e4m3fn with a float32 ``weight_scale_inv`` (`arealite.quant.fp8`, the layout SGLang
+serves) and de-quantises it block by block in every matmul: the arithmetic is that of an
+ordinary linear layer whose weight is the FP8-rounded one, so a trainer forward with the
+same rounded weights reproduces the server's log-probs exactly. (On a GPU with FP8 tensor
+cores SGLang multiplies in FP8 instead; that fast path is not here yet.)
+
+Weight updates address the same names as SGLang: ``x.weight`` and ``x.weight_scale_inv``.
+An FP8 ``x.weight`` is stored as sent (its scale comes beside it, as SGLang expects); a
+floating-point one (the trainer's bf16/fp32) is quantised here and its scale written too,
+which SGLang does not do (docs/sglang.md, "FP8 weights").
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from arealite.quant.fp8 import FP8_DTYPE, dequantize_blockwise, quantize_blockwise, scale_name, stays_unquantised
+
+
+class Fp8Linear(torch.nn.Module):
+    """``y = x @ dequant(weight, weight_scale_inv).T + bias``; weight and scale are buffers,
+    so the model's state dict names them as an FP8 checkpoint does."""
+
+    weight: torch.Tensor
+    weight_scale_inv: torch.Tensor
+
+    def __init__(self, linear: torch.nn.Linear):
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        q, scale_inv = quantize_blockwise(linear.weight.detach())
+        self.register_buffer("weight", q)
+        self.register_buffer("weight_scale_inv", scale_inv)
+        self.bias = linear.bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        w = dequantize_blockwise(self.weight, self.weight_scale_inv, dtype=x.dtype)
+        return F.linear(x, w, self.bias)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, fp8 block-wise"
+
+
+def quantize_linears(model: torch.nn.Module) -> list[str]:
+    """Replace every ``nn.Linear`` an FP8 server quantises (not the LM head, routers, ...:
+    `stays_unquantised`) by an `Fp8Linear`; return the replaced modules' names."""
+    targets = [(name, mod) for name, mod in model.named_modules()
+               if isinstance(mod, torch.nn.Linear) and not stays_unquantised(f"{name}.weight", mod.weight)]
+    for name, mod in targets:
+        parent_name, _, child = name.rpartition(".")
+        setattr(model.get_submodule(parent_name) if parent_name else model, child, Fp8Linear(mod))
+    return [name for name, _ in targets]
+
+
+def is_quantised_slot(target: torch.Tensor) -> bool:
+    return target.dtype == FP8_DTYPE
+
+
+def arrives_quantised(target: torch.Tensor, dtype: torch.dtype) -> bool:
+    """Whether a tensor of `dtype` sent for `target` is taken by quantising it here."""
+    return is_quantised_slot(target) and dtype != FP8_DTYPE and dtype.is_floating_point
+
+
+@torch.no_grad()
+def store(state: dict[str, torch.Tensor], name: str, tensor: torch.Tensor) -> None:
+    """Write `tensor` into the model's tensor `name`: cast to its dtype, or, for a floating
+    tensor sent to an FP8 weight, quantised with its ``weight_scale_inv`` written beside it."""
+    target = state[name]
+    if arrives_quantised(target, tensor.dtype):
+        q, scale_inv = quantize_blockwise(tensor.to(target.device))
+        target.copy_(q)
+        state[scale_name(name)].copy_(scale_inv)
+    else:
+        target.copy_(tensor.to(device=target.device, dtype=target.dtype))
