@@ -8,7 +8,6 @@ unquantised model's (so the comparison can tell the two apart).
 
 from __future__ import annotations
 
-import aiohttp
 import pytest
 import torch
 
@@ -16,7 +15,7 @@ from arealite.quant.fp8 import FP8_DTYPE, dequantize_blockwise, quantize_blockwi
 from arealite.server.fp8_linear import quantize_linears
 from arealite.server.process import ServerProcess
 from arealite.server.weights import check_full_checkpoint, check_metadata, copy_into_model, model_state
-from tests.test_server_generate import free_port, post, prompt_of
+from tests.test_server_generate import free_port, http, post, prompt_of  # noqa: F401  (http: the fixture)
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -51,20 +50,11 @@ def seed1_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def fp8_server(tiny_model_dir, tmp_path_factory):
-    log = tmp_path_factory.mktemp("fp8_server") / "server.log"
-    proc = ServerProcess(tiny_model_dir, free_port(), log_path=log, threads=1,
-                         extra_args=["--quantization", "fp8", "--dtype", "float32"])
-    try:
-        yield proc.wait_healthy()
-    finally:
-        proc.stop()
-
-
-@pytest.fixture
-async def http():
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=90)) as s:
-        yield s
+def fp8_server(tiny_model_dir, tmp_path_factory, request):
+    proc = ServerProcess(tiny_model_dir, free_port(), extra_args=["--quantization", "fp8", "--dtype", "float32"],
+                         log_path=tmp_path_factory.mktemp("fp8_server") / "server.log", threads=1)
+    request.addfinalizer(proc.stop)  # also when it never gets healthy
+    return proc.wait_healthy()
 
 
 async def _server_greedy(http, server, prompt, n):
