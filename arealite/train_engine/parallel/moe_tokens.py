@@ -67,11 +67,13 @@ class MoeTokenSplit:
 
     def attach(self, block: torch.nn.Module) -> None:
         """Make ``block`` (``hidden [B, S, H] -> [B, S, H]``) run on this rank's share of its tokens."""
-        shapes: list[torch.Size] = []
+        # The input's shape, from the pre-hook to the hook of the same call (one slot: a recompute
+        # under activation checkpointing may stop inside the block, before the hook).
+        shape_of_call: dict[str, torch.Size] = {}
 
         def split(module: torch.nn.Module, args: tuple) -> tuple:
             hidden = args[0]
-            shapes.append(hidden.shape)
+            shape_of_call["input"] = hidden.shape
             flat = hidden.reshape(-1, hidden.shape[-1])
             n_pad = -flat.shape[0] % self.size
             if n_pad:
@@ -79,7 +81,7 @@ class MoeTokenSplit:
             return (_SplitTokens.apply(flat, self.group)[None], *args[1:])
 
         def gather(module: torch.nn.Module, args: tuple, output: torch.Tensor) -> torch.Tensor:
-            shape = shapes.pop()
+            shape = shape_of_call["input"]
             whole = gather_tokens(output.reshape(-1, shape[-1]), self.group)
             return whole[: shape[:-1].numel()].reshape(shape)
 
