@@ -110,8 +110,8 @@ def test_parallel_compose_ep2_sp2(moe_dir, tmp_path_factory):
 
 @pytest.mark.slow
 def test_parallel_compose_ep2_tp2(moe_dir, tmp_path_factory):
-    """Tensor-parallel attention, the MoE block whole on each tensor-parallel rank with its experts
-    split by expert parallelism."""
+    """Tensor-parallel attention; each tensor-parallel rank runs the MoE block on half the tokens
+    (the routing replayed on its share), its experts split by expert parallelism."""
     _run(moe_dir, "ep=2,tp=2", (1, 2, 1, 2, 2), tmp_path_factory)
 
 
@@ -192,12 +192,15 @@ def test_parallel_compose_accepts_what_the_peers_compose():
     assert (layout.dp_shard, layout.dp, layout.group_size, layout.fsdp_size) == (4, 16, 4, 32)
 
 
-def test_parallel_compose_router_balance_loss_is_refused_under_sp():
+@pytest.mark.parametrize("split, fix", [({"sp_size": 2}, "actor.sp_size=1"), ({"tp_size": 2}, "actor.tp_size=1")])
+def test_parallel_compose_router_balance_loss_is_refused_under_sp_or_tp(split, fix):
+    """Under sp a forward holds a part of the tokens; under tp each rank routes a part of a MoE
+    block's tokens: either way a router's balance is not the micro-batch's."""
     from arealite.config.schema import ActorConfig
 
-    cfg = ActorConfig(model_path="m", sp_size=2, ep_size=2, router_aux_loss_coef=0.01)
+    cfg = ActorConfig(model_path="m", ep_size=2, router_aux_loss_coef=0.01, **split)
     problem = _only(engine_layout_problems("actor", cfg, 4, hf_config=MOE))
-    assert problem.path == "actor.router_aux_loss_coef" and "sequence parallelism" in problem.message
+    assert problem.path == "actor.router_aux_loss_coef" and fix in problem.message
 
 
 def test_parallel_compose_check_names_the_field_before_anything_starts(tiny_model_dir):

@@ -73,6 +73,23 @@ def test_tensor_parallel_matches_one_process_for_each_family(tp_family_runs):
     assert_matches_one_process([r0, r1], single)
 
 
+@pytest.mark.slow
+def test_tensor_parallel_splits_a_moe_blocks_tokens(tmp_path_factory):
+    """tp=2 on a Qwen3-MoE model without expert parallelism: each rank runs every MoE block on half
+    of its tokens (the routing replayed on that half), the router's and the whole experts'
+    gradients summed over the two ranks; as one process, within 1e-5."""
+    from fsdp_scenario import load_worker
+
+    from arealite.models.tiny import build_tiny_model
+
+    model_dir = build_tiny_model(tmp_path_factory.mktemp("tp_moe"), size="moe-micro", seed=0)
+    out = tmp_path_factory.mktemp("tp_moe_1rank")
+    load_worker().run(str(model_dir), str(out))
+    single = torch.load(out / "result_rank0.pt", weights_only=False)
+    _, (r0, r1) = two_ranks(model_dir, tmp_path_factory.mktemp("tp_moe2"), "tp")
+    assert_matches_one_process([r0, r1], single)
+
+
 def test_tensor_parallel_refuses_a_layer_parameter_it_does_not_know(micro_model_dir):
     """A parameter of the attention the plan neither splits nor knows as per-head is refused."""
     from transformers import AutoModelForCausalLM

@@ -37,7 +37,7 @@ import contextlib
 import logging
 import math
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
@@ -63,6 +63,7 @@ from arealite.train_engine.parallel.experts import finish_expert_gradients
 from arealite.train_engine.parallel.grad_norm import clip_grad_norm
 from arealite.train_engine.parallel.layout import ParallelLayout, engine_layout_problems, layout_error
 from arealite.train_engine.parallel.meshes import ParallelMeshes, build_meshes
+from arealite.train_engine.parallel.moe_tokens import MoeTokenSplit, finish_moe_gradients, split_moe_tokens
 from arealite.train_engine.parallel.sequence import SequenceParallel
 from arealite.train_engine.parallel.tensor import whole_tensor
 from arealite.train_engine.vision_inputs import image_pass, is_vision_config
@@ -108,6 +109,7 @@ class FSDPEngine:
         self.layout = ParallelLayout(world=1)
         self.meshes: ParallelMeshes | None = None  # built by initialize()
         self._sp: SequenceParallel | None = None  # this rank's share of each micro-batch (sp_size > 1)
+        self._moe_split: MoeTokenSplit | None = None  # this rank's share of a MoE block's tokens (tp_size > 1)
         # algorithm.routing_replay (set by whoever builds the engine): "r3" replays the server's MoE
         # routing (a micro-batch's ``routed_experts``) in every forward; "none" lets the router choose.
         self.routing_replay = "none"
@@ -148,6 +150,8 @@ class FSDPEngine:
         # The loss applies the output head after the model's forward returns: the root's
         # parameters (the head's weight among them) must stay gathered until the backward.
         self.model.set_reshard_after_forward(False, recurse=False)
+        if self.meshes.tp is not None:
+            self._moe_split = split_moe_tokens(self.model, self.meshes.tp.get_group())
         self._head_module = output_head(self.model, self.hf_config)
         if self.config.router_aux_loss_coef > 0 and not moe_routers(self.model):
             raise ValueError(f"{self.section}.router_aux_loss_coef={self.config.router_aux_loss_coef}: the model has "
@@ -218,6 +222,8 @@ class FSDPEngine:
         without a plain output head (a value model); gathered from the sequence-parallel group."""
         kwargs, n_tokens = self.planner.model_inputs(mb, index)
         local = None if self._sp is None else self._sp.local_share
+        if self._moe_split is not None:  # the MoE blocks route this rank's share of the forward's tokens
+            local = self._moe_split.local_share if local is None else _then(local, self._moe_split.local_share)
         with (replay_routing(self.model, mb if self.routing_replay == "r3" else None, local),
               image_pass(self.model, self.planner.image_feed(mb))):
             if self._head_module is None:
@@ -283,8 +289,10 @@ class FSDPEngine:
             loss_sum += loss.detach().double() * w
             _add_stats(stat_sums, mb.get("_stats") or {}, w)
         self.model.set_requires_gradient_sync(True)
+        if self._moe_split is not None:
+            finish_moe_gradients(self.model, self._moe_split.group)
         if self.layout.ep > 1:
-            finish_expert_gradients(self.model, self.meshes.ep_replicas, self.world_size)
+            finish_expert_gradients(self.model, self.meshes.ep_replicas, self.layout.fsdp_size)
 
         grad_norm, skipped = self._step_optimizer()
         dist.all_reduce(loss_sum)
@@ -494,3 +502,10 @@ def _as_weight(w: float | torch.Tensor) -> float:
     if not math.isfinite(value) or value < 0:
         raise ValueError(f"loss_weight_fn returned {value}; weights must be finite and >= 0")
     return value
+
+
+def _then(first: Callable[[torch.Tensor], torch.Tensor],
+          second: Callable[[torch.Tensor], torch.Tensor]) -> Callable[[torch.Tensor], torch.Tensor]:
+    """``second(first(x))``: a share of a share (a MoE block's tensor-parallel share of the
+    sequence-parallel share of a micro-batch)."""
+    return lambda x: second(first(x))

@@ -17,7 +17,9 @@ experts parallelism. So a full state dict, a DCP checkpoint, a weight push and t
 norm (`parallel.grad_norm.clip_grad_norm`, per mesh) see the experts of every rank without
 further code. The gradient of an expert weight holds what every rank's tokens contributed
 through the all-to-all; `finish_expert_gradients` sums it over the ``edp`` replicas
-and divides by the world size, which is what FSDP2's average over ranks does to the others.
+and divides by the loss's scale, which is what FSDP2's average over ranks does to the others.
+With tensor parallelism the ``ep`` ranks of a group share a tensor-parallel position, and each
+runs the block on its share of the tokens (`moe_tokens`).
 
 Every rank of an expert group must run the same number of MoE forwards (and backwards) in the
 same order: the engine's micro-batch planner gives each rank the same number of micro-batches
@@ -172,10 +174,14 @@ def apply_expert_parallel(model: torch.nn.Module, ep_mesh: DeviceMesh, device: t
     return params
 
 
-def finish_expert_gradients(model: torch.nn.Module, replicas: dist.ProcessGroup | None, world_size: int) -> None:
+def finish_expert_gradients(model: torch.nn.Module, replicas: dist.ProcessGroup | None, loss_scale: int) -> None:
     """After a step's backward: sum the expert gradients of ``model`` over ``replicas`` (the ranks
-    holding the same experts) and divide by ``world_size`` (FSDP2 averages the other gradients over
-    all ranks); an expert weight no token reached gets a zero gradient, so that every rank's
+    holding the same experts) and divide by ``loss_scale``, the ``dp x sp`` ranks FSDP2 averages
+    the other gradients over and the engine scales the loss by (`ParallelLayout.fsdp_size`).
+
+    Why that divisor: the sum covers every rank's tokens once (each tensor-parallel rank runs the
+    MoE block on its own share of the tokens, `moe_tokens`), each token's gradient carrying the
+    loss's scale. An expert weight no token reached gets a zero gradient, so that every rank's
     gradient norm sees it."""
     reduce = replicas is not None and dist.get_world_size(replicas) > 1
     for shard in (m for m in model.modules() if isinstance(m, ExpertShard)):
@@ -188,4 +194,4 @@ def finish_expert_gradients(model: torch.nn.Module, replicas: dist.ProcessGroup 
             local = p.grad.to_local()
             if reduce:
                 dist.all_reduce(local, group=replicas)
-            local.div_(world_size)
+            local.div_(loss_scale)

@@ -143,10 +143,12 @@ def engine_layout_problems(section: str, config: TrainEngineConfig, world: int, 
     settings the layout constrains."""
     layout = ParallelLayout.of(config, world)
     problems = [] if layout.trivial else layout.problems(section, lora=lora, hf_config=hf_config)
-    if layout.sp > 1 and config.router_aux_loss_coef > 0:
+    split = [f"{section}.{name}=1" for name, n in (("sp_size", layout.sp), ("tp_size", layout.tp)) if n > 1]
+    if split and config.router_aux_loss_coef > 0:
         problems.append(ConfigProblem(f"{section}.router_aux_loss_coef", "the routers' load-balancing loss is "
-                                      "computed per forward, and under sequence parallelism a forward holds a part "
-                                      f"of the micro-batch's tokens; set it to 0 or {section}.sp_size=1",
+                                      "computed per forward, and under sequence parallelism (or tensor parallelism, "
+                                      "whose ranks each route a share of a MoE block's tokens) a router sees a part "
+                                      f"of the micro-batch's tokens; set it to 0 or {' and '.join(split)}",
                                       config.router_aux_loss_coef))
     return problems
 

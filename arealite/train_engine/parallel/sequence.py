@@ -25,7 +25,7 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
-__all__ = ["SequenceParallel", "SequenceParallelHead", "ulysses_attention"]
+__all__ = ["SequenceParallel", "SequenceParallelHead", "gather_tokens", "token_share", "ulysses_attention"]
 
 
 class _Exchange(torch.autograd.Function):
@@ -80,6 +80,22 @@ class _GatherTokens(torch.autograd.Function):
         return grad[ctx.rank * ctx.n:(ctx.rank + 1) * ctx.n], None
 
 
+def gather_tokens(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    """Each rank's ``[Tl, ...]`` concatenated in rank order (a collective); the backward keeps
+    this rank's part of the gradient."""
+    return _GatherTokens.apply(x, group)
+
+
+def token_share(x: torch.Tensor, size: int, rank: int, fill: float = -1) -> torch.Tensor:
+    """Rank ``rank``'s consecutive share of a per-token tensor ``[T, ...]`` split over ``size``
+    ranks, the tensor padded with ``fill`` to a multiple of ``size`` first."""
+    per_rank = -(-x.shape[0] // size)
+    n_pad = per_rank * size - x.shape[0]
+    if n_pad:
+        x = torch.cat([x, x.new_full((n_pad, *x.shape[1:]), fill)])
+    return x[rank * per_rank:(rank + 1) * per_rank]
+
+
 def _repeat_kv(key: torch.Tensor, n_heads: int, sp: int) -> torch.Tensor:
     """``key [1, KV, T, d]`` with each head repeated so that the KV heads split evenly over ``sp``
     ranks next to the query heads that read them (to ``sp`` heads, or to one per query head)."""
@@ -123,7 +139,7 @@ class SequenceParallelHead:
         self._sp, self._rank = dist.get_world_size(group), dist.get_rank(group)
 
     def _gather(self, x: torch.Tensor) -> torch.Tensor:
-        return _GatherTokens.apply(x, self.group)[: self.n_tokens]
+        return gather_tokens(x, self.group)[: self.n_tokens]
 
     def _local_labels(self, labels: torch.Tensor) -> torch.Tensor:
         n_pad = self._pad_to() - labels.shape[0]
@@ -191,11 +207,7 @@ class SequenceParallel:
     def local_share(self, x: torch.Tensor, fill: int = -1) -> torch.Tensor:
         """This rank's share of a per-token tensor ``[T, ...]`` of a micro-batch (padded with
         ``fill`` as `local_inputs` pads the row), e.g. the routing a MoE forward replays."""
-        share = self.token_range(x.shape[0])
-        n_pad = (share.stop - share.start) * self.size - x.shape[0]
-        if n_pad:
-            x = torch.cat([x, x.new_full((n_pad, *x.shape[1:]), fill)])
-        return x[share]
+        return token_share(x, self.size, self.rank, fill)
 
     def whole(self, local, n_tokens: int) -> SequenceParallelHead:
         """The whole micro-batch's `HeadOutput` from this rank's ``local`` one."""

@@ -18,8 +18,9 @@ parameters become DTensors on the data x tensor mesh once FSDP2 shards the layer
 ``full_tensor()`` gathers a weight whole, which is how every weight transfer gets full tensors.
 
 A mixture-of-experts layer (Qwen3-MoE) splits its attention the same way; its MoE block (the
-router and the experts) runs whole on every tensor-parallel rank, on the same tokens, the
-experts split by expert parallelism when ``ep_size > 1`` (`arealite.train_engine.parallel.experts`).
+router and the experts) is not split by features: each tensor-parallel rank runs it on its share
+of the tokens (`arealite.train_engine.parallel.moe_tokens`), the experts split by expert
+parallelism when ``ep_size > 1`` (`arealite.train_engine.parallel.experts`).
 """
 
 from __future__ import annotations
@@ -45,7 +46,7 @@ _COLUMN = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate
 _ROW = ("self_attn.o_proj", "mlp.down_proj")
 #: Norms applied to each head after its projection: ``[..., heads, head_dim]``, heads at dim 2.
 _PER_HEAD = ("self_attn.q_norm", "self_attn.k_norm")
-#: A mixture-of-experts block's router and experts (not split by tensor parallelism).
+#: A mixture-of-experts block's router and experts (split by tokens, not features: `moe_tokens`).
 _MOE_BLOCK = ("mlp.gate.", "mlp.experts.")
 
 
@@ -96,7 +97,7 @@ def _refuse_unplanned(layer: torch.nn.Module) -> None:
     known = _COLUMN + _ROW + _PER_HEAD
     for name, _ in layer.named_parameters():
         owner = name.rsplit(".", 1)[0]
-        if f"{owner}.".startswith(_MOE_BLOCK):  # whole on every tensor-parallel rank, on the same tokens
+        if f"{owner}.".startswith(_MOE_BLOCK):  # whole on every tensor-parallel rank, on its share of the tokens
             continue
         if owner.startswith(("self_attn", "mlp")) and owner not in known:
             raise NotImplementedError(
