@@ -84,8 +84,9 @@ def _start(name: str, micro_model_dir: Path, tmp: Path) -> Backend:
     proc = subprocess.Popen(cmd, stdout=open(log, "wb"), stderr=subprocess.STDOUT, env=env, start_new_session=True)
     addr = f"127.0.0.1:{port}"
     try:
-        # A simulated warm-up takes a simulated GPU's time (8 decode steps): wait until it is over.
-        _wait_ready(proc, addr, log, timeout, "/ready" if name == "sim" else "/model_info")
+        # Wait until the start-up warm-up is over (SGLang's /ready): before it, /health answers 503
+        # at once, and a simulated warm-up takes a simulated GPU's time (8 decode steps).
+        _wait_ready(proc, addr, log, timeout, "/ready" if name in ("embedded", "sim") else "/model_info")
     except BaseException:
         proc.kill()
         raise
