@@ -14,7 +14,6 @@ import json
 import logging
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from pathlib import Path
 
 from arealite.config.problems import ConfigProblem
 from arealite.config.schema import ArealiteConfig
@@ -23,20 +22,11 @@ from arealite.plan.gpus import Cluster, parse_gpus
 from arealite.plan.server_memory import ServerPlan, answer_tokens, server_memory
 from arealite.plan.throughput import ThroughputPlan, plan_throughput
 from arealite.plan.trainer_memory import trainer_rank_memory
+from arealite.train_engine.parallel.layout import model_config
 
 __all__ = ["RunPlan", "fit_problems", "model_config", "plan_run"]
 
 logger = logging.getLogger(__name__)
-
-
-def model_config(path: str | None) -> dict | None:
-    """The config.json of a model directory as a dict (None where there is none)."""
-    if not path:
-        return None
-    try:
-        return json.loads((Path(path) / "config.json").read_text())
-    except (OSError, ValueError):
-        return None
 
 
 @dataclass

@@ -32,7 +32,7 @@ from arealite.config.schema import ArealiteConfig, TrainEngineConfig
 from arealite.train_engine.parallel.experts import expert_parallel_problems
 from arealite.train_engine.parallel.tensor import tensor_parallel_problems
 
-__all__ = ["ParallelLayout", "engine_layout_problems", "layout_error", "run_layout_problems"]
+__all__ = ["ParallelLayout", "engine_layout_problems", "layout_error", "model_config", "run_layout_problems"]
 
 
 @dataclass(frozen=True)
@@ -126,7 +126,7 @@ def layout_error(problems: list[ConfigProblem]) -> ValueError:
     return ValueError("; ".join(p.format() for p in problems))
 
 
-def _model_config(path: str | None) -> dict | None:
+def model_config(path: str | None) -> dict | None:
     """The config.json of a model directory as a dict, or None where there is none (yet)."""
     if not path:
         return None
@@ -162,5 +162,5 @@ def run_layout_problems(cfg: ArealiteConfig) -> list[ConfigProblem]:
         engines.append(("critic", cfg.critic, cfg.critic.model_path or cfg.actor.model_path, False))
     problems: list[ConfigProblem] = []
     for section, engine, path, lora in engines:
-        problems += engine_layout_problems(section, engine, world, lora=lora, hf_config=_model_config(path))
+        problems += engine_layout_problems(section, engine, world, lora=lora, hf_config=model_config(path))
     return problems
