@@ -14,7 +14,7 @@ from arealite.config.path_checks import PATH_FIELDS, path_problems
 from arealite.config.problems import ConfigCheck, ConfigError, ConfigProblem
 from arealite.config.schema import ArealiteConfig
 
-__all__ = ["CROSS_FIELD_CHECKS", "check_config", "config_problems"]
+__all__ = ["CROSS_FIELD_CHECKS", "check_config", "config_advice", "config_problems"]
 
 
 def _check_batch_divisible(cfg: ArealiteConfig) -> list[ConfigProblem]:
@@ -109,6 +109,38 @@ def _check_merged_export(cfg: ArealiteConfig) -> list[ConfigProblem]:
     return []
 
 
+def _check_fp8(cfg: ArealiteConfig) -> list[ConfigProblem]:
+    """`server.quantization: fp8` needs full-weight pushes (not `actor.lora`), and on SGLang a
+    `server.model_path` holding a block-FP8 checkpoint (docs/precision.md)."""
+    if cfg.server.quantization != "fp8":
+        return []
+    out = []
+    if cfg.actor.lora is not None:
+        out.append(ConfigProblem(
+            "server.quantization", "= fp8 cannot serve LoRA adapters: a LoRA push sends only the adapters, "
+            "which the servers add to a base they would have to re-quantise; set server.quantization=null "
+            "or actor.lora=null", "fp8"))
+    if cfg.launch.server_backend == "sglang" and not cfg.server.model_path:
+        out.append(ConfigProblem(
+            "server.model_path", "is empty with server.quantization = fp8 on SGLang: SGLang keeps 128x128 "
+            "block scales only for a checkpoint whose config.json carries quantization_config {quant_method: "
+            "fp8, weight_block_size: [128, 128]} (a bf16 checkpoint is quantised per channel and the "
+            "trainer's block pushes would not fit); write one with `python -m arealite.quant.fp8_checkpoint "
+            "SRC DST` and set server.model_path=DST", None))
+    return out
+
+
+def config_advice(cfg: ArealiteConfig) -> list[str]:
+    """Settings that run but are likely not what is wanted (the trainer logs them as warnings)."""
+    out = []
+    if cfg.server.quantization == "fp8" and cfg.algorithm.mismatch.mode == "none":
+        out.append("server.quantization = fp8 with algorithm.mismatch.mode = none: the servers sample from "
+                   "FP8-rounded weights while the trainer scores in its own precision; set "
+                   "algorithm.mismatch.mode=tis (and algorithm.use_decoupled_loss=true) to correct the gap "
+                   "(docs/precision.md)")
+    return out
+
+
 #: Checks that relate several fields; each docstring is listed in docs/config_reference.md.
 CROSS_FIELD_CHECKS = (
     _check_batch_divisible,
@@ -118,6 +150,7 @@ CROSS_FIELD_CHECKS = (
     _check_context_length,
     _check_shm_backend,
     _check_merged_export,
+    _check_fp8,
     check_algorithm,
 )
 

@@ -76,6 +76,11 @@ class ServerConfig(Section):
     """Model directory the servers load at start (None = `actor.model_path`)."""
     dtype: Literal["float32", "bfloat16", "float16", "auto"] = "auto"
     """Server weight dtype; `auto` = float32 on CPU, bfloat16 on CUDA."""
+    quantization: Literal["fp8"] | None = None
+    """`fp8`: the servers hold the linear layers' weights as block-wise float8_e4m3fn (128x128
+    blocks with a float32 `weight_scale_inv` each; embeddings, LM head, norms and MoE routers stay
+    in `dtype`) and the trainer quantises every push (docs/precision.md). The trainer keeps its own
+    precision: turn on `algorithm.mismatch` (TIS/MIS) to correct the gap. None = no quantisation."""
     host: str = Field("127.0.0.1", min_length=1)
     """Interface the servers of the local launcher bind to. Keep 127.0.0.1 unless other hosts must
     reach them (the Ray and Slurm launchers bind per `launch.cluster_bind`)."""

@@ -60,6 +60,8 @@ def embedded_server_command(cfg: ArealiteConfig, port: int, index: int = 0, weig
         cmd += ["--dtype", s.dtype]
     if s.context_length is not None:
         cmd += ["--context-length", str(s.context_length)]
+    if s.quantization is not None and model_path is None:  # the policy's servers (not a judge's)
+        cmd += ["--quantization", s.quantization]
     cmd += embedded_limit_args(cfg)
     cmd += routing_replay_args(cfg)
     # `server.api_key` is read from AREALITE_SERVER_API_KEY (`common.server_env`), never argv.
@@ -105,6 +107,8 @@ def sglang_server_command(cfg: ArealiteConfig, port: int, index: int = 0, weight
     context_length = o.context_length if o.context_length is not None else s.context_length
     if context_length is not None:
         cmd += ["--context-length", str(context_length)]
+    if s.quantization is not None:  # from an FP8 block checkpoint: server.model_path (docs/precision.md)
+        cmd += ["--quantization", s.quantization]
     cmd += sglang_lora_args(cfg)
     cmd += routing_replay_args(cfg)
     cmd += list(o.extra_args)

@@ -64,6 +64,18 @@ def arrives_quantised(target: torch.Tensor, dtype: torch.dtype) -> bool:
     return is_quantised_slot(target) and dtype != FP8_DTYPE and dtype.is_floating_point
 
 
+def sglang_fp8_problem(state: dict[str, torch.Tensor], named_dtypes: list[tuple[str, torch.dtype]]) -> str | None:
+    """Why SGLang would load this update wrongly into an FP8 model, or None: it copies a
+    floating tensor sent for an FP8 ``weight`` into it by a plain cast, without its scale
+    (docs/sglang.md, "FP8 weights"). The strict stand-in refuses such an update."""
+    for name, dtype in named_dtypes:
+        if name in state and arrives_quantised(state[name], dtype):
+            return (f"tensor {name!r}: a {str(dtype).removeprefix('torch.')} tensor sent into an FP8 weight; "
+                    f"SGLang would cast it without its {scale_name(name).rpartition('.')[2]} (wrong weights): "
+                    "push the float8_e4m3fn weight and its scale (server.quantization=fp8 makes the trainer do so)")
+    return None
+
+
 @torch.no_grad()
 def store(state: dict[str, torch.Tensor], name: str, tensor: torch.Tensor) -> None:
     """Write `tensor` into the model's tensor `name`: cast to its dtype, or, for a floating

@@ -22,7 +22,7 @@ from aiohttp import web
 from .body import RequestError, check_fields, json_body, want
 from .files import UnsafeFile, check_regular
 from .limits import short
-from .fp8_linear import store
+from .fp8_linear import sglang_fp8_problem, store
 from .shm_alias import AliasedFiles, alias_problem, alias_weights, aliasable, own_weights
 from .strict import NO_SESSION, OUTSIDE_SESSION, READBACK_FAILED, SESSION_OPEN, SGLangBehaviour
 from .weights import (
@@ -126,6 +126,8 @@ class WeightRoutes:
         try:
             tensors = await asyncio.to_thread(read_hf_dir, path)
             problem = check_full_checkpoint(self.state, tensors)
+            if not problem and self.behaviour.strict:
+                problem = sglang_fp8_problem(self.state, [(n, t.dtype) for n, t in tensors.items()])
         except (WeightUpdateError, OSError, ValueError) as e:
             problem = str(e)
         if problem:
@@ -309,6 +311,8 @@ class WeightRoutes:
             await self.runner.call(lambda: self.runner.abort(None, "aborted for a weight update"))
 
         problem = check_metadata(self.state, names, dtypes, shapes)
+        if not problem and self.behaviour.strict:
+            problem = sglang_fp8_problem(self.state, list(zip(names, dtypes)))
 
         if flattened and len(set(dtypes)) > 1:
             problem = (f"flattened_bucket needs one dtype for all tensors, got {sorted(map(str, set(dtypes)))}; "

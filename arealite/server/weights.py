@@ -279,7 +279,8 @@ class WeightUpdateGroup:
         opts = torch.distributed.BroadcastOptions()
         opts.rootRank = 0
         opts.rootTensor = 0
-        self.pg.broadcast([t], opts).wait()
+        # gloo has no float8 type: FP8 weights arrive as their bytes (a uint8 view of `t`).
+        self.pg.broadcast([t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t], opts).wait()
 
     def receive(self, dtypes: list[torch.dtype], shapes: list[tuple[int, ...]], flattened: bool) -> list[torch.Tensor]:
         """Receive the tensors rank 0 broadcasts, in order (per tensor, or one flat bucket)."""

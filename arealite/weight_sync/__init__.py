@@ -19,6 +19,7 @@ other failure, or no server left, raises `WeightSyncError` and leaves the server
 from __future__ import annotations
 
 from collections.abc import Callable
+import logging
 from pathlib import Path
 
 import torch
@@ -39,8 +40,10 @@ from arealite.weight_sync.base import (
     WeightSyncError,
     compare_readback,
 )
+from arealite.config.cross_field_checks import config_advice
 from arealite.weight_sync.disk import DiskTransfer
 from arealite.weight_sync.distributed import DistributedTransfer
+from arealite.weight_sync.fp8_push import Fp8Source, fp8_rounded_scorer
 from arealite.weight_sync.lora_push import AdapterSource, LoraTransfer
 from arealite.weight_sync.publisher import WeightPublisher
 from arealite.weight_sync.shm import ShmTransfer
@@ -51,6 +54,7 @@ from arealite.vision.prompt import VisionPrompt
 __all__ = [
     "DiskTransfer",
     "DistributedTransfer",
+    "Fp8Source",
     "LoraTransfer",
     "LogprobProbe",
     "ReadbackSample",
@@ -68,6 +72,8 @@ __all__ = [
     "make_transfer",
     "server_weight_dtype",
 ]
+
+logger = logging.getLogger("arealite.weight_sync")
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -148,14 +154,21 @@ def make_verifier(config, admin: WeightUpdateAdmin, transfer: WeightTransfer, tr
         return readback
     tol = (lambda: ws.probe_tolerance) if ws.probe_tolerance is not None else (
         lambda: default_probe_tolerance(dtype()))
-    if isinstance(probe_prompt, VisionPrompt) and probe_prompt.image_data:
-        probe = LogprobProbe(admin, engine_scorer(train_engine, probe_prompt), probe_prompt.input_ids, tol,
-                             ws.probe_every, image_data=probe_prompt.image_data)
+    vision = probe_prompt if isinstance(probe_prompt, VisionPrompt) and probe_prompt.image_data else None
+    score = engine_scorer(train_engine, vision)
+    if config.server.quantization == "fp8":  # the servers hold FP8-rounded weights: so does the probe's forward
+        model = getattr(train_engine, "model", None)
+        if not isinstance(model, torch.nn.Module):
+            raise TypeError(f"server.quantization=fp8: the log-prob probe rounds the train engine's model "
+                            f"to FP8, but {type(train_engine).__name__} has no .model; set weight_sync.probe=false")
+        score = fp8_rounded_scorer(model, score)
+    if vision is not None:
+        probe = LogprobProbe(admin, score, vision.input_ids, tol, ws.probe_every, image_data=vision.image_data)
         return Verifiers(readback, probe)
     if isinstance(probe_prompt, VisionPrompt):
         probe_prompt = probe_prompt.input_ids
     tokens = probe_tokens(probe_prompt, _vocab_size(train_engine), ws.probe_tokens, seed=config.experiment.seed)
-    return Verifiers(readback, LogprobProbe(admin, engine_scorer(train_engine), tokens, tol, ws.probe_every))
+    return Verifiers(readback, LogprobProbe(admin, score, tokens, tol, ws.probe_every))
 
 
 def _vocab_size(engine: TrainEngine) -> int:
@@ -182,6 +195,11 @@ def make_publisher(config, rollout: WeightUpdateTarget, train_engine: TrainEngin
         source = source if source is not None else AdapterSource(train_engine)
     else:
         transfer = make_transfer(config, admin, run, model_path)
+    source = source if source is not None else train_engine
+    if config.server.quantization == "fp8":  # quantised on the push, bucket by bucket (`fp8_push`)
+        source = Fp8Source(source)
+    for advice in config_advice(config):
+        logger.warning(advice)
     verifier = make_verifier(config, admin, transfer, train_engine, probe_prompt)
-    return WeightPublisher(transfer, source if source is not None else train_engine, admin, run,
+    return WeightPublisher(transfer, source, admin, run,
                            parties=[train_engine], controller=rollout, verifier=verifier)

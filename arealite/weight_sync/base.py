@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 from arealite.api.contracts import Runner, WeightSource, WeightUpdateAdmin
+from arealite.quant.fp8 import FP8_DTYPE, SCALE_SUFFIX
 from arealite.utils.buckets import buckets_of  # noqa: F401  (re-exported)
 from arealite.utils.json_types import JsonObject, JsonValue
 
@@ -102,6 +103,14 @@ class StateDictSource:
 def bucket_bytes_of(config) -> int:
     """`weight_sync.bucket_size_mb` in bytes."""
     return max(1, int(config.bucket_size_mb * (1 << 20)))
+
+
+def cast_for_servers(name: str, t: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
+    """`t` in the servers' weight `dtype` (None: as it is). An FP8 weight and its float32
+    ``weight_scale_inv`` (`fp8_push.Fp8Source`) go as they are: the servers hold them so."""
+    if dtype is None or t.dtype == dtype or t.dtype == FP8_DTYPE or name.endswith(SCALE_SUFFIX):
+        return t
+    return t.to(dtype)
 
 
 def trainer_rank() -> tuple[int, int]:

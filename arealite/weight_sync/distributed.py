@@ -44,6 +44,7 @@ from arealite.api.contracts import DistributedUpdateAdmin, Runner, WeightSource,
 from arealite.utils.net import free_port, host_ip, split_addr
 from arealite.weight_sync.base import (
     Timer,
+    cast_for_servers,
     WeightSyncError,
     admin_error,
     bucket_bytes_of,
@@ -230,10 +231,8 @@ class DistributedTransfer:
                 f"({'HTTP call' if http not in done else 'broadcast'} still pending)",
                 version=version)
 
-    def _prepare(self, t: torch.Tensor) -> torch.Tensor:
-        t = t.detach()
-        if self.wire_dtype is not None and t.dtype != self.wire_dtype:
-            t = t.to(self.wire_dtype)
+    def _prepare(self, name: str, t: torch.Tensor) -> torch.Tensor:
+        t = cast_for_servers(name, t.detach(), self.wire_dtype)
         device = self.group.device if self.group is not None else t.device
         return t.to(device).contiguous()
 
@@ -334,7 +333,7 @@ class DistributedTransfer:
         n_bytes = n_tensors = n_buckets = 0
         for bucket, last in with_last(buckets):
             names = [n for n, _ in bucket]
-            tensors = [self._prepare(t) for _, t in bucket]
+            tensors = [self._prepare(name, t) for name, t in bucket]
             flat = self.flattened and len(tensors) > 1 and len({t.dtype for t in tensors}) == 1
             coro = self.admin.update_weights_from_distributed(
                 names, [t.dtype for t in tensors], [list(t.shape) for t in tensors],

@@ -71,7 +71,8 @@ class UpdateGroup:
             opts = dist.BroadcastOptions()
             opts.rootRank = 0
             opts.rootTensor = 0
-            works.append(self.pg.broadcast([t], opts))
+            # gloo has no float8 type: the bytes travel as uint8 (the server views them back).
+            works.append(self.pg.broadcast([t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t], opts))
         return works
 
     def close(self) -> None:

@@ -42,6 +42,7 @@ from arealite.api.contracts import Runner, ShmUpdateAdmin, WeightSource, require
 from arealite.utils.net import is_local_host, split_addr
 from arealite.weight_sync.base import (
     Timer,
+    cast_for_servers,
     WeightSyncError,
     bucket_bytes_of,
     call_dropping_dead,
@@ -189,11 +190,8 @@ class ShmTransfer:
             self.alias = False
             self._slots = [[None, None]]
 
-    def _prepare(self, t: torch.Tensor) -> torch.Tensor:
-        t = t.detach()
-        if self.server_dtype is not None and t.dtype != self.server_dtype:
-            t = t.to(self.server_dtype)
-        return t
+    def _prepare(self, name: str, t: torch.Tensor) -> torch.Tensor:
+        return cast_for_servers(name, t.detach(), self.server_dtype)
 
     def _fill(self, engine: WeightSource, bucket_bytes: int, slot: list) -> tuple[int, bool]:
         """Copy every tensor into the slot's file; returns (bytes, whether the file was re-created)."""
@@ -207,7 +205,7 @@ class ShmTransfer:
                 if name in seen:
                     raise WeightSyncError(f"the train engine yields tensor {name!r} twice", tensor=name)
                 seen.add(name)
-                t = self._prepare(t)
+                t = self._prepare(name, t)
                 i = len(entries)
                 entry = (name, t.dtype, tuple(t.shape))
                 entries.append(entry)
