@@ -1,0 +1,194 @@
+"""FP8 rollout end to end (`server.quantization: fp8`): the trainer quantises every push.
+
+A real embedded server with ``--quantization fp8`` takes each push method (distributed,
+disk, shm) of `make_publisher`: what it holds afterwards reads back bit-identical to the
+trainer's quantised tensors, and the log-prob probe (the trainer's forward on FP8-rounded
+weights) agrees; a push with one wrong scale is caught by the probe. Config, launcher and
+the strict stand-in's refusal of float tensors into FP8 weights are checked without a server.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import RolloutOf, free_port, perturbed_weights, stop_process
+
+from arealite.config.cross_field_checks import config_advice, config_problems
+from arealite.config.schema import ArealiteConfig, RolloutConfig
+from arealite.inference_client.sglang_client import SGLangClient
+from arealite.quant.fp8 import FP8_DTYPE, quantize_blockwise, scale_name
+from arealite.server.command_line import judge_server_command, server_command
+from arealite.server.fp8_linear import quantize_linears, sglang_fp8_problem
+from arealite.server.weights import model_state
+from arealite.weight_sync import Fp8Source, StateDictSource, WeightSyncError, make_publisher
+from arealite.weight_sync.fp8_push import fp8_rounded_weights
+
+pytestmark = pytest.mark.timeout(240)
+
+
+class Engine(StateDictSource):
+    """A trainer as far as an FP8 push goes: an HF model (the probe rounds it), its weights, a version."""
+
+    def __init__(self, model_dir: Path, state: dict[str, torch.Tensor]):
+        from transformers import AutoModelForCausalLM
+
+        self.model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+        self.model.load_state_dict(state, strict=False)
+        self.model.tie_weights()
+        super().__init__(self.model)
+        self.config = type("Cfg", (), {"model_path": str(model_dir)})()
+        self.version = 0
+
+    def forward(self, batch, post_hook, out_dtype=torch.float32):
+        from arealite.train_engine.lm_head import ChunkedHead
+
+        ids = batch["input_ids"]
+        with torch.no_grad():
+            logits = self.model(input_ids=ids).logits[0, :-1]
+        out = torch.zeros(ids.shape, dtype=out_dtype)
+        out[0, 1:] = post_hook(ChunkedHead.from_logits(logits), {"labels": ids[0, 1:]})
+        return out
+
+    def set_version(self, version: int) -> None:
+        self.version = version
+
+    def get_version(self) -> int:
+        return self.version
+
+
+class WrongScale:
+    """A push bug: one block scale doubled on the way (the servers hold a wrong weight)."""
+
+    def __init__(self, source):
+        self.source = source
+
+    def named_weight_buckets(self, bucket_bytes):
+        done = False
+        for bucket in self.source.named_weight_buckets(bucket_bytes):
+            out = []
+            for name, t in bucket:
+                if not done and name.endswith("q_proj.weight_scale_inv"):
+                    t, done = t * 2, True
+                out.append((name, t))
+            yield out
+
+
+@pytest.fixture(scope="module")
+def fp8_server(micro_model_dir, tmp_path_factory):
+    port = free_port()
+    log_path = tmp_path_factory.mktemp("fp8_push") / "server.log"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "arealite.server", "--model-path", str(micro_model_dir), "--host", "127.0.0.1",
+         "--port", str(port), "--quantization", "fp8", "--dtype", "float32"],
+        stdout=open(log_path, "wb"), stderr=subprocess.STDOUT, env=dict(os.environ, OMP_NUM_THREADS="1"),
+        start_new_session=True)
+    yield f"127.0.0.1:{port}"
+    stop_process(proc, 10)
+
+
+@pytest.fixture
+def rollout(fp8_server):
+    from arealite.rollout.controller import RolloutController
+
+    client = SGLangClient([fp8_server], RolloutConfig(request_timeout_s=60))
+    controller = RolloutController(client, RolloutConfig()).start(init_timeout=90)
+    yield client, controller
+    controller.stop()
+
+
+def _config(tmp_path: Path, method: str, model_dir: Path, **over) -> ArealiteConfig:
+    return ArealiteConfig.model_validate({
+        "experiment": {"output_root": str(tmp_path), "name": "e", "trial": "t"},
+        "actor": {"model_path": str(model_dir)}, "server": {"quantization": "fp8"},
+        "weight_sync": {"method": method, "bucket_size_mb": 0.05, "verify_n_tensors": 3, "timeout_s": 30,
+                        "shm_dir": str(tmp_path)}, **over})
+
+
+@pytest.mark.parametrize("method", ["distributed", "disk", "shm"])
+def test_an_fp8_push_reads_back_bit_identical_and_passes_the_probe(rollout, method, base_state, micro_model_dir,
+                                                                  tmp_path):
+    client, controller = rollout
+    engine = Engine(micro_model_dir, perturbed_weights(base_state, 11))
+    before = {n: t.clone() for n, t in engine.tensors}
+    pub = make_publisher(_config(tmp_path, method, micro_model_dir), RolloutOf(client, controller), engine)
+    pub.init()
+    try:
+        timings = pub.publish(1)
+    finally:
+        pub.close()
+    sent = dict(pair for bucket in Fp8Source(StateDictSource(before)).named_weight_buckets(1 << 30)
+                for pair in bucket)
+    assert any(t.dtype == FP8_DTYPE for t in sent.values()) and any(n.endswith("_scale_inv") for n in sent)
+    for name, want in sent.items():
+        (values,) = controller.run(client.get_weights_by_name(name, 10**6)).values()
+        got = torch.tensor(values, dtype=torch.float32).reshape(want.shape)
+        assert torch.equal(got, want.float()), name  # every FP8 value is exact in float32
+    # The probe's forward used FP8-rounded weights: the server agrees to float round-off.
+    assert timings["probe_mean_abs_diff"] < 1e-4
+    # ... and the trainer's own weights were put back after it.
+    assert all(torch.equal(t, before[n]) for n, t in engine.tensors)
+
+
+def test_a_wrong_scale_is_caught_by_the_probe(rollout, base_state, micro_model_dir, tmp_path):
+    client, controller = rollout
+    engine = Engine(micro_model_dir, perturbed_weights(base_state, 12))
+    cfg = _config(tmp_path, "disk", micro_model_dir)
+    good = make_publisher(cfg, RolloutOf(client, controller), engine)
+    bad = type(good)(good.transfer, WrongScale(good.source), good.admin, good.run, parties=good.parties,
+                     controller=controller, verifier=good.verifier.verifiers[-1])
+    bad.init()
+    with pytest.raises(WeightSyncError, match="log-prob probe mismatch"):
+        bad.publish(2)
+    controller.run(client.continue_generation())
+    controller.resume()
+    good.init()
+    assert good.publish(3)["probe_mean_abs_diff"] < 1e-4  # the correct push of the same weights passes
+    good.close()
+
+
+def test_the_strict_stand_in_refuses_float_tensors_into_fp8_weights(micro_model_dir):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(micro_model_dir), dtype=torch.float32)
+    name = f"{quantize_linears(model)[0]}.weight"
+    state = model_state(model)
+    assert "SGLang would cast it" in sglang_fp8_problem(state, [(name, torch.bfloat16)])
+    assert sglang_fp8_problem(state, [(name, FP8_DTYPE), (scale_name(name), torch.float32)]) is None
+    assert sglang_fp8_problem(state, [("model.norm.weight", torch.bfloat16)]) is None
+
+
+def test_fp8_rounded_weights_round_the_quantised_weights_and_put_them_back(micro_model_dir):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(micro_model_dir), dtype=torch.float32)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    q_name = next(n for n in before if n.endswith("q_proj.weight"))
+    with fp8_rounded_weights(model):
+        now = dict(model.named_parameters())
+        q, s = quantize_blockwise(before[q_name])
+        assert torch.equal(now[q_name], q.float() * s.repeat_interleave(128, 0).repeat_interleave(128, 1)[
+            :q.shape[0], :q.shape[1]])
+        assert torch.equal(now["model.embed_tokens.weight"], before["model.embed_tokens.weight"])
+    assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())
+
+
+def test_config_passes_fp8_to_the_servers_refuses_lora_and_suggests_the_correction(tmp_path):
+    cfg = _config(tmp_path, "disk", tmp_path)
+    cmd = server_command(cfg, 1234)
+    assert cmd[cmd.index("--quantization") + 1] == "fp8"
+    judge = ArealiteConfig.model_validate({**cfg.model_dump(), "agent": {"judge": {"model_path": "j"}}})
+    assert "--quantization" not in judge_server_command(judge, 1235)
+    assert any("algorithm.mismatch.mode=tis" in a for a in config_advice(cfg))
+    corrected = _config(tmp_path, "disk", tmp_path, algorithm={"mismatch": {"mode": "tis"}})
+    assert config_advice(corrected) == []
+    lora = _config(tmp_path, "disk", tmp_path, actor={"model_path": str(tmp_path), "lora": {"rank": 4}})
+    assert [p.path for p in config_problems(lora, check_paths=False)] == ["server.quantization"]
+    sglang = _config(tmp_path, "distributed", tmp_path, launch={"server_backend": "sglang"})
+    assert "server.model_path" in [p.path for p in config_problems(sglang, check_paths=False)]
+    cmd = server_command(sglang, 1234)
+    assert cmd[cmd.index("--quantization") + 1] == "fp8"
