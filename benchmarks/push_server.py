@@ -14,12 +14,13 @@ from pathlib import Path
 from arealite.utils.net import free_port
 
 
-def start_server(model_dir: Path, log: Path) -> tuple[subprocess.Popen, str]:
-    """Start ``python -m arealite.server`` on ``model_dir`` (output to ``log``); wait until it is
-    healthy and return the process and its ``host:port``."""
+def start_server(model_dir: Path, log: Path, extra_args: list[str] = ()) -> tuple[subprocess.Popen, str]:
+    """Start ``python -m arealite.server`` on ``model_dir`` (output to ``log``, `extra_args` added);
+    wait until it is healthy and return the process and its ``host:port``."""
     port = free_port()
     proc = subprocess.Popen(
-        [sys.executable, "-m", "arealite.server", "--model-path", str(model_dir), "--port", str(port)],
+        [sys.executable, "-m", "arealite.server", "--model-path", str(model_dir), "--port", str(port),
+         *extra_args],
         stdout=open(log, "wb"), stderr=subprocess.STDOUT, start_new_session=True)
     addr = f"127.0.0.1:{port}"
     deadline = time.monotonic() + 300

@@ -1,0 +1,155 @@
+"""FP8 rollout against bf16: bytes pushed, push time, and the log-prob mismatch to the trainer.
+
+- bytes: what one push of a Qwen2.5-1.5B-shaped model sends (from its shapes, no weights):
+  FP8 blocks + float32 scales for the quantised layers and bf16 for the rest, against all
+  bf16; also the quantised layers alone (where the 2x comes from: the 151936-token
+  embedding stays bf16);
+- push time: `WeightPublisher.publish` by the default method (distributed) of the demo's
+  policy to two embedded servers, one ``--dtype bfloat16``, one ``--quantization fp8``,
+  interleaved rounds, median and spread;
+- mismatch: the mean |log-prob difference| and k3 KL of each server against the float32
+  trainer (the HF forward, unrounded) on sequences the model itself samples.
+
+    python benchmarks/bench_fp8.py [--model runs/demo/model] [--rounds 5]
+
+The last line printed is one JSON object (``bytes_ratio`` is the whole push's bf16/FP8).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import sys
+import tempfile
+import threading
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from arealite.config.schema import WeightSyncConfig  # noqa: E402
+from arealite.inference_client.sglang_client import SGLangClient  # noqa: E402
+from arealite.quant.fp8 import BLOCK, stays_unquantised  # noqa: E402
+from arealite.weight_sync import DistributedTransfer, Fp8Source, StateDictSource, WeightPublisher  # noqa: E402
+from arealite.weight_sync.probe import mismatch  # noqa: E402
+from benchmarks.push_server import start_server  # noqa: E402
+
+#: Qwen2.5-1.5B's shapes (config.json of the released model).
+QWEN_1_5B = dict(vocab_size=151936, hidden_size=1536, intermediate_size=8960, num_hidden_layers=28,
+                 num_attention_heads=12, num_key_value_heads=2, tie_word_embeddings=True)
+
+
+def push_bytes(shapes: dict[str, tuple[int, ...]]) -> tuple[int, int, int, int]:
+    """(bf16 bytes, FP8 push bytes, bf16 bytes of the quantised layers, their FP8 bytes)."""
+    bf16 = fp8 = lin_bf16 = lin_fp8 = 0
+    for name, shape in shapes.items():
+        n = 1
+        for d in shape:
+            n *= d
+        bf16 += 2 * n
+        if stays_unquantised(name, torch.empty(shape, device="meta")):
+            fp8 += 2 * n
+            continue
+        q = n + 4 * -(-shape[0] // BLOCK) * -(-shape[1] // BLOCK)
+        fp8, lin_bf16, lin_fp8 = fp8 + q, lin_bf16 + 2 * n, lin_fp8 + q
+    return bf16, fp8, lin_bf16, lin_fp8
+
+
+def qwen_shapes() -> dict[str, tuple[int, ...]]:
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    with torch.device("meta"):
+        model = Qwen2ForCausalLM(Qwen2Config(**QWEN_1_5B))
+    # Meta tensors have no storage to tell tied ones apart: the tied LM head is left out by name.
+    return {n: tuple(t.shape) for n, t in model.state_dict().items() if n != "lm_head.weight"}
+
+
+_LOOP = asyncio.new_event_loop()
+threading.Thread(target=_LOOP.run_forever, daemon=True).start()
+
+
+def run(coro):
+    """Run a client coroutine on the benchmark's event loop."""
+    return asyncio.run_coroutine_threadsafe(coro, _LOOP).result(300)
+
+
+def _publisher(addr: str, state: dict, fp8: bool) -> tuple[WeightPublisher, SGLangClient]:
+    client = SGLangClient([addr])
+    run(client.initialize(60))
+    transfer = DistributedTransfer(WeightSyncConfig(bucket_size_mb=64), client.admin, run, wire_dtype=torch.bfloat16)
+    source = StateDictSource(state)
+    pub = WeightPublisher(transfer, Fp8Source(source) if fp8 else source, client.admin, run, parties=[client])
+    pub.init()
+    return pub, client
+
+
+def _mismatch(model, client: SGLangClient, seqs: list[list[int]]) -> dict[str, float]:
+    diffs, k3s = [], []
+    for ids in seqs:
+        with torch.no_grad():
+            logp = torch.log_softmax(model(torch.tensor([ids])).logits[0, :-1].float(), -1)
+        trainer = logp.gather(1, torch.tensor(ids[1:])[:, None])[:, 0].tolist()
+        ((server, _),) = run(client.admin.score_prompt(ids)).values()
+        m = mismatch(server, trainer)
+        diffs.append(m["probe_mean_abs_diff"])
+        k3s.append(m["probe_k3"])
+    return {"mean_abs_diff": statistics.mean(diffs), "kl_k3": statistics.mean(k3s)}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default=None, help="the policy (default: a fresh tiny 'small' model)")
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--sequences", type=int, default=8)
+    args = p.parse_args()
+    bf16, fp8, lin_bf16, lin_fp8 = push_bytes(qwen_shapes())
+    out = {"bytes_ratio": bf16 / fp8, "bytes_ratio_quantised_layers": lin_bf16 / lin_fp8,
+           "bytes_bf16_gb": bf16 / 1e9, "bytes_fp8_gb": fp8 / 1e9}
+    print(f"Qwen2.5-1.5B push: bf16 {bf16 / 1e9:.2f} GB, FP8 {fp8 / 1e9:.2f} GB ({out['bytes_ratio']:.2f}x fewer; "
+          f"quantised layers alone {out['bytes_ratio_quantised_layers']:.2f}x)")
+
+    from transformers import AutoModelForCausalLM
+
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir = Path(args.model) if args.model else None
+        if model_dir is None:
+            from arealite.models.tiny import build_tiny_model
+
+            model_dir = build_tiny_model(Path(tmp) / "model", size="small", seed=0)
+        model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+        state = {n: t for n, t in StateDictSource(model).tensors}
+        servers = {kind: start_server(model_dir, Path(tmp) / f"{kind}.log", extra)
+                   for kind, extra in (("bf16", ["--dtype", "bfloat16"]),
+                                       ("fp8", ["--dtype", "bfloat16", "--quantization", "fp8"]))}
+        try:
+            pubs = {kind: _publisher(addr, state, kind == "fp8") for kind, (_, addr) in servers.items()}
+            times: dict[str, list[float]] = {"bf16": [], "fp8": []}
+            for r in range(args.rounds):  # interleaved
+                for kind, (pub, _) in pubs.items():
+                    times[kind].append(pub.publish(r + 1)["total_s"])
+            g = torch.Generator().manual_seed(0)
+            seqs = [torch.randint(0, model.config.vocab_size, (48,), generator=g).tolist()
+                    for _ in range(args.sequences)]
+            for kind, (pub, client) in pubs.items():
+                med = statistics.median(times[kind])
+                out[f"push_s_{kind}"] = med
+                out[f"push_s_{kind}_spread"] = max(times[kind]) - min(times[kind])
+                for k, v in _mismatch(model, client, seqs).items():
+                    out[f"{k}_{kind}"] = v
+                pub.close()
+        finally:
+            for proc, _ in servers.values():
+                proc.kill()
+    out["push_time_ratio"] = out["push_s_fp8"] / out["push_s_bf16"]
+    print(f"{'server':<6} {'push s (median)':>16} {'spread':>8} {'mean |dlogp|':>13} {'KL k3':>10}")
+    for kind in ("bf16", "fp8"):
+        print(f"{kind:<6} {out[f'push_s_{kind}']:>16.4f} {out[f'push_s_{kind}_spread']:>8.4f} "
+              f"{out[f'mean_abs_diff_{kind}']:>13.5f} {out[f'kl_k3_{kind}']:>10.2e}")
+    print(json.dumps(out))
+
+
+if __name__ == "__main__":
+    main()
