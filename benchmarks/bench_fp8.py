@@ -11,6 +11,13 @@
   trainer (the HF forward, unrounded) on sequences the model itself samples.
 
     python benchmarks/bench_fp8.py [--model runs/demo/model] [--rounds 5]
+    python benchmarks/bench_fp8.py --decode            # on a GPU (ci/gpu_local.sh)
+    python benchmarks/bench_fp8.py --decode --dry-run  # the same code on a small CPU model
+
+``--decode`` measures instead, on a randomly initialised Qwen2.5-1.5B-shaped model in bf16,
+the decode tokens/s of the embedded server's linear layers in FP8 (`Fp8Linear`: FP8 tensor
+cores where the card has them) against bf16 (a batch of sequences, KV cache, greedy), and the
+trainer's side of a push: producing the FP8 buckets (quantising) against the bf16 ones.
 
 The last line printed is one JSON object (``bytes_ratio`` is the whole push's bf16/FP8).
 """
@@ -24,6 +31,7 @@ import statistics
 import sys
 import tempfile
 import threading
+import time
 from pathlib import Path
 
 import torch
@@ -99,12 +107,81 @@ def _mismatch(model, client: SGLangClient, seqs: list[list[int]]) -> dict[str, f
     return {"mean_abs_diff": statistics.mean(diffs), "kl_k3": statistics.mean(k3s)}
 
 
+def _decode_tokens_per_s(model, batch: int, prompt: int, new: int, device: str) -> float:
+    """Greedy decode of `batch` sequences (`new` tokens after a `prompt`-token prefill), tokens/s."""
+    ids = torch.randint(0, model.config.vocab_size, (batch, prompt), device=device)
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    with torch.no_grad():
+        out = model(input_ids=ids, use_cache=True)
+        sync()
+        t0 = time.perf_counter()
+        for _ in range(new):
+            nxt = out.logits[:, -1:].argmax(-1)
+            out = model(input_ids=nxt, past_key_values=out.past_key_values, use_cache=True)
+        sync()
+    return batch * new / (time.perf_counter() - t0)
+
+
+def _bucket_seconds(source, device: str) -> float:
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    t0 = time.perf_counter()
+    for bucket in source.named_weight_buckets(256 << 20):
+        for _, t in bucket:
+            t.to(torch.bfloat16) if t.dtype == torch.float32 else t
+    sync()
+    return time.perf_counter() - t0
+
+
+def decode_main(args) -> None:
+    """FP8 vs bf16 decode tokens/s and push-side seconds (see the module's docstring)."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from arealite.server.fp8_linear import quantize_linears
+
+    device = "cpu" if args.dry_run else "cuda"
+    shape = dict(QWEN_1_5B, num_hidden_layers=2, hidden_size=256, intermediate_size=512, num_attention_heads=2,
+                 vocab_size=1024) if args.dry_run else QWEN_1_5B
+    batch, prompt, new = (2, 8, 4) if args.dry_run else (args.batch, 128, args.new_tokens)
+    torch.manual_seed(0)
+    with torch.device(device):
+        bf16 = Qwen2ForCausalLM(Qwen2Config(**shape)).to(torch.bfloat16).eval()
+        fp8 = Qwen2ForCausalLM(Qwen2Config(**shape)).to(torch.bfloat16).eval()
+    fp8.load_state_dict(bf16.state_dict())
+    n_fp8 = len(quantize_linears(fp8))
+    out: dict[str, float] = {"fp8_layers": n_fp8}
+    rounds = 1 if args.dry_run else args.rounds
+    tps: dict[str, list[float]] = {"bf16": [], "fp8": []}
+    push: dict[str, list[float]] = {"bf16": [], "fp8": []}
+    source = StateDictSource(bf16)
+    for _ in range(rounds):  # interleaved
+        tps["bf16"].append(_decode_tokens_per_s(bf16, batch, prompt, new, device))
+        tps["fp8"].append(_decode_tokens_per_s(fp8, batch, prompt, new, device))
+        push["bf16"].append(_bucket_seconds(source, device))
+        push["fp8"].append(_bucket_seconds(Fp8Source(source), device))
+    for kind in ("bf16", "fp8"):
+        out[f"decode_tok_s_{kind}"] = statistics.median(tps[kind])
+        out[f"decode_tok_s_{kind}_spread"] = max(tps[kind]) - min(tps[kind])
+        out[f"push_buckets_s_{kind}"] = statistics.median(push[kind])
+    out["decode_speedup"] = out["decode_tok_s_fp8"] / out["decode_tok_s_bf16"]
+    out["push_buckets_ratio"] = out["push_buckets_s_fp8"] / out["push_buckets_s_bf16"]
+    print(f"decode (batch {batch}, {new} tokens, {rounds} rounds): bf16 {out['decode_tok_s_bf16']:.1f} tok/s, "
+          f"FP8 {out['decode_tok_s_fp8']:.1f} tok/s ({out['decode_speedup']:.2f}x); producing the push's buckets: "
+          f"bf16 {out['push_buckets_s_bf16']:.3f}s, FP8 {out['push_buckets_s_fp8']:.3f}s")
+    print(json.dumps(out))
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default=None, help="the policy (default: a fresh tiny 'small' model)")
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--sequences", type=int, default=8)
+    p.add_argument("--decode", action="store_true", help="FP8 vs bf16 decode tokens/s on a 1.5B shape (GPU)")
+    p.add_argument("--dry-run", action="store_true", help="with --decode: a small model on the CPU")
+    p.add_argument("--batch", type=int, default=32)
+    p.add_argument("--new-tokens", type=int, default=128)
     args = p.parse_args()
+    if args.decode:
+        return decode_main(args)
     bf16, fp8, lin_bf16, lin_fp8 = push_bytes(qwen_shapes())
     out = {"bytes_ratio": bf16 / fp8, "bytes_ratio_quantised_layers": lin_bf16 / lin_fp8,
            "bytes_bf16_gb": bf16 / 1e9, "bytes_fp8_gb": fp8 / 1e9}

@@ -12,7 +12,11 @@
 #      (benchmarks/bench_mfu.py), whatever the tests said,
 #   5. the planner's trainer memory against torch.cuda.max_memory_allocated for the same
 #      1.5B-shaped model (checkpointing off and on, two lengths each; goal within 10%), and a
-#      length it predicts over the card really running out of memory (benchmarks/bench_plan_gpu.py).
+#      length it predicts over the card really running out of memory (benchmarks/bench_plan_gpu.py),
+#   6. FP8 rollout: the embedded server's FP8 tensor-core matmul (torch._scaled_mm, 1x128/128x128
+#      block scales) against the de-quantised one, and decode tokens/s of a randomly initialised
+#      1.5B-shaped model with FP8 linear layers against bf16, plus the time to produce a push's
+#      FP8 buckets against bf16 ones (benchmarks/bench_fp8.py --decode).
 #
 #   bash ci/gpu_local.sh
 #
@@ -33,7 +37,8 @@ export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} TOKENIZERS_PARALLELISM=false H
 nvidia-smi -L
 $PY -c 'import torch, transformers; print(f"[gpu] torch {torch.__version__}, transformers {transformers.__version__}, {torch.cuda.get_device_name()}")'
 status=0
-$PY -m pytest -q -rs -p no:cacheprovider -m gpu tests/test_fsdp.py tests/test_attention.py tests/test_parallel_compose.py tests/test_gpu.py "$@" || status=$?
+$PY -m pytest -q -rs -p no:cacheprovider -m gpu tests/test_fsdp.py tests/test_attention.py tests/test_parallel_compose.py tests/test_gpu.py tests/test_server_fp8.py "$@" || status=$?
 $PY benchmarks/bench_mfu.py --steps ${MFU_STEPS:-4} || status=$?
 $PY benchmarks/bench_plan_gpu.py || status=$?
+$PY benchmarks/bench_fp8.py --decode || status=$?
 exit $status

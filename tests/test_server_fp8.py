@@ -112,3 +112,34 @@ def test_updates_to_an_fp8_model_take_float_or_fp8_weights_with_their_scales(tin
     assert check_full_checkpoint(state, full) is None
     fp8_full = {n: t.clone() for n, t in state.items() if not n.endswith("_scale_inv")}
     assert "_scale_inv" in check_full_checkpoint(state, fp8_full)
+
+
+def test_the_fp8_tensor_core_path_is_chosen_only_on_a_capable_card():
+    from arealite.server.fp8_linear import scaled_mm_supported
+
+    x = torch.zeros(2, 256, dtype=torch.bfloat16)
+    assert not scaled_mm_supported(x, 256, 384)  # a CPU tensor: the de-quantising matmul
+    if torch.cuda.is_available():
+        assert not scaled_mm_supported(x.cuda(), 200, 384)  # not whole 128-blocks
+
+
+@pytest.mark.gpu
+def test_the_fp8_tensor_core_matmul_matches_the_dequantised_one():
+    from arealite.server.fp8_linear import Fp8Linear, scaled_mm_supported
+
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("block-scaled FP8 GEMMs need compute capability 9.x (H100/H200)")
+    torch.manual_seed(0)
+    layer = Fp8Linear(torch.nn.Linear(512, 384, bias=True)).cuda()
+    layer.bias.data = layer.bias.data.bfloat16()
+    x = torch.randn(3, 5, 512, device="cuda", dtype=torch.bfloat16)
+    assert scaled_mm_supported(x, 512, 384)
+    fast = layer(x)
+    slow = torch.nn.functional.linear(x.float(), dequantize_blockwise(layer.weight, layer.weight_scale_inv).cuda(),
+                                      layer.bias.float())
+    assert fast.shape == slow.shape == (3, 5, 384) and fast.dtype == torch.bfloat16
+    # Only the activations' e4m3 rounding (1x128 groups) and bf16 output separate the two.
+    rel = (fast.float() - slow).norm() / slow.norm()
+    assert rel < 0.05, float(rel)
+    layer.weight_scale_inv.mul_(2)  # a wrong scale shows in the fast path too
+    assert ((layer(x).float() - slow).norm() / slow.norm()) > 0.5

@@ -4,8 +4,12 @@ Each quantised ``nn.Linear`` becomes an `Fp8Linear` that stores its weight as bl
 float8_e4m3fn with a float32 ``weight_scale_inv`` (`arealite.quant.fp8`, the layout SGLang
 serves) and de-quantises it block by block in every matmul: the arithmetic is that of an
 ordinary linear layer whose weight is the FP8-rounded one, so a trainer forward with the
-same rounded weights reproduces the server's log-probs exactly. (On a GPU with FP8 tensor
-cores SGLang multiplies in FP8 instead; that fast path is not here yet.)
+same rounded weights reproduces the server's log-probs exactly. On a GPU with FP8 tensor
+cores (compute capability 9.x: H100/H200) a layer whose sizes are whole 128-blocks multiplies
+in FP8 instead, as SGLang's block FP8 method does: the activations are quantised per token
+in groups of 128 (``1x128`` scales) and ``torch._scaled_mm`` multiplies them with the
+``128x128``-scaled weight (`scaled_mm_supported`); the result then differs from the
+de-quantised matmul by the activations' rounding (within the bf16 probe tolerance).
 
 Weight updates address the same names as SGLang: ``x.weight`` and ``x.weight_scale_inv``.
 An FP8 ``x.weight`` is stored as sent (its scale comes beside it, as SGLang expects); a
@@ -18,7 +22,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from arealite.quant.fp8 import FP8_DTYPE, dequantize_blockwise, quantize_blockwise, scale_name, stays_unquantised
+from arealite.quant.fp8 import BLOCK, FP8_DTYPE, FP8_MAX, dequantize_blockwise, quantize_blockwise, scale_name, stays_unquantised
 
 
 class Fp8Linear(torch.nn.Module):
@@ -37,11 +41,39 @@ class Fp8Linear(torch.nn.Module):
         self.bias = linear.bias
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if scaled_mm_supported(x, self.in_features, self.out_features):
+            return scaled_linear(x, self.weight, self.weight_scale_inv, self.bias)
         w = dequantize_blockwise(self.weight, self.weight_scale_inv, dtype=x.dtype)
         return F.linear(x, w, self.bias)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, fp8 block-wise"
+
+
+def scaled_mm_supported(x: torch.Tensor, in_features: int, out_features: int) -> bool:
+    """Whether ``torch._scaled_mm`` multiplies this layer in FP8: a CUDA card of compute
+    capability 9.x (block-scaled FP8 GEMMs in cuBLAS), 16-bit activations, and sizes in whole
+    128-blocks (SGLang's `validate_block_quant_shapes` asks the same of its layers)."""
+    return (x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and hasattr(torch, "_scaled_mm")
+            and in_features % BLOCK == 0 and out_features % BLOCK == 0
+            and torch.cuda.get_device_capability(x.device)[0] == 9)
+
+
+def scaled_linear(x: torch.Tensor, q: torch.Tensor, scale_inv: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``x @ dequant(q, scale_inv).T + bias`` on FP8 tensor cores: `x` quantised per token in
+    1x128 groups, `q` with its 128x128 scales (DeepSeek-V3's recipe)."""
+    shape = x.shape
+    x2 = x.reshape(-1, shape[-1])
+    groups = x2.float().view(x2.shape[0], -1, BLOCK)
+    x_scale = (groups.abs().amax(-1) / FP8_MAX).clamp(min=1e-12)  # [M, K/128]
+    xq = (groups / x_scale[..., None]).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE).view_as(x2)
+    # cuBLAS wants the 1x128 scales outer-dim-major; the weight is [N, K] row-major, so q.t() is
+    # the column-major [K, N] operand and scale_inv.t() its [K/128, N/128] scales.
+    out = torch._scaled_mm(xq, q.t(), scale_a=x_scale.t().contiguous().t(), scale_b=scale_inv.t(),
+                           out_dtype=x.dtype)
+    if bias is not None:
+        out = out + bias
+    return out.view(*shape[:-1], q.shape[0])
 
 
 def quantize_linears(model: torch.nn.Module) -> list[str]:
