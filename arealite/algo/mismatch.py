@@ -23,8 +23,7 @@ At the *sequence* level both apply to the geometric mean of the sequence's weigh
 ``w_i = exp(mean_t log w_t)`` (length-normalised, so that long sequences are not
 truncated or masked merely for being long), the same weight on every token of sequence i.
 
-Logged every step (means over loss tokens; ``*_max`` are maxima): ``mismatch_abs_diff``, the
-mean ``|prox_logp - behav_logp|`` (the log-prob gap itself); ``mismatch_kl_k3``, the
+Logged every step (means over loss tokens; ``*_max`` are maxima): ``mismatch_kl_k3``, the
 k3 estimate of KL(mu || pi), ``E_mu[w - 1 - log w]`` (>= 0); ``mismatch_ratio_max`` (the
 largest token weight); ``mismatch_seq_ratio_max`` (sequence level); and the fraction of
 tokens whose weight was changed: ``mismatch_truncated_frac`` (TIS) or
@@ -101,7 +100,6 @@ def mismatch_weights(
     log_w = log_w.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
     token_w = torch.exp(log_w)
     stats = {
-        "mismatch_abs_diff": _masked_mean(log_w.abs(), mask),
         "mismatch_kl_k3": _masked_mean(token_w - 1 - log_w, mask),
         "mismatch_ratio_max": _masked_max(token_w, mask),
     }
