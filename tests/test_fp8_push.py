@@ -192,3 +192,21 @@ def test_config_passes_fp8_to_the_servers_refuses_lora_and_suggests_the_correcti
     assert "server.model_path" in [p.path for p in config_problems(sglang, check_paths=False)]
     cmd = server_command(sglang, 1234)
     assert cmd[cmd.index("--quantization") + 1] == "fp8"
+
+
+def test_an_fp8_checkpoint_for_sglang_carries_blocks_scales_and_the_quantization_config(micro_model_dir, tmp_path):
+    import json
+
+    from safetensors.torch import load_file
+
+    from arealite.quant.fp8_checkpoint import write_fp8_checkpoint
+
+    dst = write_fp8_checkpoint(micro_model_dir, tmp_path / "fp8")
+    config = json.loads((dst / "config.json").read_text())
+    assert config["quantization_config"] == {"quant_method": "fp8", "activation_scheme": "dynamic",
+                                             "weight_block_size": [128, 128]}
+    tensors = {n: t for f in dst.glob("*.safetensors") for n, t in load_file(str(f)).items()}
+    q_name = next(n for n in tensors if n.endswith("q_proj.weight"))
+    assert tensors[q_name].dtype == FP8_DTYPE and tensors[scale_name(q_name)].dtype == torch.float32
+    assert tensors["model.embed_tokens.weight"].dtype != FP8_DTYPE
+    assert (dst / "tokenizer_config.json").is_file() or not (micro_model_dir / "tokenizer_config.json").is_file()
