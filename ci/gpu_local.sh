@@ -13,7 +13,7 @@
 #   5. the planner's trainer memory against torch.cuda.max_memory_allocated for the same
 #      1.5B-shaped model (checkpointing off and on, two lengths each; goal within 10%), and a
 #      length it predicts over the card really running out of memory (benchmarks/bench_plan_gpu.py),
-#   6. FP8 rollout: the embedded server's FP8 tensor-core matmul (torch._scaled_mm, 1x128/128x128
+#   6. FP8 rollout: the embedded server's FP8 tensor-core matmul (torch.nn.functional.scaled_mm, 1x128/128x128
 #      block scales) against the de-quantised one, and decode tokens/s of a randomly initialised
 #      1.5B-shaped model with FP8 linear layers against bf16, plus the time to produce a push's
 #      FP8 buckets against bf16 ones (benchmarks/bench_fp8.py --decode).

@@ -123,6 +123,17 @@ def test_the_fp8_tensor_core_path_is_chosen_only_on_a_capable_card():
         assert not scaled_mm_supported(x.cuda(), 200, 384)  # not whole 128-blocks
 
 
+@pytest.mark.parametrize("m,k,n", [(1, 8960, 1536), (7, 1536, 256), (3, 256, 128)])
+def test_the_fp8_tensor_core_matmul_passes_torchs_layout_checks(m, k, n):
+    """On meta tensors torch checks scaled_mm's scale shapes and strides as on a GPU (1.5B shapes)."""
+    from arealite.server.fp8_linear import scaled_linear
+
+    x = torch.empty(2, m, k, dtype=torch.bfloat16, device="meta")
+    q = torch.empty(n, k, dtype=FP8_DTYPE, device="meta")
+    out = scaled_linear(x, q, torch.empty(n // 128, k // 128, device="meta"), None)
+    assert out.shape == (2, m, n) and out.dtype == torch.bfloat16
+
+
 @pytest.mark.gpu
 def test_the_fp8_tensor_core_matmul_matches_the_dequantised_one():
     from arealite.server.fp8_linear import Fp8Linear, scaled_mm_supported

@@ -7,7 +7,7 @@ ordinary linear layer whose weight is the FP8-rounded one, so a trainer forward 
 same rounded weights reproduces the server's log-probs exactly. On a GPU with FP8 tensor
 cores (compute capability 9.x: H100/H200) a layer whose sizes are whole 128-blocks multiplies
 in FP8 instead, as SGLang's block FP8 method does: the activations are quantised per token
-in groups of 128 (``1x128`` scales) and ``torch._scaled_mm`` multiplies them with the
+in groups of 128 (``1x128`` scales) and ``torch.nn.functional.scaled_mm`` multiplies them with the
 ``128x128``-scaled weight (`scaled_mm_supported`); the result then differs from the
 de-quantised matmul by the activations' rounding (within the bf16 probe tolerance).
 
@@ -51,10 +51,10 @@ class Fp8Linear(torch.nn.Module):
 
 
 def scaled_mm_supported(x: torch.Tensor, in_features: int, out_features: int) -> bool:
-    """Whether ``torch._scaled_mm`` multiplies this layer in FP8: a CUDA card of compute
-    capability 9.x (block-scaled FP8 GEMMs in cuBLAS), 16-bit activations, and sizes in whole
-    128-blocks (SGLang's `validate_block_quant_shapes` asks the same of its layers)."""
-    return (x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and hasattr(torch, "_scaled_mm")
+    """Whether this layer multiplies on FP8 tensor cores (`F.scaled_mm`, block scales): a CUDA
+    card of compute capability 9.x (cuBLAS's block-scaled FP8 GEMMs), 16-bit activations, and
+    sizes in whole 128-blocks (SGLang's `validate_block_quant_shapes` asks the same)."""
+    return (x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and hasattr(F, "scaled_mm")
             and in_features % BLOCK == 0 and out_features % BLOCK == 0
             and torch.cuda.get_device_capability(x.device)[0] == 9)
 
@@ -62,15 +62,22 @@ def scaled_mm_supported(x: torch.Tensor, in_features: int, out_features: int) ->
 def scaled_linear(x: torch.Tensor, q: torch.Tensor, scale_inv: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """``x @ dequant(q, scale_inv).T + bias`` on FP8 tensor cores: `x` quantised per token in
     1x128 groups, `q` with its 128x128 scales (DeepSeek-V3's recipe)."""
+    from torch.nn.functional import ScalingType
+
     shape = x.shape
     x2 = x.reshape(-1, shape[-1])
     groups = x2.float().view(x2.shape[0], -1, BLOCK)
     x_scale = (groups.abs().amax(-1) / FP8_MAX).clamp(min=1e-12)  # [M, K/128]
     xq = (groups / x_scale[..., None]).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE).view_as(x2)
-    # cuBLAS wants the 1x128 scales outer-dim-major; the weight is [N, K] row-major, so q.t() is
-    # the column-major [K, N] operand and scale_inv.t() its [K/128, N/128] scales.
-    out = torch._scaled_mm(xq, q.t(), scale_a=x_scale.t().contiguous().t(), scale_b=scale_inv.t(),
-                           out_dtype=x.dtype)
+    # cuBLAS's layouts: the 1x128 scales outer-dim-major; the weight [N, K] row-major, so q.t() is
+    # the column-major [K, N] operand, and its scales [K/128 rounded up to 4, N/128] K-major (the
+    # padding rows stand for no K-block: any value).
+    m, k_blocks = x_scale.shape
+    # (.t().contiguous() is a no-op when M = 1: the strides are set explicitly.)
+    a_scale = torch.empty_strided((m, k_blocks), (1, m), dtype=torch.float32, device=x.device).copy_(x_scale)
+    w_scale = F.pad(scale_inv.float(), (0, -k_blocks % 4), value=1.0)
+    out = F.scaled_mm(xq, q.t(), a_scale, ScalingType.BlockWise1x128, w_scale.t(),
+                      ScalingType.BlockWise128x128, output_dtype=x.dtype)
     if bias is not None:
         out = out + bias
     return out.view(*shape[:-1], q.shape[0])
