@@ -9,21 +9,19 @@ the strict stand-in's refusal of float tensors into FP8 weights are checked with
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import RolloutOf, free_port, perturbed_weights, stop_process
+from conftest import RolloutOf, free_port, perturbed_weights
+from test_publisher import rollout  # noqa: F401  (the fixture: a client and controller on `server`)
 
 from arealite.config.cross_field_checks import config_advice, config_problems
-from arealite.config.schema import ArealiteConfig, RolloutConfig
-from arealite.inference_client.sglang_client import SGLangClient
+from arealite.config.schema import ArealiteConfig
 from arealite.quant.fp8 import FP8_DTYPE, quantize_blockwise, scale_name
 from arealite.server.command_line import judge_server_command, server_command
 from arealite.server.fp8_linear import quantize_linears, sglang_fp8_problem
+from arealite.server.process import ServerProcess
 from arealite.server.weights import model_state
 from arealite.weight_sync import Fp8Source, StateDictSource, WeightSyncError, make_publisher
 from arealite.weight_sync.fp8_push import fp8_rounded_weights
@@ -79,26 +77,12 @@ class WrongScale:
 
 
 @pytest.fixture(scope="module")
-def fp8_server(micro_model_dir, tmp_path_factory):
-    port = free_port()
-    log_path = tmp_path_factory.mktemp("fp8_push") / "server.log"
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "arealite.server", "--model-path", str(micro_model_dir), "--host", "127.0.0.1",
-         "--port", str(port), "--quantization", "fp8", "--dtype", "float32"],
-        stdout=open(log_path, "wb"), stderr=subprocess.STDOUT, env=dict(os.environ, OMP_NUM_THREADS="1"),
-        start_new_session=True)
-    yield f"127.0.0.1:{port}"
-    stop_process(proc, 10)
-
-
-@pytest.fixture
-def rollout(fp8_server):
-    from arealite.rollout.controller import RolloutController
-
-    client = SGLangClient([fp8_server], RolloutConfig(request_timeout_s=60))
-    controller = RolloutController(client, RolloutConfig()).start(init_timeout=90)
-    yield client, controller
-    controller.stop()
+def server(micro_model_dir, tmp_path_factory, request):
+    """An embedded server with FP8 weights (``rollout`` connects to it)."""
+    proc = ServerProcess(micro_model_dir, free_port(), extra_args=["--quantization", "fp8", "--dtype", "float32"],
+                         log_path=tmp_path_factory.mktemp("fp8_push") / "server.log", threads=1)
+    request.addfinalizer(proc.stop)  # also when it never gets healthy
+    return proc.wait_healthy().url.removeprefix("http://")
 
 
 def _config(tmp_path: Path, method: str, model_dir: Path, **over) -> ArealiteConfig:
