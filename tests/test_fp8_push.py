@@ -23,6 +23,7 @@ from arealite.server.command_line import judge_server_command, server_command
 from arealite.server.fp8_linear import quantize_linears, sglang_fp8_problem
 from arealite.server.process import ServerProcess
 from arealite.server.weights import model_state
+from arealite.utils.checkpoint_names import checkpoint_tensors
 from arealite.weight_sync import Fp8Source, StateDictSource, WeightSyncError, make_publisher
 from arealite.weight_sync.fp8_push import fp8_rounded_weights
 
@@ -39,6 +40,8 @@ class Engine(StateDictSource):
         self.model.load_state_dict(state, strict=False)
         self.model.tie_weights()
         super().__init__(self.model)
+        # Pushed under the checkpoint's names, as the FSDP engine does (one tensor per expert).
+        self.tensors = [pair for n, t in self.tensors for pair in checkpoint_tensors(self.model, n, t)]
         self.config = type("Cfg", (), {"model_path": str(model_dir)})()
         self.version = 0
 
@@ -194,3 +197,50 @@ def test_an_fp8_checkpoint_for_sglang_carries_blocks_scales_and_the_quantization
     assert tensors[q_name].dtype == FP8_DTYPE and tensors[scale_name(q_name)].dtype == torch.float32
     assert tensors["model.embed_tokens.weight"].dtype != FP8_DTYPE
     assert (dst / "tokenizer_config.json").is_file() or not (micro_model_dir / "tokenizer_config.json").is_file()
+
+
+@pytest.fixture(scope="module")
+def moe_dir(tmp_path_factory):
+    from arealite.models.tiny import build_tiny_model
+
+    return build_tiny_model(tmp_path_factory.mktemp("fp8_moe"), size="moe-micro", seed=0)
+
+
+def test_fp8_experts_take_a_push_and_routing_replay_reproduces_the_server(moe_dir, tmp_path):
+    """Tiny Qwen3-MoE: experts FP8 expert by expert, the router unquantised; after an FP8 push the
+    probe agrees, and the trainer replaying the server's routing (R3) on its FP8-rounded weights
+    scores the server's tokens as the server did."""
+    from arealite.inference_client.sglang_client import SGLangClient
+    from arealite.api.types import GenerationRequest, SamplingParams
+    from arealite.moe.router_hooks import RoutingCapture, RoutingReplay
+    from arealite.rollout.controller import RolloutController
+
+    from arealite.config.schema import RolloutConfig
+
+    proc = ServerProcess(moe_dir, free_port(), extra_args=["--quantization", "fp8", "--dtype", "float32",
+                                                           "--enable-return-routed-experts"],
+                         log_path=tmp_path / "server.log", threads=1)
+    try:
+        addr = proc.wait_healthy().url.removeprefix("http://")
+        client = SGLangClient([addr], RolloutConfig(request_timeout_s=60))
+        controller = RolloutController(client, RolloutConfig()).start(init_timeout=90)
+        engine = Engine(moe_dir, perturbed_weights(Engine(moe_dir, {}).model.state_dict(), 13))
+        pub = make_publisher(_config(tmp_path, "shm", moe_dir), RolloutOf(client, controller), engine)
+        pub.init()
+        assert pub.publish(1)["probe_mean_abs_diff"] < 1e-4
+        pub.close()
+        (router,) = controller.run(client.get_weights_by_name("model.layers.0.mlp.gate.weight", 10**6)).values()
+        assert torch.equal(torch.tensor(router), dict(engine.tensors)["model.layers.0.mlp.gate.weight"])
+        client.wire.return_routed_experts = True
+        c = controller.run(client.agenerate(GenerationRequest([5, 6, 7, 8, 9], SamplingParams(max_new_tokens=6))))
+        controller.stop()
+    finally:
+        proc.stop()
+    ids, n = c.all_ids[:-1], len(c.all_ids) - 1
+    served = c.routed_experts.view(n, 2, 2)
+    with torch.no_grad(), fp8_rounded_weights(engine.model), RoutingReplay(engine.model, served), \
+            RoutingCapture(engine.model) as cap:
+        logp = torch.log_softmax(engine.model(input_ids=torch.tensor([ids])).logits[0].float(), -1)
+        assert torch.equal(cap.take(), served)
+    mine = logp[len(c.input_ids) - 1:].gather(1, torch.tensor(c.output_ids)[:, None])[:, 0]
+    torch.testing.assert_close(mine, torch.tensor(c.output_logprobs), atol=1e-4, rtol=0)

@@ -34,6 +34,7 @@ from .lora_adapters import LoraRoutes
 from .vision import VisionSupport, is_vision_config, load_vision_model
 from .startup_request import WarmUp, self_url
 from .weight_routes import WeightRoutes
+from .fp8_experts import quantize_experts
 from .fp8_linear import quantize_linears
 from .weights import model_state, parse_dtype
 
@@ -67,7 +68,8 @@ def load_model(args: ServerArgs):
         model = AutoModelForCausalLM.from_pretrained(args.model_path, dtype=dtype).to(device).eval()
     model.requires_grad_(False)
     if args.quantization == "fp8":
-        logger.info("fp8: %d linear layers stored as block-wise float8_e4m3fn", len(quantize_linears(model)))
+        logger.info("fp8: %d linear layers and %d expert layers stored as block-wise float8_e4m3fn",
+                    len(quantize_linears(model)), len(quantize_experts(model)))
     tokenizer = None if args.skip_tokenizer_init else AutoTokenizer.from_pretrained(args.model_path)
     return model, tokenizer, device
 
