@@ -45,8 +45,8 @@ from arealite.config.schema import WeightSyncConfig  # noqa: E402
 from arealite.inference_client.sglang_client import SGLangClient  # noqa: E402
 from arealite.server.process import ServerProcess  # noqa: E402
 from arealite.utils.net import free_port  # noqa: E402
-from arealite.utils.tensor_handles import file_system_sharing  # noqa: E402
 from arealite.weight_sync import StateDictSource, TensorTransfer  # noqa: E402
+from arealite.weight_sync.tensor import pack_into, packed_bytes, shared_buffer  # noqa: E402
 
 
 def _loop_runner():
@@ -68,17 +68,8 @@ def _shared_copy(state: dict[str, torch.Tensor], device: str) -> list[tuple[str,
     """The trainer's weights as views of one buffer in shared memory (CPU) or on the GPU."""
     if device == "cuda":
         return [(k, v.to("cuda")) for k, v in state.items()]
-    total = sum(v.numel() * v.element_size() for v in state.values())
-    with file_system_sharing():
-        buf = torch.empty(total, dtype=torch.uint8).share_memory_()
-    out, pos = [], 0
-    for k, v in state.items():
-        n = v.numel() * v.element_size()
-        view = buf[pos:pos + n].view(v.dtype).view(v.shape)
-        view.copy_(v)
-        out.append((k, view))
-        pos += n
-    return out
+    named = list(state.items())
+    return pack_into(shared_buffer(packed_bytes(named)), named)
 
 
 def _server_memory(admin, run) -> int:

@@ -41,19 +41,6 @@ def strict_server(micro_model_dir):
 
 
 @pytest.fixture(scope="module")
-def loop_runner():
-    import asyncio
-    import threading
-
-    loop = asyncio.new_event_loop()
-    t = threading.Thread(target=loop.run_forever, daemon=True)
-    t.start()
-    yield lambda coro: asyncio.run_coroutine_threadsafe(coro, loop).result(120)
-    loop.call_soon_threadsafe(loop.stop)
-    t.join(5)
-
-
-@pytest.fixture(scope="module")
 def admin(strict_server, loop_runner):
     client = SGLangClient([strict_server.removeprefix("http://")])
     loop_runner(client.initialize(60))
