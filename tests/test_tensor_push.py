@@ -1,8 +1,8 @@
 """``/update_weights_from_tensor`` against the strict stand-in (SGLang's payload shape and
 refusals), the tensor-handle wire format, and what launches and checks the colocated routes.
 
-The server: one strict embedded server on the micro model, without ``--enable-memory-saver``
-(so its release is refused as SGLang's would free nothing), weights readable back.
+The server: one strict embedded server on the micro model with ``--enable-memory-saver``,
+weights readable back; the refusal of a release without the flag runs on the route alone.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ from arealite.utils.tensor_handles import TensorPayloadError, decode_named_tenso
 @pytest.fixture(scope="module")
 def strict_server(micro_model_dir):
     proc = ServerProcess(micro_model_dir, free_port(), threads=1, extra_args=[
-        "--strict-sglang", "--skip-server-warmup", "--readback-architectures", "all"])
+        "--strict-sglang", "--skip-server-warmup", "--readback-architectures", "all", "--enable-memory-saver"])
     try:
         yield proc.wait_healthy(120).url
     finally:
@@ -123,10 +123,49 @@ def test_a_malformed_payload_is_refused_with_the_field_named(strict_server, base
 
 
 def test_strict_memory_routes_refuse_what_sglang_refuses(strict_server, admin, loop_runner):
-    with pytest.raises(ServerAdminError, match="--enable-memory-saver"):
-        loop_runner(admin.release_memory_occupation(["weights"]))
     status, answer = _post(strict_server, "/resume_memory_occupation", {"tags": ["kv_cache"]})
     assert status == 400 and "were not released" in _message(answer)
+    loop_runner(admin.pause_generation())
+    (answer,) = loop_runner(admin.release_memory_occupation(["kv_cache"])).values()
+    assert answer is None  # SGLang's route returns nothing
+    status, answer = _post(strict_server, "/release_memory_occupation", {"tags": ["kv_cache"]})
+    assert status == 400 and "already released" in _message(answer)
+    loop_runner(admin.continue_generation())
+    try:  # released and not paused: SGLang would run it on released memory
+        status, answer = _post(strict_server, "/generate", {"input_ids": [1, 2], "sampling_params": {
+            "max_new_tokens": 1}})
+        assert status == 400 and "pause_generation" in _message(answer)
+    finally:
+        loop_runner(admin.pause_generation())
+        loop_runner(admin.resume_memory_occupation(["kv_cache"]))
+        loop_runner(admin.continue_generation())
+    status, answer = _post(strict_server, "/generate", {"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 1}})
+    assert status == 200
+
+
+def test_strict_release_without_the_memory_saver_flag_is_refused():
+    import asyncio
+
+    from aiohttp import web
+    from aiohttp.test_utils import TestClient, TestServer
+
+    from arealite.server.memory_routes import MemoryRoutes
+    from arealite.server.strict import SGLangBehaviour
+
+    routes = MemoryRoutes(torch.nn.Linear(2, 2), runner=None, behaviour=SGLangBehaviour(strict=True),
+                          memory_saver=False, weights_cpu_backup=False, own_weights=lambda: None)
+    app = web.Application()
+    for path, handler in routes.routes().items():
+        app.router.add_post(path, handler)
+
+    async def ask() -> tuple[int, dict]:
+        async with TestClient(TestServer(app)) as client:
+            resp = await client.post("/release_memory_occupation", json={"tags": ["weights"]})
+            return resp.status, await resp.json()
+
+    status, answer = asyncio.run(ask())
+    assert status == 400 and "--enable-memory-saver" in _message(answer)
+    assert "server.enable_memory_saver" in _message(answer)
 
 
 def test_memory_saver_flag_reaches_both_launch_commands_and_tensor_needs_local_capable_servers():
