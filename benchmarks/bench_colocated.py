@@ -17,7 +17,7 @@ trainer. Each round, interleaved:
   (all tags) with the server paused, and the memory each frees or takes back (the
   server's RSS on CPU; ``torch.cuda.memory_allocated`` in the server on a GPU).
 
-    python benchmarks/bench_colocated.py                    # "base" model (~10M, 40 MB), 5 rounds
+    python benchmarks/bench_colocated.py                    # "base" model (~10M, 40 MB), 9 rounds
     python benchmarks/bench_colocated.py --size large       # ~50M parameters
     python benchmarks/bench_colocated.py --device cuda      # server and tensors on the GPU
 
@@ -87,7 +87,7 @@ def _sync(device: str) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--size", choices=["small", "base", "large"], default="base")
-    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--rounds", type=int, default=9)
     ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     ap.add_argument("--model-dir", default=None, help="reuse a tiny model directory")
     args = ap.parse_args()
