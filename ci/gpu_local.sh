@@ -17,6 +17,9 @@
 #      block scales) against the de-quantised one, and decode tokens/s of a randomly initialised
 #      1.5B-shaped model with FP8 linear layers against bf16, plus the time to produce a push's
 #      FP8 buckets against bf16 ones (benchmarks/bench_fp8.py --decode).
+#   7. the colocated server side on the GPU (benchmarks/bench_colocated.py --device cuda): a push by
+#      update_weights_from_tensor (CUDA IPC) against a device copy of the same bytes, and the
+#      server's torch.cuda.memory_allocated before and after each release / resume.
 #
 #   bash ci/gpu_local.sh
 #
@@ -41,4 +44,5 @@ $PY -m pytest -q -rs -p no:cacheprovider -m gpu tests/test_fsdp.py tests/test_at
 $PY benchmarks/bench_mfu.py --steps ${MFU_STEPS:-4} || status=$?
 $PY benchmarks/bench_plan_gpu.py || status=$?
 $PY benchmarks/bench_fp8.py --decode || status=$?
+$PY benchmarks/bench_colocated.py --device cuda --size large --rounds ${COLOCATED_ROUNDS:-5} || status=$?
 exit $status
