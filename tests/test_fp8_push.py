@@ -1,7 +1,7 @@
 """FP8 rollout end to end (`server.quantization: fp8`): the trainer quantises every push.
 
 A real embedded server with ``--quantization fp8`` takes each push method (distributed,
-disk, shm) of `make_publisher`: what it holds afterwards reads back bit-identical to the
+disk, shm, tensor) of `make_publisher`: what it holds afterwards reads back bit-identical to the
 trainer's quantised tensors, and the log-prob probe (the trainer's forward on FP8-rounded
 weights) agrees; a push with one wrong scale is caught by the probe. Config, launcher and
 the strict stand-in's refusal of float tensors into FP8 weights are checked without a server.
@@ -96,7 +96,7 @@ def _config(tmp_path: Path, method: str, model_dir: Path, **over) -> ArealiteCon
                         "shm_dir": str(tmp_path)}, **over})
 
 
-@pytest.mark.parametrize("method", ["distributed", "disk", "shm"])
+@pytest.mark.parametrize("method", ["distributed", "disk", "shm", "tensor"])
 def test_an_fp8_push_reads_back_bit_identical_and_passes_the_probe(rollout, method, base_state, micro_model_dir,
                                                                   tmp_path):
     client, controller = rollout

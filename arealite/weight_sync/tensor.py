@@ -30,7 +30,8 @@ import torch
 from arealite.api.contracts import Runner, TensorUpdateAdmin, WeightSource, require
 from arealite.utils.net import is_local_host, split_addr
 from arealite.utils.tensor_handles import file_system_sharing
-from arealite.weight_sync.base import Timer, WeightSyncError, bucket_bytes_of, call_dropping_dead, logger
+from arealite.weight_sync.base import (
+    Timer, WeightSyncError, bucket_bytes_of, call_dropping_dead, cast_for_servers, logger)
 
 #: Slot alignment in the staging buffer (bytes): every dtype view stays legal.
 ALIGN = 64
@@ -120,9 +121,7 @@ class TensorTransfer:
             if name in seen:
                 raise WeightSyncError(f"the train engine yields tensor {name!r} twice", tensor=name)
             seen.add(name)
-            t = t.detach()
-            if self.server_dtype is not None and t.dtype != self.server_dtype:
-                t = t.to(self.server_dtype)
+            t = cast_for_servers(name, t.detach(), self.server_dtype)
             if self.cuda_ipc and t.is_cuda:
                 out.append((name, t.contiguous()))
             else:
