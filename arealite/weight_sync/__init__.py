@@ -164,14 +164,16 @@ def _vocab_size(engine: TrainEngine) -> int:
 
 
 def make_publisher(config, rollout: WeightUpdateTarget, train_engine: TrainEngine, *,
-                   source: WeightSource | None = None, probe_prompt: list[int] | VisionPrompt | None = None) -> WeightPublisher:
+                   source: WeightSource | None = None, probe_prompt: list[int] | VisionPrompt | None = None,
+                   after_read: Callable[[], None] | None = None) -> WeightPublisher:
     """The publisher of a run: `train_engine`'s weights to the servers of `rollout`.
 
     `config` is the whole `ArealiteConfig`; `rollout` the rollout side (`RolloutSide`),
     whose ``admin`` administers the servers and whose ``run`` runs those calls on its
     client's loop; it is paused around each update. The train engine and the rollout side
     get the new version. `source` overrides what is read (default: the engine);
-    `probe_prompt` gives the log-prob probe real tokens (e.g. the first training prompt).
+    `probe_prompt` gives the log-prob probe real tokens (e.g. the first training prompt);
+    `after_read` runs on every rank once the weights are read (`WeightPublisher`).
     """
     require(rollout, WeightUpdateTarget, "the rollout side of a weight publisher")
     admin, run = rollout.admin, rollout.run
@@ -184,4 +186,4 @@ def make_publisher(config, rollout: WeightUpdateTarget, train_engine: TrainEngin
         transfer = make_transfer(config, admin, run, model_path)
     verifier = make_verifier(config, admin, transfer, train_engine, probe_prompt)
     return WeightPublisher(transfer, source if source is not None else train_engine, admin, run,
-                           parties=[train_engine], controller=rollout, verifier=verifier)
+                           parties=[train_engine], controller=rollout, verifier=verifier, after_read=after_read)
