@@ -134,6 +134,47 @@ class SGLangAdmin(ServerPoolView):
             "weight_version": str(int(version)), **({"alias": True} if alias else {}),
         }, timeout=timeout)
 
+    async def update_weights_from_tensor(self, named_tensors: Sequence[tuple[str, torch.Tensor]], version: int, *,
+                                         flush_cache: bool = True, load_format: str | None = None,
+                                         timeout: float | None = None) -> dict[str, JsonValue]:
+        """Hand ``named_tensors`` to every healthy server by handle (SGLang's
+        ``/update_weights_from_tensor``), tagged ``version``.
+
+        Servers on this machine only: CPU tensors travel as shared-memory segment names,
+        GPU tensors as CUDA IPC handles (`arealite.utils.tensor_handles`); nothing is copied
+        until the server copies into its weights. The tensors must stay unchanged until
+        this returns. Every tensor-parallel rank of a server gets the same list (SGLang's
+        payload has one entry per rank; each rank loads its own shard of each tensor).
+        On SGLang >= 0.5.21 call it between `begin_weight_update` and `end_weight_update`.
+        """
+        from arealite.utils.tensor_handles import encode_named_tensors
+
+        self.pool.exclude_unhealthy(f"the weight update to version {version}")
+        entry = encode_named_tensors(named_tensors)  # once: every server maps the same memory
+        fields: JsonObject = {"flush_cache": bool(flush_cache), "weight_version": str(int(version))}
+        if load_format is not None:
+            fields["load_format"] = str(load_format)
+        return await self.pool.call_all(
+            "/update_weights_from_tensor", timeout=timeout,
+            per_server=lambda i, s: {"serialized_named_tensors": [entry] * max(1, s.tp_size), **fields})
+
+    # ------------------------------------------------------------ memory
+
+    async def release_memory_occupation(self, tags: Sequence[str] | None = None, *,
+                                        timeout: float | None = None) -> dict[str, JsonValue]:
+        """Free every server's memory of kinds ``tags`` (SGLang's names: ``"weights"``,
+        ``"kv_cache"``, ``"cuda_graph"``; None: all). Call it paused (`pause_generation`):
+        SGLang requires an idle server. The server needs ``--enable-memory-saver``
+        (``server.enable_memory_saver``); without it SGLang answers 200 and frees nothing."""
+        return await self.pool.call_all("/release_memory_occupation", _tags_body(tags), timeout=timeout)
+
+    async def resume_memory_occupation(self, tags: Sequence[str] | None = None, *,
+                                       timeout: float | None = None) -> dict[str, JsonValue]:
+        """Take back on every server the memory ``release_memory_occupation`` freed (same
+        ``tags``). Released weights come back with undefined contents (SGLang without
+        ``--enable-weights-cpu-backup``): push weights before generating again."""
+        return await self.pool.call_all("/resume_memory_occupation", _tags_body(tags), timeout=timeout)
+
     async def get_weights_by_name(self, name: str, truncate_size: int = 100) -> dict[str, JsonValue]:
         """Read a weight back from every healthy server: {addr: values (truncated)}."""
         return await self.pool.call_all("/get_weights_by_name", {"name": name, "truncate_size": int(truncate_size)})
@@ -298,6 +339,14 @@ class SGLangAdmin(ServerPoolView):
             return {}
         return await self.pool.call_all("/destroy_weights_update_group", {"group_name": group_name},
                                         servers=members)
+
+
+def _tags_body(tags: Sequence[str] | None) -> JsonObject:
+    if tags is None:
+        return {}
+    if isinstance(tags, str) or not all(isinstance(t, str) for t in tags):
+        raise TypeError(f"tags must be a sequence of strings such as ['weights', 'kv_cache'], got {tags!r}")
+    return {"tags": list(tags)}
 
 
 def _adapter_missing(why: str) -> bool:
