@@ -12,7 +12,11 @@
 #      (benchmarks/bench_mfu.py), whatever the tests said,
 #   5. the planner's trainer memory against torch.cuda.max_memory_allocated for the same
 #      1.5B-shaped model (checkpointing off and on, two lengths each; goal within 10%), and a
-#      length it predicts over the card really running out of memory (benchmarks/bench_plan_gpu.py).
+#      length it predicts over the card really running out of memory (benchmarks/bench_plan_gpu.py),
+#   6. the colocated demo on one GPU (launch.placement=colocated, embedded server on the same card):
+#      the card's free memory before/after each release, the trainer's torch.cuda.memory_allocated
+#      before/after each offload, and the step time split generate / release / onload / train /
+#      push / offload / wakes (benchmarks/colocated_split.py over its stats).
 #
 #   bash ci/gpu_local.sh
 #
@@ -36,4 +40,13 @@ status=0
 $PY -m pytest -q -rs -p no:cacheprovider -m gpu tests/test_fsdp.py tests/test_attention.py tests/test_parallel_compose.py tests/test_gpu.py "$@" || status=$?
 $PY benchmarks/bench_mfu.py --steps ${MFU_STEPS:-4} || status=$?
 $PY benchmarks/bench_plan_gpu.py || status=$?
+COLO=${COLO_DIR:-/tmp/arealite-colocated}
+rm -rf "$COLO" && $PY examples/reverse_digits/prepare.py --out "$COLO/demo" >/dev/null && \
+$PY -m arealite.train --config examples/reverse_digits/config.yaml experiment.output_root="$COLO/runs" \
+    experiment.name=colocated experiment.trial=gpu actor.model_path="$COLO/demo/model" \
+    data.train_path="$COLO/demo/train.jsonl" data.eval_path="$COLO/demo/eval.jsonl" \
+    launch.placement=colocated rollout.max_head_offpolicyness=0 launch.n_trainer_procs=1 \
+    data.max_train_steps=${COLO_STEPS:-8} evaluation.freq_steps=null saver.freq_steps=null \
+    stats.progress_bar=false stats.plot=false ${COLO_PUSH:+weight_sync.method=$COLO_PUSH} && \
+$PY benchmarks/colocated_split.py "$COLO/runs/colocated/gpu/stats.jsonl" || status=$?
 exit $status
