@@ -33,6 +33,8 @@ from .sampling import SamplingConfig
 from .lora_adapters import LoraRoutes
 from .vision import VisionSupport, is_vision_config, load_vision_model
 from .startup_request import WarmUp, self_url
+from .memory_routes import MemoryRoutes
+from .tensor_routes import TensorRoutes
 from .weight_routes import WeightRoutes
 from .fp8_linear import quantize_linears
 from .weights import model_state, parse_dtype
@@ -114,6 +116,12 @@ class EmbeddedServer:
         self.warm_up = WarmUp(self.behaviour)
         self.weights = WeightRoutes(model, self.state, self.runner, behaviour=self.behaviour, device=device,
                                     timeout_s=args.weight_sync_timeout_s, model_path=str(args.model_path))
+        self.memory = MemoryRoutes(model, self.runner, behaviour=self.behaviour,
+                                   memory_saver=args.enable_memory_saver,
+                                   weights_cpu_backup=args.enable_weights_cpu_backup,
+                                   own_weights=self.weights.own_weights)
+        self.weights.weights_released = lambda: self.memory.weights_released
+        self.tensors = TensorRoutes(self.weights, self.memory)
         self.lora = LoraRoutes(model, self.runner)
         # A VLM takes /generate's image_data; a text-only model refuses it (`parse_generate`).
         self.vision = VisionSupport(
@@ -251,6 +259,7 @@ class EmbeddedServer:
             "internal_states": [{
                 "num_running_reqs": r.n_running, "num_waiting_reqs": r.n_waiting,
                 "paused": r.pause.paused, "in_weight_update": r.pause.in_update_bracket, **r.stats,
+                "memory": self.memory.status(),
                 "prompt_cache_entries": len(r.prompt_cache), "prompt_cache_hits": r.prompt_cache.hits,
                 "prompt_cache_misses": r.prompt_cache.misses,
                 # CPU seconds of the whole server process: lets benchmarks on a
@@ -291,6 +300,7 @@ class EmbeddedServer:
         # small one is cheaper inline than a thread hop.
         big = request.content_length is None or request.content_length > OFFLOAD_BYTES or images is not None
         inputs, batch, names = await off_loop(parse) if big else parse()
+        self.memory.check_generate(paused=not self.unpaused.is_set())
         if any(names):  # as SGLang: the adapter is looked up once a pause is over
             await self.unpaused.wait()
             for inp, adapter in zip(inputs, self.lora.lora.resolve(names)):
@@ -349,7 +359,7 @@ def build_app(server: EmbeddedServer) -> web.Application:
     both = {"/health": s.health, "/health_generate": s.health_generate,
             "/model_info": s.get_model_info, "/get_model_info": s.get_model_info,
             "/server_info": s.get_server_info, "/get_server_info": s.get_server_info,
-            "/flush_cache": s.flush_cache}
+            "/flush_cache": s.flush_cache, **s.memory.routes()}
     for path, h in both.items():
         app.router.add_get(path, h)
         app.router.add_post(path, h)
@@ -362,6 +372,7 @@ def build_app(server: EmbeddedServer) -> web.Application:
         "/continue_generation": s.continue_generation,
         "/abort_request": s.abort_request,
         **s.weights.routes(),
+        **{path: s.weights.one_at_a_time(h) for path, h in s.tensors.routes().items()},
         **s.lora.routes(),
     }.items():
         app.router.add_post(path, h)

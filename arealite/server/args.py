@@ -54,6 +54,13 @@ class ServerArgs:
     """Behave as SGLang does where it is unforgiving (see ``arealite.server.strict``)."""
     sglang_version: str = "0.5.23"
     """The SGLang release to report and emulate (before 0.5.21: no weight-update sessions)."""
+    enable_memory_saver: bool = False
+    """SGLang's flag: allow ``/release_memory_occupation``. The embedded server frees its weights
+    and KV cache with or without it; under ``--strict-sglang`` a release without it is refused
+    (SGLang would answer 200 and free nothing; `arealite.server.memory_routes`)."""
+    enable_weights_cpu_backup: bool = False
+    """SGLang's flag: keep released weights' contents in host memory (else they come back as
+    zeros and the trainer pushes weights before generating; on a CPU device nothing is freed)."""
     readback_architectures: str | None = None
     """Model classes whose weights ``/get_weights_by_name`` reads back, comma-separated
     (``all``); default: every class, or SGLang's list under ``--strict-sglang``."""
@@ -168,6 +175,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--warmup-delay-s", type=float, default=0.0,
                    help="strict mode: wait this long before the start-up warm-up's /generate (a slow warm-up; "
                         "its timeout is $SGLANG_WARMUP_TIMEOUT, after which the server exits as SGLang does)")
+    p.add_argument("--enable-memory-saver", action="store_true",
+                   help="SGLang's flag: allow /release_memory_occupation (required under --strict-sglang)")
+    p.add_argument("--enable-weights-cpu-backup", action="store_true",
+                   help="SGLang's flag: released weights keep their contents in host memory")
     p.add_argument("--readback-architectures", default=None,
                    help="comma-separated model classes whose weights can be read back ('all')")
     g = p.add_argument_group("request limits (docs/security.md)")

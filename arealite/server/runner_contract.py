@@ -60,23 +60,27 @@ class PauseState:
 
     SGLang's ``/pause_generation`` stops admission; in mode ``abort`` every request returns
     at once, in mode ``in_place`` the running batch is frozen where it is; ``/continue_generation``
-    lifts both. A ``begin/end_weight_update`` bracket stops admission without pausing.
+    lifts both. A ``begin/end_weight_update`` bracket stops admission without pausing, and
+    so does memory released by ``/release_memory_occupation`` until it is resumed.
     """
 
     paused: bool
     mode: str
     """The last pause's mode, ``abort`` or ``in_place``."""
     in_update_bracket: bool
+    released: bool
+    """Weights or KV cache released (``/release_memory_occupation``): nothing may run."""
 
     def __init__(self) -> None:
         self.paused = False
         self.mode = "abort"
         self.in_update_bracket = False
+        self.released = False
 
     @property
     def admits(self) -> bool:
         """Whether waiting sequences may join the batch."""
-        return not self.paused and not self.in_update_bracket
+        return not self.paused and not self.in_update_bracket and not self.released
 
     @property
     def freezes_running(self) -> bool:

@@ -83,12 +83,19 @@ class WeightRoutes:
         self._group_pool = ThreadPoolExecutor(4, thread_name_prefix="arealite-group")
         self._pending_joins = 0
         self.total_bytes = sum(t.numel() * t.element_size() for t in state.values())
+        #: Whether the weights have no memory now; the server's memory routes set it.
+        self.weights_released: Callable[[], bool] = lambda: False
+
+    #: A weight version from a request body (None when absent), bounded.
+    version_of = staticmethod(lambda body, route, key="weight_version": _version(body, route, key))
 
     def routes(self) -> dict[str, Callable[[web.Request], Awaitable[web.Response]]]:
         """POST path -> handler."""
-        return {path: self._one_at_a_time(h) for path, h in self._handlers().items()}
+        return {path: self.one_at_a_time(h) for path, h in self._handlers().items()}
 
-    def _one_at_a_time(self, handler: Callable[[web.Request], Awaitable[web.Response]]):
+    def one_at_a_time(self, handler: Callable[[web.Request], Awaitable[web.Response]]):
+        """``handler``, run one at a time with every weight operation in strict mode (as
+        SGLang's scheduler runs them)."""
         if self.scheduler is None:
             return handler
         lock = self.scheduler
@@ -132,7 +139,7 @@ class WeightRoutes:
             logger.warning("update_weights_from_disk(%s) refused: %s", path, problem)
             return web.json_response({"success": False, "message": problem, "num_paused_requests": 0}, status=400)
 
-        await self._load(lambda: copy_into_model(self.state, tensors), version)
+        await self.load_between_steps(lambda: copy_into_model(self.state, tensors), version)
         self.model_path = path
         msg = f"loaded {len(tensors)} tensors from {path} in {time.perf_counter() - t0:.2f}s"
         logger.info("update_weights_from_disk: %s (weight_version %s)", msg, self.runner.weight_version)
@@ -192,15 +199,19 @@ class WeightRoutes:
                 alias_weights(self.model, self.state, shm, names, dtypes, shapes, offsets)
                 self.shm_files.serving = shm.key
 
-            await self._load(swap if alias else copy, version, copies=not alias)
+            await self.load_between_steps(swap if alias else copy, version, copies=not alias)
         msg = f"updated {len(names)} tensors from {path} in {time.perf_counter() - t0:.3f}s"
         logger.debug("%s: %s", route, msg)
         return web.json_response({"success": True, "message": msg})
 
-    async def _load(self, copy: Callable[[], None], version: str | None, copies: bool = True) -> None:
+    async def load_between_steps(self, copy: Callable[[], None], version: str | None, copies: bool = True) -> None:
         """Run `copy` (new tensors into the model) on the runner's thread, between two
         decode steps, and take on `version` with it (None keeps the current one). A copy into
-        parameters that point into a mapped file gives them their own storage first."""
+        parameters that point into a mapped file gives them their own storage first. Refused
+        while the weights are released (`arealite.server.memory_routes`)."""
+        if self.weights_released():
+            raise RequestError("the weights are released (release_memory_occupation); "
+                               "call resume_memory_occupation(tags=['weights']) before updating them")
 
         def load() -> None:
             if copies and self.shm_files.serving is not None:
@@ -211,6 +222,12 @@ class WeightRoutes:
                 self.runner.weight_version = str(version)
 
         await self.runner.call(load)
+
+    def own_weights(self) -> None:
+        """Give every parameter a storage of its own (on the model thread): copies those that
+        point into a mapped file (a served shared-memory file or the loaded checkpoint)."""
+        own_weights(self.model, self.state)
+        self.shm_files.serving = None
 
     def _map_shm(self, path: str) -> ShmWeightFile:
         """The mapping of `path`, reusing the cached one while it is the same file."""
@@ -328,7 +345,7 @@ class WeightRoutes:
             logger.warning("%s refused: %s", route, problem)
             return web.json_response({"success": False, "message": problem}, status=400)
 
-        await self._load(lambda: copy_into_model(self.state, dict(zip(names, tensors))), version)
+        await self.load_between_steps(lambda: copy_into_model(self.state, dict(zip(names, tensors))), version)
         msg = f"updated {len(names)} tensors in {time.perf_counter() - t0:.3f}s"
         logger.debug("%s: %s", route, msg)
         return web.json_response({"success": True, "message": msg})

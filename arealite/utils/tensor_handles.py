@@ -60,7 +60,7 @@ def encode_named_tensors(named_tensors: Sequence[tuple[str, torch.Tensor]]) -> s
         items.append((pair[0], pair[1].detach()))
     buf = io.BytesIO()
     with file_system_sharing():
-        ForkingPickler(buf, protocol=pickle.HIGHEST_PROTOCOL).dump(items)
+        ForkingPickler(buf, pickle.HIGHEST_PROTOCOL).dump(items)
     return base64.b64encode(buf.getvalue()).decode("ascii")
 
 
