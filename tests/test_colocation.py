@@ -83,13 +83,17 @@ def test_a_failing_resume_is_retried_then_reported(monkeypatch):
     monkeypatch.setattr("arealite.trainer.colocation.time.sleep", lambda s: None)
     admin = _FlakyServers(failures=2)
     sharing = _sharing(admin, resume_attempts=3)
+    sharing.after_read()  # nothing released: nothing resumed (SGLang dies resuming a tag it holds)
+    assert admin.calls == []
+    sharing.trainer_turn()
     sharing.after_read()  # the KV cache comes back on the third try
-    assert admin.calls == [("resume", ("kv_cache",))] * 3
+    assert admin.calls == ["pause", ("release", ("weights", "kv_cache"))] + [("resume", ("kv_cache",))] * 3
+    assert sharing.asleep == ["weights"]
     admin = _FlakyServers(failures=5)
+    sharing = _sharing(admin, resume_attempts=3)
+    sharing.trainer_turn()
     with pytest.raises(ServersAsleepError, match=r"kv_cache.*failed 3 time\(s\).*HTTP 500"):
-        _sharing(admin, resume_attempts=3).after_read()
-    # At start-up a refusal is logged, not fatal: the first push's probe judges the servers.
-    _sharing(_FlakyServers(failures=5), resume_attempts=1).wake_at_start()
+        sharing.after_read()
 
 
 def test_every_wait_names_what_it_waited_for():

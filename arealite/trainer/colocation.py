@@ -19,8 +19,11 @@ config): nothing is generated while the servers sleep.
 Faults. A trainer that dies while the servers sleep leaves them released, not broken: the
 next trainer to start (`wake_at_start`, before its first publish) resumes them. That is the
 one party that always comes back, for servers the launcher started and for servers started
-elsewhere alike; a launcher-side resume would not cover the latter. Every release and
-resume has a deadline that names it; a resume that fails is retried
+elsewhere alike; a launcher-side resume would not cover the latter. What is asleep is written
+to the run directory (``servers_asleep.json``) as soon as a release answers and cleared as
+soon as a resume does: SGLang cannot be asked, and resuming a tag it has not released kills
+its scheduler (docs/sglang.md), so the next trainer resumes exactly what the file names.
+Every release and resume has a deadline that names it; a resume that fails is retried
 (`launch.time_sharing.resume_attempts`) and then reported naming the servers.
 """
 
@@ -28,9 +31,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
+import os
 import time
 from collections.abc import Coroutine, Iterator, Sequence
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -58,7 +64,8 @@ class TimeSharing:
 
     ``engines``: the train engines whose state leaves the device (actor, reference, critic);
     ``admin``/``run``: the servers' administration and the runner of its coroutines (the
-    rollout side's); ``rank``: this trainer rank.
+    rollout side's); ``rank``: this trainer rank; ``asleep_file``: where rank 0 keeps the
+    tags the servers hold released (None: nowhere, nothing to wake at start-up).
     """
 
     # what it switches: the servers (through rank 0's admin) and this rank's engines
@@ -67,29 +74,33 @@ class TimeSharing:
     run: Runner
     rank: int
     offloads: list[EngineOffload]
+    # what the servers hold released now (rank 0), and the file that outlives this trainer
+    asleep: list[str]
+    asleep_file: Path | None
     # the timings of the step under way, handed to the stats by `take_timings`
     timings: dict[str, float]
 
     def __init__(self, config: TimeSharingConfig, engines: Sequence[object], admin: object, run: Runner,
-                 rank: int):
+                 rank: int, asleep_file: Path | None = None):
         for name in ("release_memory_occupation", "resume_memory_occupation"):
             if not callable(getattr(admin, name, None)):
                 raise TypeError(f"launch.placement=colocated needs servers that release their memory, but the "
                                 f"admin {type(admin).__name__} has no {name}")
         self.config, self.admin, self.run, self.rank = config, admin, run, rank
         self.offloads = [EngineOffload(e) for e in engines] if config.offload else []
+        self.asleep, self.asleep_file = [], asleep_file
         self.timings = {}
 
     # ------------------------------------------------------------------ the turns
 
     def wake_at_start(self) -> None:
         """Rank 0: resume every server whole, whatever a dead trainer left (before the first publish)."""
-        if self.rank != 0:
+        if self.rank != 0 or self.asleep_file is None or not self.asleep_file.exists():
             return
-        try:
-            self._resume(MEMORY_TAGS, why="at start-up (a previous trainer may have died with them asleep)")
-        except ServersAsleepError as e:  # awake servers may refuse; the first push's probe is the judge
-            logger.warning("waking the servers at start-up: %s", e)
+        self.asleep = [t for t in json.loads(self.asleep_file.read_text()).get("tags", []) if t in MEMORY_TAGS]
+        if self.asleep:
+            logger.warning("the servers' %s were left released (%s): resuming them", self.asleep, self.asleep_file)
+            self._resume(list(self.asleep), why="at start-up (the previous trainer died with them asleep)")
 
     def trainer_turn(self) -> dict[str, float]:
         """After generation: rank 0 pauses and releases the servers, every rank loads its state.
@@ -100,6 +111,7 @@ class TimeSharing:
             self._call(self.admin.pause_generation(), "pause_generation")
             self._call(self.admin.release_memory_occupation(list(MEMORY_TAGS)),
                        f"release_memory_occupation(tags={list(MEMORY_TAGS)})")
+            self._record_asleep(list(MEMORY_TAGS))
         _barrier()  # no rank loads onto a GPU its server still holds
         self.timings = {"release_s": time.perf_counter() - t0}
         if gpu is not None:  # what the servers' release gave back to the card
@@ -154,11 +166,16 @@ class TimeSharing:
     # ------------------------------------------------------------------ server calls
 
     def _resume(self, tags: Sequence[str], why: str) -> None:
-        what = f"resume_memory_occupation(tags={list(tags)}) {why}"
+        """Resume those of ``tags`` the servers hold released (SGLang dies resuming any other)."""
+        tags = [t for t in tags if t in self.asleep]
+        if not tags:
+            return
+        what = f"resume_memory_occupation(tags={tags}) {why}"
         attempts = self.config.resume_attempts
         for attempt in range(1, attempts + 1):
             try:
                 self._call(self.admin.resume_memory_occupation(list(tags)), what)
+                self._record_asleep([t for t in self.asleep if t not in tags])
                 return
             except (ServersAsleepError, OSError, RuntimeError) as e:
                 if attempt == attempts:
@@ -167,6 +184,18 @@ class TimeSharing:
                         "the run (its start-up resumes them) or the servers") from e
                 logger.warning("%s failed (attempt %d of %d): %s; retrying", what, attempt, attempts, e)
                 time.sleep(min(2.0 ** (attempt - 1), 10.0))
+
+    def _record_asleep(self, tags: list[str]) -> None:
+        """Rank 0: the servers hold ``tags`` released now; the file says so (atomically) or is gone."""
+        self.asleep = tags
+        if self.asleep_file is None:
+            return
+        if not tags:
+            self.asleep_file.unlink(missing_ok=True)
+            return
+        tmp = self.asleep_file.with_suffix(".tmp")
+        tmp.write_text(json.dumps({"tags": tags, "servers": self._servers()}))
+        os.replace(tmp, self.asleep_file)
 
     def _call(self, coro: Coroutine, what: str) -> object:
         timeout = self.config.memory_timeout_s

@@ -152,6 +152,7 @@ class RLTrainer:
         stats.lap("rollout_wait")
         if self.time_sharing is not None:  # the servers sleep, the trainer's state comes back
             self.time_sharing.trainer_turn()
+            fault_point("asleep", step + 1)  # tests: a trainer that dies while the servers sleep
             stats.lap("switch")
         dropped = self.rollout.take_dropped()  # sent with the batch by a rollout worker
         self._call("on_batch", step, batch)
@@ -222,7 +223,7 @@ class RLTrainer:
         if cfg.launch.placement == "colocated":
             engines = [e for e in (self.actor_engine, self.ref_engine, self.critic and self.critic.engine) if e]
             self.time_sharing = TimeSharing(cfg.launch.time_sharing, engines, self.rollout.admin,
-                                            self.rollout.run, self.rank)
+                                            self.rollout.run, self.rank, self.out_dir / "servers_asleep.json")
             self.time_sharing.wake_at_start()  # a trainer that died may have left them asleep
         self.publisher = make_publisher(cfg, self.rollout, self.actor_engine,
                                         probe_prompt=build.probe_prompt(cfg, self.tokenizer, self.train_items),
