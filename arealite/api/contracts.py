@@ -186,6 +186,21 @@ class ShmUpdateAdmin(WeightUpdateAdmin, Protocol):
 
 
 @runtime_checkable
+class TensorUpdateAdmin(WeightUpdateAdmin, Protocol):
+    """Updates by tensor handles (servers on the trainer's machine: shared memory or CUDA IPC),
+    bracketed like the distributed ones on servers that have sessions."""
+
+    async def update_weights_from_tensor(self, named_tensors: Sequence[tuple[str, torch.Tensor]],
+                                         version: int | None, *, flush_cache: bool = True,
+                                         load_format: str | None = None,
+                                         timeout: float | None = None) -> JsonObject: ...
+
+    async def begin_weight_update(self) -> JsonObject: ...
+
+    async def end_weight_update(self) -> JsonObject: ...
+
+
+@runtime_checkable
 class WeightSource(Protocol):
     """Something whose weights can be read in buckets of HF-named tensors.
 

@@ -90,12 +90,19 @@ def _check_context_length(cfg: ArealiteConfig) -> list[ConfigProblem]:
 
 
 def _check_shm_backend(cfg: ArealiteConfig) -> list[ConfigProblem]:
-    """`weight_sync.method: shm` needs `launch.server_backend: embedded` (SGLang cannot read the shared-memory file)."""
+    """`weight_sync.method: shm` needs `launch.server_backend: embedded` (SGLang cannot read the shared-memory
+    file); `tensor` needs embedded or sglang servers (the simulator takes no tensor handles)."""
     if cfg.weight_sync.method == "shm" and cfg.launch.server_backend != "embedded":
         return [ConfigProblem(
             "weight_sync.method", f"= shm works only with the embedded server on the trainer's host, not "
             f"launch.server_backend = {cfg.launch.server_backend}: use weight_sync.method=distributed "
             "(or disk)", "shm",
+        )]
+    if cfg.weight_sync.method == "tensor" and cfg.launch.server_backend not in ("embedded", "sglang"):
+        return [ConfigProblem(
+            "weight_sync.method", f"= tensor needs servers that take tensor handles (launch.server_backend = "
+            f"embedded or sglang), not {cfg.launch.server_backend}: use weight_sync.method=distributed (or disk)",
+            "tensor",
         )]
     return []
 

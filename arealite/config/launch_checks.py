@@ -47,12 +47,13 @@ def check_launch(cfg: ArealiteConfig, environ: Mapping[str, str] | None = None) 
             "launch.server_addrs", f"is set but launch.n_servers = {cfg.launch.n_servers} "
             "starts new servers: set launch.n_servers=0 to use these, or remove them", addrs,
         ))
-    if cfg.weight_sync.method == "shm":
+    if cfg.weight_sync.method in ("shm", "tensor"):
         remote = [a for a in addrs if not _addr_is_local(a)]
         if remote:
+            m = cfg.weight_sync.method
             problems.append(ConfigProblem(
-                "weight_sync.method", f"= shm needs every server on this host, but {', '.join(remote)} "
-                "is not: use weight_sync.method=distributed (or disk)", "shm",
+                "weight_sync.method", f"= {m} needs every server on this host, but {', '.join(remote)} "
+                "is not: use weight_sync.method=distributed (or disk)", m,
             ))
     k = cfg.launch.server_cpus
     if k is not None:

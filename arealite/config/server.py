@@ -100,6 +100,10 @@ class ServerConfig(Section):
     strict_sglang: bool = False
     """Embedded server: behave as SGLang where it is unforgiving (`/health` generates and waits while
     paused; weights read back only for SGLang's model classes). Tests run with it on."""
+    enable_memory_saver: bool = False
+    """Start the servers (SGLang or embedded) with `--enable-memory-saver`, so that they can release
+    their weights and KV cache (`/release_memory_occupation`) while the trainer uses the memory: the
+    colocated placement needs it. SGLang without it answers a release and frees nothing."""
     max_body_bytes: int = Field(8 * 1024 * 1024, ge=1024)
     """Embedded server: largest request body in bytes; a bigger `Content-Length` is refused (413)
     before the body is read (see docs/security.md)."""

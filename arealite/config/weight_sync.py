@@ -10,9 +10,11 @@ from arealite.config.section import Section
 
 
 class WeightSyncConfig(Section):
-    method: Literal["distributed", "disk", "shm"] = "distributed"
+    method: Literal["distributed", "disk", "shm", "tensor"] = "distributed"
     """`distributed`: broadcast over a process group (gloo on CPU, NCCL on CUDA); `disk`: safetensors directory;
-    `shm`: one shared-memory file reused by every update (embedded servers on the trainer's host only; fastest there)."""
+    `shm`: one shared-memory file reused by every update (embedded servers on the trainer's host only; fastest there);
+    `tensor`: tensor handles through `/update_weights_from_tensor` (shared memory on CPU, CUDA IPC on GPUs; embedded
+    or SGLang servers on the trainer's host only; the colocated placement's push)."""
     bucket_size_mb: float = Field(64.0, gt=0)
     """Tensors are sent in buckets of about this size."""
     verify_n_tensors: int = Field(2, ge=0)

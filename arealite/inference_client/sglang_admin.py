@@ -134,7 +134,7 @@ class SGLangAdmin(ServerPoolView):
             "weight_version": str(int(version)), **({"alias": True} if alias else {}),
         }, timeout=timeout)
 
-    async def update_weights_from_tensor(self, named_tensors: Sequence[tuple[str, torch.Tensor]], version: int, *,
+    async def update_weights_from_tensor(self, named_tensors: Sequence[tuple[str, torch.Tensor]], version: int | None, *,
                                          flush_cache: bool = True, load_format: str | None = None,
                                          timeout: float | None = None) -> dict[str, JsonValue]:
         """Hand ``named_tensors`` to every healthy server by handle (SGLang's
@@ -151,7 +151,9 @@ class SGLangAdmin(ServerPoolView):
 
         self.pool.exclude_unhealthy(f"the weight update to version {version}")
         entry = encode_named_tensors(named_tensors)  # once: every server maps the same memory
-        fields: JsonObject = {"flush_cache": bool(flush_cache), "weight_version": str(int(version))}
+        fields: JsonObject = {"flush_cache": bool(flush_cache)}
+        if version is not None:
+            fields["weight_version"] = str(int(version))
         if load_format is not None:
             fields["load_format"] = str(load_format)
         return await self.pool.call_all(

@@ -55,6 +55,8 @@ def embedded_server_command(cfg: ArealiteConfig, port: int, index: int = 0, weig
     ]
     if s.strict_sglang:
         cmd.append("--strict-sglang")
+    if s.enable_memory_saver:
+        cmd.append("--enable-memory-saver")
     # `auto` is the server's own default (float32 on CPU, bfloat16 on CUDA).
     if s.dtype != "auto":
         cmd += ["--dtype", s.dtype]
@@ -102,6 +104,8 @@ def sglang_server_command(cfg: ArealiteConfig, port: int, index: int = 0, weight
     ]
     if o.skip_tokenizer_init:
         cmd.append("--skip-tokenizer-init")
+    if s.enable_memory_saver:  # /release_memory_occupation frees nothing without it
+        cmd.append("--enable-memory-saver")
     context_length = o.context_length if o.context_length is not None else s.context_length
     if context_length is not None:
         cmd += ["--context-length", str(context_length)]

@@ -11,7 +11,8 @@ sets version ``v`` on the train engine and the rollout side, and resumes
 (`make_transfer`): ``distributed`` (broadcast over a gloo/NCCL group; see
 `distributed.py`), ``disk`` (safetensors directory; see `disk.py`) or ``shm`` (one
 shared-memory file reused by every update, for embedded servers on the trainer's host;
-see `shm.py`). A server that is gone (dead or hung: no answer to its health route) is
+see `shm.py`) or ``tensor`` (tensor handles, shared memory or CUDA IPC, for embedded or
+SGLang servers on the trainer's machine; see `tensor.py`). A server that is gone (dead or hung: no answer to its health route) is
 dropped from rotation and weight updates and the update goes on with the others; any
 other failure, or no server left, raises `WeightSyncError` and leaves the servers paused.
 """
@@ -44,6 +45,7 @@ from arealite.weight_sync.distributed import DistributedTransfer
 from arealite.weight_sync.lora_push import AdapterSource, LoraTransfer
 from arealite.weight_sync.publisher import WeightPublisher
 from arealite.weight_sync.shm import ShmTransfer
+from arealite.weight_sync.tensor import TensorTransfer
 from arealite.weight_sync.probe import LogprobProbe, default_probe_tolerance, probe_tokens
 from arealite.weight_sync.verify import ReadbackVerifier, Verifiers, WeightVerifier
 from arealite.vision.prompt import VisionPrompt
@@ -56,6 +58,7 @@ __all__ = [
     "ReadbackSample",
     "ReadbackVerifier",
     "ShmTransfer",
+    "TensorTransfer",
     "StateDictSource",
     "WeightPublisher",
     "WeightSource",
@@ -100,6 +103,8 @@ def make_transfer(config, admin: WeightUpdateAdmin, run: Runner,
         return DistributedTransfer(ws, admin, run, wire_dtype=dtype, layout=layout)
     if ws.method == "shm":
         return ShmTransfer(ws, admin, run, shm_dir=ws.shm_dir, server_dtype=dtype)
+    if ws.method == "tensor":
+        return TensorTransfer(ws, admin, run, server_dtype=dtype)
     exp = config.experiment
     root = ws.disk_dir or str(Path(exp.output_root) / exp.name / exp.trial / "weight_sync")
     return DiskTransfer(ws, admin, run, root, model_path or config.actor.model_path or None,
