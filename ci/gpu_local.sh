@@ -47,6 +47,6 @@ $PY -m arealite.train --config examples/reverse_digits/config.yaml experiment.ou
     data.train_path="$COLO/demo/train.jsonl" data.eval_path="$COLO/demo/eval.jsonl" \
     launch.placement=colocated rollout.max_head_offpolicyness=0 launch.n_trainer_procs=1 \
     data.max_train_steps=${COLO_STEPS:-8} evaluation.freq_steps=null saver.freq_steps=null \
-    stats.progress_bar=false stats.plot=false ${COLO_PUSH:+weight_sync.method=$COLO_PUSH} && \
+    stats.progress_bar=false stats.plot=false weight_sync.method=${COLO_PUSH:-tensor} && \
 $PY benchmarks/colocated_split.py "$COLO/runs/colocated/gpu/stats.jsonl" || status=$?
 exit $status

@@ -11,7 +11,9 @@ from arealite.config.launch import TimeSharingConfig
 from arealite.config.placement_checks import check_placement
 from arealite.config.schema import ArealiteConfig
 from arealite.plan.shared_split import shared_split_problems
+from arealite.config.weight_sync import WeightSyncConfig
 from arealite.trainer.colocation import ServersAsleepError, TimeSharing
+from arealite.weight_sync import push_method
 
 
 def _fields(problems):
@@ -27,8 +29,12 @@ def test_colocated_is_synchronous_and_the_checks_name_the_fields():
     assert "synchronous" in problems[0].message and "shared" in problems[0].message
     cfg.rollout.max_head_offpolicyness = 0
     assert check_placement(cfg) == []
+    assert push_method(cfg) == "tensor"  # by default in this placement; a method set is kept
+    assert push_method(cfg.model_copy(update={"weight_sync": WeightSyncConfig(method="shm")})) == "shm"
     cfg.launch.server_backend, cfg.launch.n_servers, cfg.launch.n_trainer_procs = "sglang", 1, 2
-    assert _fields(check_placement(cfg)) == ["launch.n_servers"]  # 1 server GPU for 2 trainer GPUs
+    assert _fields(check_placement(cfg)) == ["server.enable_memory_saver", "launch.n_servers"]
+    cfg.server.enable_memory_saver = True  # 1 server GPU for 2 trainer GPUs is left
+    assert _fields(check_placement(cfg)) == ["launch.n_servers"]
     cfg.server.sglang.tp_size = 2
     assert check_placement(cfg) == []
     cfg.launch.placement = "shared"

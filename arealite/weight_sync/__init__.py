@@ -68,6 +68,7 @@ __all__ = [
     "compare_readback",
     "make_publisher",
     "make_verifier",
+    "push_method",
     "make_transfer",
     "server_weight_dtype",
 ]
@@ -88,6 +89,15 @@ def server_weight_dtype(config) -> torch.dtype | None:
     return None
 
 
+def push_method(config) -> str:
+    """`weight_sync.method`; a colocated run that does not set it pushes by `tensor` (handles on
+    the same machine: no disk, no process group, docs/placement.md)."""
+    ws = config.weight_sync
+    if config.launch.placement == "colocated" and "method" not in ws.model_fields_set:
+        return "tensor"
+    return ws.method
+
+
 def make_transfer(config, admin: WeightUpdateAdmin, run: Runner,
                   model_path: str | None = None) -> WeightTransfer:
     """The transfer `config.weight_sync.method` asks for.
@@ -98,12 +108,13 @@ def make_transfer(config, admin: WeightUpdateAdmin, run: Runner,
     """
     ws = config.weight_sync
     dtype = server_weight_dtype(config)
-    if ws.method == "distributed":
+    method = push_method(config)
+    if method == "distributed":
         layout = "sglang" if config.launch.server_backend == "sglang" else "auto"
         return DistributedTransfer(ws, admin, run, wire_dtype=dtype, layout=layout)
-    if ws.method == "shm":
+    if method == "shm":
         return ShmTransfer(ws, admin, run, shm_dir=ws.shm_dir, server_dtype=dtype)
-    if ws.method == "tensor":
+    if method == "tensor":
         return TensorTransfer(ws, admin, run, server_dtype=dtype)
     exp = config.experiment
     root = ws.disk_dir or str(Path(exp.output_root) / exp.name / exp.trial / "weight_sync")
