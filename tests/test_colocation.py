@@ -11,6 +11,7 @@ from arealite.config.launch import TimeSharingConfig
 from arealite.config.placement_checks import check_placement
 from arealite.config.schema import ArealiteConfig
 from arealite.plan.shared_split import shared_split_problems
+from arealite.server.command_line import sglang_server_command
 from arealite.config.weight_sync import WeightSyncConfig
 from arealite.trainer.colocation import ServersAsleepError, TimeSharing
 from arealite.weight_sync import push_method
@@ -32,9 +33,9 @@ def test_colocated_is_synchronous_and_the_checks_name_the_fields():
     assert push_method(cfg) == "tensor"  # by default in this placement; a method set is kept
     assert push_method(cfg.model_copy(update={"weight_sync": WeightSyncConfig(method="shm")})) == "shm"
     cfg.launch.server_backend, cfg.launch.n_servers, cfg.launch.n_trainer_procs = "sglang", 1, 2
-    assert _fields(check_placement(cfg)) == ["server.enable_memory_saver", "launch.n_servers"]
-    cfg.server.enable_memory_saver = True  # 1 server GPU for 2 trainer GPUs is left
-    assert _fields(check_placement(cfg)) == ["launch.n_servers"]
+    assert _fields(check_placement(cfg)) == ["launch.n_servers"]  # 1 server GPU for 2 trainer GPUs
+    cfg.actor.model_path = "m"
+    assert "--enable-memory-saver" in sglang_server_command(cfg, 30000)  # the launcher adds the flag
     cfg.server.sglang.tp_size = 2
     assert check_placement(cfg) == []
     cfg.launch.placement = "shared"

@@ -16,7 +16,7 @@ __all__ = ["check_placement"]
 
 def check_placement(cfg: ArealiteConfig) -> list[ConfigProblem]:
     """`launch.placement: colocated` runs synchronously (`rollout.max_head_offpolicyness` 0), on servers
-    that can release their memory (SGLang with `server.enable_memory_saver`), without LoRA; colocated and shared SGLang servers cover the trainer's
+    that can release their memory, without LoRA; colocated and shared SGLang servers cover the trainer's
     GPUs one share per rank (`launch.n_servers` x `server.sglang.tp_size` = `launch.n_trainer_procs`)."""
     placement, launch = cfg.launch.placement, cfg.launch
     if placement == "disaggregated":
@@ -33,11 +33,6 @@ def check_placement(cfg: ArealiteConfig) -> list[ConfigProblem]:
             out.append(ConfigProblem(
                 "launch.server_backend", "= sim has no memory to release: launch.placement=colocated needs "
                 "the embedded server or SGLang", "sim"))
-        if launch.server_backend == "sglang" and not cfg.server.enable_memory_saver:
-            out.append(ConfigProblem(
-                "server.enable_memory_saver", "is false, but launch.placement=colocated releases the SGLang "
-                "servers' memory every step, which SGLang does only with --enable-memory-saver (without it "
-                "it answers and frees nothing): set it to true", False))
         if cfg.actor.lora is not None:
             out.append(ConfigProblem(
                 "actor.lora", "is set, but launch.placement=colocated pushes whole weights by tensor after "
