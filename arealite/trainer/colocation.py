@@ -94,7 +94,8 @@ class TimeSharing:
     # ------------------------------------------------------------------ the turns
 
     def wake_at_start(self) -> None:
-        """Rank 0: resume every server whole, whatever a dead trainer left (before the first publish)."""
+        """Rank 0, before the first publish: resume what a dead trainer left released (the file says
+        what); the publish then rewrites the weights, whose contents a release does not keep."""
         if self.rank != 0 or self.asleep_file is None or not self.asleep_file.exists():
             return
         self.asleep = [t for t in json.loads(self.asleep_file.read_text()).get("tags", []) if t in MEMORY_TAGS]
