@@ -108,6 +108,7 @@ class TimeSharing:
         Returns the step's ``release_s`` and ``onload_s``."""
         t0 = time.perf_counter()
         gpu = _gpu_free_gib()
+        _barrier()  # every rank holds its batch: no episode still waits on a server about to sleep
         if self.rank == 0:
             self._call(self.admin.pause_generation(), "pause_generation")
             self._call(self.admin.release_memory_occupation(list(MEMORY_TAGS)),
