@@ -4,6 +4,9 @@
   weights after 3 steps (fp32, CPU, 2 trainer ranks each through `python -m arealite.train`):
   greedy answers with a length reward and no baseline make the rollouts a function of the
   weights alone, so any difference is the time-sharing's (offload, release, wake, push).
+  The reference runs as `launch.placement: shared`: with no GPU to split, shared places and
+  overlaps exactly as disaggregated does, so the one run is the synchronous disaggregated
+  reference and the shared placement's end-to-end run at once.
 - A trainer killed while the servers sleep leaves them released and resumable: a real
   embedded server, a real client's admin in a process that dies right after the release,
   and the next trainer's start-up waking exactly what the dead one left asleep.
@@ -43,7 +46,7 @@ def _train(demo: Path, runs: Path, trial: str, *overrides: str) -> subprocess.Co
 @pytest.mark.slow
 def test_colocated_equals_disaggregated_synchronous_after_3_steps(micro_demo_dir, tmp_path):
     runs = tmp_path / "runs"
-    for trial, extra in (("disaggregated", ()), ("colocated", ("launch.placement=colocated",))):
+    for trial, extra in (("disaggregated", ("launch.placement=shared",)), ("colocated", ("launch.placement=colocated",))):
         res = _train(micro_demo_dir, runs, trial, *extra)
         assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     out = {t: runs / "reverse_digits" / t for t in ("disaggregated", "colocated")}
