@@ -13,7 +13,10 @@
 #   5. the planner's trainer memory against torch.cuda.max_memory_allocated for the same
 #      1.5B-shaped model (checkpointing off and on, two lengths each; goal within 10%), and a
 #      length it predicts over the card really running out of memory (benchmarks/bench_plan_gpu.py),
-#   6. the colocated demo on one GPU (launch.placement=colocated, embedded server on the same card):
+#   6. the colocated server side on the GPU (benchmarks/bench_colocated.py --device cuda): a push by
+#      update_weights_from_tensor (CUDA IPC) against a device copy of the same bytes, and the
+#      server's torch.cuda.memory_allocated before and after each release / resume,
+#   7. the colocated demo on one GPU (launch.placement=colocated, embedded server on the same card):
 #      the card's free memory before/after each release, the trainer's torch.cuda.memory_allocated
 #      before/after each offload, and the step time split generate / release / onload / train /
 #      push / offload / wakes (benchmarks/colocated_split.py over its stats).
@@ -40,6 +43,7 @@ status=0
 $PY -m pytest -q -rs -p no:cacheprovider -m gpu tests/test_fsdp.py tests/test_attention.py tests/test_parallel_compose.py tests/test_gpu.py "$@" || status=$?
 $PY benchmarks/bench_mfu.py --steps ${MFU_STEPS:-4} || status=$?
 $PY benchmarks/bench_plan_gpu.py || status=$?
+$PY benchmarks/bench_colocated.py --device cuda --size large --rounds ${COLOCATED_ROUNDS:-5} || status=$?
 COLO=${COLO_DIR:-/tmp/arealite-colocated}
 rm -rf "$COLO" && $PY examples/reverse_digits/prepare.py --out "$COLO/demo" >/dev/null && \
 $PY -m arealite.train --config examples/reverse_digits/config.yaml experiment.output_root="$COLO/runs" \

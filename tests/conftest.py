@@ -130,6 +130,21 @@ def micro_demo_dir(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
+def loop_runner():
+    """An event loop on a thread of its own; the fixture runs a coroutine on it and returns its
+    result (at most 120 s): the way a trainer drives the async client."""
+    import asyncio
+    import threading
+
+    loop = asyncio.new_event_loop()
+    t = threading.Thread(target=loop.run_forever, daemon=True)
+    t.start()
+    yield lambda coro: asyncio.run_coroutine_threadsafe(coro, loop).result(120)
+    loop.call_soon_threadsafe(loop.stop)
+    t.join(5)
+
+
+@pytest.fixture(scope="module")
 def tiny_server(tiny_model_dir):
     """One embedded server on the tiny model (seed 0) for the tests of a module."""
     from arealite.server.process import ServerProcess

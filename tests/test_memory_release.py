@@ -50,18 +50,6 @@ def admin(server, loop_runner):
     loop_runner(client.aclose())
 
 
-@pytest.fixture(scope="module")
-def loop_runner():
-    import asyncio
-
-    loop = asyncio.new_event_loop()
-    t = threading.Thread(target=loop.run_forever, daemon=True)
-    t.start()
-    yield lambda coro: asyncio.run_coroutine_threadsafe(coro, loop).result(120)
-    loop.call_soon_threadsafe(loop.stop)
-    t.join(5)
-
-
 def _post(url: str, route: str, body: dict | None = None, timeout: float = 60) -> tuple[int, object]:
     req = urllib.request.Request(url + route, data=json.dumps(body or {}).encode(),
                                  headers={"Content-Type": "application/json"})

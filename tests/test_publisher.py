@@ -441,7 +441,7 @@ def _generate(controller, client):
     return controller.run(client.agenerate(req))
 
 
-@pytest.mark.parametrize("method", ["distributed", "disk", "shm"])
+@pytest.mark.parametrize("method", ["distributed", "disk", "shm", "tensor"])
 def test_make_publisher_publishes_with_real_parts(rollout, method, base_state, micro_model_dir, tmp_path):
     client, controller = rollout
     engine = Engine(perturbed_weights(base_state, 1), str(micro_model_dir))

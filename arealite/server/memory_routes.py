@@ -88,8 +88,11 @@ class MemoryRoutes:
 
     def status(self) -> dict:
         """What /server_info reports: the released tags and the bytes the last release freed."""
-        return {"released": sorted(self.released), "freed_bytes": dict(self.freed_bytes),
-                "memory_saver": self.memory_saver}
+        out = {"released": sorted(self.released), "freed_bytes": dict(self.freed_bytes),
+               "memory_saver": self.memory_saver, "rss_bytes": process_rss_bytes()}
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            out["cuda_memory_allocated"] = torch.cuda.memory_allocated()
+        return out
 
     async def release_memory_occupation(self, request: web.Request) -> web.Response:
         tags = await self._tags(request, "release_memory_occupation")
@@ -154,6 +157,8 @@ class MemoryRoutes:
             freed["weights"] = self.weights.release()
         if "cuda_graph" in tags:
             freed["cuda_graph"] = 0
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            torch.cuda.empty_cache()  # freed blocks back to the driver, where the trainer can have them
         self.released.update(tags)
         self.runner.pause.released = True
         logger.debug("release took %.3fs", time.perf_counter() - t0)

@@ -128,24 +128,11 @@ class TensorTransfer:
             else:
                 host.append((name, t))
         if host:
-            sizes = [-(-t.numel() * t.element_size() // ALIGN) * ALIGN for _, t in host]
-            buf = self._buffer(sum(sizes))
-            pos = 0
-            for (name, t), size in zip(host, sizes):
-                n = t.numel() * t.element_size()
-                slot = buf[pos:pos + n].view(t.dtype).view(t.shape)
-                slot.copy_(t)
-                out.append((name, slot))
-                pos += size
+            if self._staging is None or self._staging.numel() < packed_bytes(host):
+                self._staging = None  # grown: the old segment goes first
+                self._staging = shared_buffer(packed_bytes(host))
+            out += pack_into(self._staging, host)
         return out
-
-    def _buffer(self, nbytes: int) -> torch.Tensor:
-        """The shared staging buffer, at least ``nbytes`` long (allocated once per growth)."""
-        if self._staging is None or self._staging.numel() < nbytes:
-            self._staging = None
-            with file_system_sharing():  # shared under a segment name once, as the handles will name it
-                self._staging = torch.empty(max(nbytes, ALIGN), dtype=torch.uint8).share_memory_()
-        return self._staging
 
     def _end_session(self, version: int) -> None:
         """Close the session; a failure here must not hide the push's own."""
@@ -159,6 +146,30 @@ class TensorTransfer:
     def close(self) -> None:
         """Free the staging buffer (safe to call twice)."""
         self._staging = None
+
+
+def packed_bytes(named: list[tuple[str, torch.Tensor]]) -> int:
+    """Bytes `pack_into` needs for ``named`` (each tensor at an `ALIGN`-byte boundary)."""
+    return sum(-(-t.numel() * t.element_size() // ALIGN) * ALIGN for _, t in named)
+
+
+def shared_buffer(nbytes: int) -> torch.Tensor:
+    """A uint8 CPU buffer in shared memory under a segment name (``file_system``), as the
+    handles name it, so that pickling its views never moves it again."""
+    with file_system_sharing():
+        return torch.empty(max(nbytes, ALIGN), dtype=torch.uint8).share_memory_()
+
+
+def pack_into(buf: torch.Tensor, named: list[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
+    """Copy each tensor into its aligned slot of ``buf``; returns the slots, named."""
+    out, pos = [], 0
+    for name, t in named:
+        n = t.numel() * t.element_size()
+        slot = buf[pos:pos + n].view(t.dtype).view(t.shape)
+        slot.copy_(t)
+        out.append((name, slot))
+        pos += -(-n // ALIGN) * ALIGN
+    return out
 
 
 def _with_last(it: Iterator[list]) -> Iterator[tuple[list, bool]]:
