@@ -31,6 +31,7 @@ from arealite.config.loader import ConfigError, load_config, parse_args, split_c
 from arealite.config.problems import ConfigCheck
 from arealite.config.schema import ArealiteConfig
 from arealite.plan.run_plan import fit_problems
+from arealite.plan.shared_split import shared_split_problems
 from arealite.reward import reward_fn_problems
 from arealite.train_engine.parallel.layout import run_layout_problems
 from arealite.workflow.registry import workflow_problems
@@ -45,8 +46,10 @@ _WORKFLOW_CHECKS: tuple[ConfigCheck, ...] = (reward_fn_problems, workflow_proble
 NAME_CHECKS: tuple[ConfigCheck, ...] = _ALGORITHM_CHECKS + _WORKFLOW_CHECKS
 #: Every check of a run's config beyond the config package's own: the names, the train
 #: engines' parallel layouts on the trainer's ranks (with the models' configs where they exist),
-#: and, when ``launch.gpus`` names the cluster's GPUs, whether every process fits in its memory.
-RUN_CHECKS: tuple[ConfigCheck, ...] = NAME_CHECKS + (run_layout_problems, fit_problems)
+#: and, when ``launch.gpus`` names the cluster's GPUs, whether every process fits in its memory
+#: (with ``launch.placement: shared``, trainer and server together on one card).
+RUN_CHECKS: tuple[ConfigCheck, ...] = NAME_CHECKS + (run_layout_problems, fit_problems,
+                                                   shared_split_problems)
 
 
 def check_names(cfg: ArealiteConfig, *, workflow_from_config: bool = True) -> ArealiteConfig:

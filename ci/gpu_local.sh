@@ -19,7 +19,11 @@
 #      FP8 buckets against bf16 ones (benchmarks/bench_fp8.py --decode).
 #   7. the colocated server side on the GPU (benchmarks/bench_colocated.py --device cuda): a push by
 #      update_weights_from_tensor (CUDA IPC) against a device copy of the same bytes, and the
-#      server's torch.cuda.memory_allocated before and after each release / resume.
+#      server's torch.cuda.memory_allocated before and after each release / resume,
+#   7. the colocated demo on one GPU (launch.placement=colocated, embedded server on the same card):
+#      the card's free memory before/after each release, the trainer's torch.cuda.memory_allocated
+#      before/after each offload, and the step time split generate / release / onload / train /
+#      push / offload / wakes (benchmarks/colocated_split.py over its stats).
 #
 #   bash ci/gpu_local.sh
 #
@@ -45,4 +49,13 @@ $PY benchmarks/bench_mfu.py --steps ${MFU_STEPS:-4} || status=$?
 $PY benchmarks/bench_plan_gpu.py || status=$?
 $PY benchmarks/bench_fp8.py --decode || status=$?
 $PY benchmarks/bench_colocated.py --device cuda --size large --rounds ${COLOCATED_ROUNDS:-5} || status=$?
+COLO=${COLO_DIR:-/tmp/arealite-colocated}
+rm -rf "$COLO" && $PY examples/reverse_digits/prepare.py --out "$COLO/demo" >/dev/null && \
+$PY -m arealite.train --config examples/reverse_digits/config.yaml experiment.output_root="$COLO/runs" \
+    experiment.name=colocated experiment.trial=gpu actor.model_path="$COLO/demo/model" \
+    data.train_path="$COLO/demo/train.jsonl" data.eval_path="$COLO/demo/eval.jsonl" \
+    launch.placement=colocated rollout.max_head_offpolicyness=0 launch.n_trainer_procs=1 \
+    data.max_train_steps=${COLO_STEPS:-8} evaluation.freq_steps=null saver.freq_steps=null \
+    stats.progress_bar=false stats.plot=false weight_sync.method=${COLO_PUSH:-tensor} && \
+$PY benchmarks/colocated_split.py "$COLO/runs/colocated/gpu/stats.jsonl" || status=$?
 exit $status

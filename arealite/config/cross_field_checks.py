@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from arealite.config.algo_checks import check_algorithm
+from arealite.config.placement_checks import check_placement
 from arealite.config.path_checks import PATH_FIELDS, path_problems
 from arealite.config.problems import ConfigCheck, ConfigError, ConfigProblem
 from arealite.config.schema import ArealiteConfig
@@ -159,6 +160,7 @@ CROSS_FIELD_CHECKS = (
     _check_merged_export,
     _check_fp8,
     check_algorithm,
+    check_placement,
 )
 
 

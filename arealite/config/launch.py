@@ -91,7 +91,31 @@ class SlurmLaunchConfig(Section):
     """Extra `#SBATCH` lines, verbatim (e.g. `--exclusive`, `--mem=0`)."""
 
 
+class TimeSharingConfig(Section):
+    """The turns trainer and servers take on the same GPUs (`launch.placement: colocated`)."""
+
+    memory_timeout_s: float = Field(120.0, gt=0)
+    """How long one release or resume of the servers' memory may take before it counts as failed."""
+    resume_attempts: int = Field(3, ge=1)
+    """How many times a failed resume of the servers' memory is tried before the run stops with an
+    error naming the servers that did not come back."""
+    offload: bool = True
+    """Park the trainer's parameters, gradients and optimizer state in host memory while the servers
+    generate (`false`: keep them on the device, for a model small enough to fit beside the servers)."""
+
+
 class LaunchConfig(Section):
+    placement: Literal["disaggregated", "colocated", "shared"] = "disaggregated"
+    """Where trainer and servers run (docs/placement.md). `disaggregated`: on GPUs of their own,
+    generation overlapping training. `colocated` (time-shared): every trainer rank's GPU also hosts a
+    server share; per step the servers generate, release their weights and KV cache, the trainer
+    loads its state, trains, pushes, offloads, and the servers resume (synchronous:
+    `rollout.max_head_offpolicyness` 0). `shared` (space-shared): both resident on the same GPUs with
+    a memory split (`server.sglang.mem_fraction_static` for the servers, the rest for the trainer),
+    overlapping as disaggregated. One GPU or N: `launch.n_trainer_procs` ranks, one per GPU, and
+    `launch.n_servers` x `server.sglang.tp_size` = that many server GPUs."""
+    time_sharing: TimeSharingConfig = Field(default_factory=TimeSharingConfig)
+    """Timeouts, retries and offload of `placement: colocated`."""
     n_servers: int = Field(1, ge=0)
     """Number of inference servers the local launcher starts (0 = use `server_addrs`)."""
     server_backend: Literal["embedded", "sglang", "sim"] = "embedded"

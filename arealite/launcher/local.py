@@ -192,6 +192,13 @@ class LocalLauncher:
         per = gpus_per_server(self.cfg)
         need_servers = n_servers * per
         trainer_n = self.cfg.launch.n_trainer_procs
+        if self.cfg.launch.placement != "disaggregated":
+            # Colocated or shared: server i's share sits on the GPUs of trainer ranks i*per...(i+1)*per-1.
+            if trainer_n > n_gpus:
+                raise SystemExit(f"launch.placement={self.cfg.launch.placement}: launch.n_trainer_procs="
+                                 f"{trainer_n} trainer GPU(s), but only {n_gpus} visible: lower it")
+            plan = [",".join(str((i * per + j) % trainer_n) for j in range(per)) for i in range(n_servers)]
+            return plan, ",".join(str(j) for j in range(trainer_n))
         if n_gpus >= need_servers + trainer_n:
             plan = [",".join(str(i * per + j) for j in range(per)) for i in range(n_servers)]
             trainer = ",".join(str(need_servers + j) for j in range(trainer_n))

@@ -19,6 +19,12 @@ SECRET_FLAGS = ("--api-key",)
 SECRET_OVERRIDES = ("server.api_key",)
 
 
+def memory_saver(cfg: ArealiteConfig) -> bool:
+    """Whether the servers start with ``--enable-memory-saver``: asked for, or needed by the
+    time-shared placement, which releases their memory every step (docs/placement.md)."""
+    return cfg.server.enable_memory_saver or cfg.launch.placement == "colocated"
+
+
 def server_model_path(cfg: ArealiteConfig) -> str:
     """The model directory the servers load: `server.model_path`, else `actor.model_path`."""
     path = cfg.server.model_path or cfg.actor.model_path
@@ -55,7 +61,7 @@ def embedded_server_command(cfg: ArealiteConfig, port: int, index: int = 0, weig
     ]
     if s.strict_sglang:
         cmd.append("--strict-sglang")
-    if s.enable_memory_saver:
+    if memory_saver(cfg):
         cmd.append("--enable-memory-saver")
     # `auto` is the server's own default (float32 on CPU, bfloat16 on CUDA).
     if s.dtype != "auto":
@@ -106,7 +112,7 @@ def sglang_server_command(cfg: ArealiteConfig, port: int, index: int = 0, weight
     ]
     if o.skip_tokenizer_init:
         cmd.append("--skip-tokenizer-init")
-    if s.enable_memory_saver:  # /release_memory_occupation frees nothing without it
+    if memory_saver(cfg):  # /release_memory_occupation frees nothing without it
         cmd.append("--enable-memory-saver")
     context_length = o.context_length if o.context_length is not None else s.context_length
     if context_length is not None:

@@ -42,7 +42,7 @@ ENV_FAULT = "AREALITE_FAULT"
 #: ``ckpt_write``: after every rank's shards are on disk, before the manifest and the rename;
 #: ``ckpt_renamed``: after the rename, before old checkpoints are cleaned up;
 #: ``step``: right after a step's stats record is written, before its checkpoint.
-FAULT_POINTS = ("ckpt_write", "ckpt_renamed", "step")
+FAULT_POINTS = ("ckpt_write", "ckpt_renamed", "step", "asleep")
 
 
 def _rank_world() -> tuple[int, int]:

@@ -17,6 +17,7 @@ rank 0 alone talks to the servers about weights and writes stats. One step:
 
 from __future__ import annotations
 
+import contextlib
 import faulthandler
 import logging
 from collections.abc import Callable, Sequence
@@ -32,6 +33,7 @@ from arealite.config.run import run_dir
 from arealite.config.schema import ArealiteConfig
 from arealite.trainer import build
 from arealite.trainer.checkpoint import Checkpointer, fault_point
+from arealite.trainer.colocation import TimeSharing
 from arealite.trainer.evaluation import evaluate
 from arealite.trainer.hooks import TrainerHook
 from arealite.trainer.stats_logger import StatsLogger, plot_reward_curve
@@ -88,6 +90,7 @@ class RLTrainer:
     rollout: RolloutSide
     # publishing and checkpoints: new weights to the servers, run state to disk
     publisher: WeightPublisher
+    time_sharing: TimeSharing | None  # launch.placement=colocated: the turns on the GPUs
     checkpointer: Checkpointer
     _checkpointed: TrainEngine | WithCritic
     # stats and progress: steps done, the stats file, the bar, how evaluation samples
@@ -116,6 +119,7 @@ class RLTrainer:
         self.rank, self.world = build.rank_and_world()
         self.out_dir: Path = run_dir(config)
         self.step = 0
+        self.time_sharing = None
         self._closers = []
 
     @property
@@ -146,6 +150,10 @@ class RLTrainer:
         stats = StepStats(version)
         batch = self.rollout.prepare_batch()
         stats.lap("rollout_wait")
+        if self.time_sharing is not None:  # the servers sleep, the trainer's state comes back
+            self.time_sharing.trainer_turn()
+            fault_point("asleep", step + 1)  # tests: a trainer that dies while the servers sleep
+            stats.lap("switch")
         dropped = self.rollout.take_dropped()  # sent with the batch by a rollout worker
         self._call("on_batch", step, batch)
         actor = self.actor
@@ -160,8 +168,10 @@ class RLTrainer:
         if self.critic is not None:
             stats.add("critic", self.critic.update(batch, actor.train_mask(batch)))
         stats.lap("train")
-        stats.add("weight_sync", self.publisher.publish(version + 1))
+        stats.add("weight_sync", self._publish(version + 1))
         stats.lap("weight_sync")
+        if self.time_sharing is not None:
+            stats.add("colocation", self.time_sharing.take_timings())  # release, onload, offload, wakes
         stats.add_batch(batch)
         stats.add_accounting(self.rollout.last_batch_items, dropped)
         side = self.rollout.stats()  # as read at the push's pause (`LocalRollout.pause`)
@@ -173,8 +183,10 @@ class RLTrainer:
         self.stats_logger.log(done, record)
         fault_point("step", done)
         self.progress.update(done, record)
-        self.checkpointer.maybe_save(done, self._checkpointed, self.rollout.controller_state,
-                                     self.rollout.loader_state)
+        if self.checkpointer.due(done):
+            with self._state_on_device():
+                self.checkpointer.save(done, self._checkpointed, self.rollout.controller_state,
+                                       self.rollout.loader_state)
         self.step = done
         self._call("on_step_end", done, record)
 
@@ -208,13 +220,19 @@ class RLTrainer:
         start = self.checkpointer.maybe_resume(self._checkpointed, self.rollout.controller_state,
                                                self.rollout.loader_state)
         self.rollout.start(start)
+        if cfg.launch.placement == "colocated":
+            engines = [e for e in (self.actor_engine, self.ref_engine, self.critic and self.critic.engine) if e]
+            self.time_sharing = TimeSharing(cfg.launch.time_sharing, engines, self.rollout.admin,
+                                            self.rollout.run, self.rank, self.out_dir / "servers_asleep.json")
+            self.time_sharing.wake_at_start()  # a trainer that died may have left them asleep
         self.publisher = make_publisher(cfg, self.rollout, self.actor_engine,
-                                        probe_prompt=build.probe_prompt(cfg, self.tokenizer, self.train_items))
+                                        probe_prompt=build.probe_prompt(cfg, self.tokenizer, self.train_items),
+                                        after_read=self.time_sharing and self.time_sharing.after_read)
         self.publisher.init()
         self._closers.append(self.publisher.close)
         # Always, also at step 0: the servers may hold other weights than this run's (a killed
         # run's pushes, half of a push) and may have been left paused by a trainer that died.
-        self.publisher.publish(start)
+        self._publish(start)
         self.stats_logger = StatsLogger(self.out_dir, cfg.stats, rank=self.rank,
                                         run_name=f"{cfg.experiment.name}/{cfg.experiment.trial}",
                                         full_config=cfg.model_dump(mode="json"))
@@ -224,6 +242,16 @@ class RLTrainer:
         self._closers.append(self.progress.close)
         self.step = start
         return start
+
+    def _publish(self, version: int) -> dict[str, float]:
+        if self.time_sharing is not None:  # wake the servers' weights first, offload once read
+            return self.time_sharing.publish(self.publisher, version)
+        return self.publisher.publish(version)
+
+    def _state_on_device(self) -> contextlib.AbstractContextManager:
+        if self.time_sharing is not None:
+            return self.time_sharing.state_on_device()
+        return contextlib.nullcontext()
 
     # ------------------------------------------------------------------ end
     @property
@@ -256,6 +284,8 @@ class RLTrainer:
             png = plot_reward_curve(self.stats_logger.path, self.out_dir / "reward_curve.png",
                                     title=f"{cfg.experiment.name}/{cfg.experiment.trial}")
             print(f"[arealite] stats: {self.stats_logger.path}  reward curve: {png}", flush=True)
+        if self.time_sharing is not None:  # the export reads the weights: they stay on the device now
+            self.time_sharing.onload_for_good()
         if cfg.saver.export_hf_at_end:
             self.actor_engine.export_hf(self.out_dir / "final_model")
         if cfg.saver.export_merged_at_end and cfg.actor.lora is not None:

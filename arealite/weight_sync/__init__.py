@@ -72,6 +72,7 @@ __all__ = [
     "compare_readback",
     "make_publisher",
     "make_verifier",
+    "push_method",
     "make_transfer",
     "server_weight_dtype",
 ]
@@ -94,6 +95,15 @@ def server_weight_dtype(config) -> torch.dtype | None:
     return None
 
 
+def push_method(config) -> str:
+    """`weight_sync.method`; a colocated run that does not set it pushes by `tensor` (handles on
+    the same machine: no disk, no process group, docs/placement.md)."""
+    ws = config.weight_sync
+    if config.launch.placement == "colocated" and "method" not in ws.model_fields_set:
+        return "tensor"
+    return ws.method
+
+
 def make_transfer(config, admin: WeightUpdateAdmin, run: Runner,
                   model_path: str | None = None) -> WeightTransfer:
     """The transfer `config.weight_sync.method` asks for.
@@ -104,12 +114,13 @@ def make_transfer(config, admin: WeightUpdateAdmin, run: Runner,
     """
     ws = config.weight_sync
     dtype = server_weight_dtype(config)
-    if ws.method == "distributed":
+    method = push_method(config)
+    if method == "distributed":
         layout = "sglang" if config.launch.server_backend == "sglang" else "auto"
         return DistributedTransfer(ws, admin, run, wire_dtype=dtype, layout=layout)
-    if ws.method == "shm":
+    if method == "shm":
         return ShmTransfer(ws, admin, run, shm_dir=ws.shm_dir, server_dtype=dtype)
-    if ws.method == "tensor":
+    if method == "tensor":
         return TensorTransfer(ws, admin, run, server_dtype=dtype)
     exp = config.experiment
     root = ws.disk_dir or str(Path(exp.output_root) / exp.name / exp.trial / "weight_sync")
@@ -182,14 +193,16 @@ def _vocab_size(engine: TrainEngine) -> int:
 
 
 def make_publisher(config, rollout: WeightUpdateTarget, train_engine: TrainEngine, *,
-                   source: WeightSource | None = None, probe_prompt: list[int] | VisionPrompt | None = None) -> WeightPublisher:
+                   source: WeightSource | None = None, probe_prompt: list[int] | VisionPrompt | None = None,
+                   after_read: Callable[[], None] | None = None) -> WeightPublisher:
     """The publisher of a run: `train_engine`'s weights to the servers of `rollout`.
 
     `config` is the whole `ArealiteConfig`; `rollout` the rollout side (`RolloutSide`),
     whose ``admin`` administers the servers and whose ``run`` runs those calls on its
     client's loop; it is paused around each update. The train engine and the rollout side
     get the new version. `source` overrides what is read (default: the engine);
-    `probe_prompt` gives the log-prob probe real tokens (e.g. the first training prompt).
+    `probe_prompt` gives the log-prob probe real tokens (e.g. the first training prompt);
+    `after_read` runs on every rank once the weights are read (`WeightPublisher`).
     """
     require(rollout, WeightUpdateTarget, "the rollout side of a weight publisher")
     admin, run = rollout.admin, rollout.run
@@ -207,4 +220,4 @@ def make_publisher(config, rollout: WeightUpdateTarget, train_engine: TrainEngin
         logger.warning(advice)
     verifier = make_verifier(config, admin, transfer, train_engine, probe_prompt)
     return WeightPublisher(transfer, source, admin, run,
-                           parties=[train_engine], controller=rollout, verifier=verifier)
+                           parties=[train_engine], controller=rollout, verifier=verifier, after_read=after_read)

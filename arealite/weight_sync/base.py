@@ -122,6 +122,8 @@ def trainer_rank() -> tuple[int, int]:
 
 #: `agree` statuses: done / rank 0 lost a server and every rank iterates again / rank 0 failed.
 DONE, RETRY, FAILED = 0, 1, 2
+#: Rank 0 read the source in full: every rank runs the publisher's ``after_read``, then learns the end.
+READ = 3
 
 
 def agree(status: int | None = None) -> int:

@@ -8,6 +8,7 @@ The sequence, the same for every transfer (disk, shm, distributed):
     pause_generation                     rank 0: in-flight requests come back as `abort`
     transfer.transfer(source, version)   rank 0: load the weights on every server
     verify                               rank 0: read a sample back (`WeightVerifier`)
+    after_read()                         every rank, when given: the source is read in full
     set_version(version) on every party  train engine, controller, client
     continue_generation                  rank 0: aborted requests resume on the new weights
     check_serving                        rank 0: the log-prob probe (it generates)
@@ -47,6 +48,7 @@ from arealite.api.contracts import (
 from arealite.weight_sync.base import (
     DONE,
     FAILED,
+    READ,
     RETRY,
     Timer,
     agree,
@@ -142,12 +144,14 @@ class WeightPublisher:
     ``parties`` get ``set_version`` once the servers hold the version (the train engine,
     the client); ``controller`` is paused for the update and resumed after it (and is a
     party too). ``verifier`` checks the servers (by default nothing is read back: give a
-    `ReadbackVerifier`; `make_publisher` does).
+    `ReadbackVerifier`; `make_publisher` does). ``after_read``, when given, runs on every rank
+    once the source has been read in full, before the verification (the time-shared placement
+    offloads the trainer there and wakes the servers' KV cache, `trainer.colocation`).
     """
 
     def __init__(self, transfer: WeightTransfer, source: WeightSource, admin: WeightUpdateAdmin,
                  run: Runner, parties: Sequence[Versioned] = (), *, controller: Pausable | None = None,
-                 verifier: WeightVerifier | None = None):
+                 verifier: WeightVerifier | None = None, after_read: Callable[[], None] | None = None):
         require(transfer, WeightTransfer, "the weight transfer")
         require(source, WeightSource, "the weight source")
         require(admin, WeightUpdateAdmin, "the servers' admin")
@@ -162,6 +166,7 @@ class WeightPublisher:
             if not callable(getattr(p, "set_version", None)):
                 raise TypeError(f"party {type(p).__name__} has no set_version(version)")
         self.verifier = verifier
+        self.after_read = after_read
         self._initialized = False
 
     # ------------------------------------------------------------ lifecycle
@@ -212,6 +217,9 @@ class WeightPublisher:
         while True:
             drain(self.source, self.transfer.bucket_bytes)
             status = agree()
+            if status == READ and self.after_read is not None:
+                self.after_read()
+                status = agree()  # how the update ended
             if status == FAILED:
                 raise rank0_failed(version)
             if status == DONE:
@@ -234,6 +242,10 @@ class WeightPublisher:
             out.update(self.transfer.transfer(source, version))
             source.settle()
             timer.lap("transfer_s")
+            if self.after_read is not None:
+                agree(READ)
+                self.after_read()
+                timer.lap("after_read_s")
             out.update(self.verify(version))
             timer.lap("verify_s")
             self._set_versions(version)
