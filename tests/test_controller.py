@@ -536,25 +536,6 @@ def test_gil_switch_interval_is_set_while_running_and_restored():
         ctl.stop()
 
 
-def test_gil_switch_interval_is_pythons_own_while_the_caller_waits_for_a_batch():
-    # The short interval protects a training thread; while it waits in wait()/prepare_batch()
-    # nothing needs protecting, and the short one costs the loop CPU (bench_controller).
-    import sys
-
-    before = sys.getswitchinterval()
-    seen = []
-    ctl = make(gil_switch_interval_ms=0.25)
-    try:
-        for i in range(2):
-            ctl.submit({"prompt_id": i, "reward": i}, ItemWorkflow())
-        ctl.wait(2, timeout=5, should_accept=lambda td: seen.append(sys.getswitchinterval()) or True)
-        assert seen and all(s == pytest.approx(before) for s in seen)
-        assert sys.getswitchinterval() == pytest.approx(0.00025)
-    finally:
-        ctl.stop()
-    assert sys.getswitchinterval() == before
-
-
 async def test_reward_workers_run_torch_single_threaded():
     from arealite.reward.pool import RewardRunner
 

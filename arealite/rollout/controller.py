@@ -35,9 +35,9 @@ from arealite.rollout.ledger import RolloutLedger
 from arealite.rollout.loop_thread import (
     ControllerStopped,
     LoopThread,
-    SwitchInterval,
     cancel_other_tasks,
-    freeze_gc_heap,
+    restore_switch_interval,
+    tune_process,
 )
 from arealite.rollout.ready import ReadyGroups, ReadyState
 from arealite.rollout.staleness import StalenessManager
@@ -89,7 +89,7 @@ class RolloutController:
             config.max_concurrent_rollouts, self.batch_size, config.max_head_offpolicyness
         )
         self._lt = LoopThread("arealite-rollout")
-        self._switch = SwitchInterval(config.gil_switch_interval_ms)  # applied by start(), given back by stop()
+        self._old_switch_interval: float | None = None  # restored by stop()
         self._ready = ReadyGroups()
         self._ledger = RolloutLedger()
         # Per-prompt accounting (arealite.utils.accounting): when ``record_dropped`` is set,
@@ -111,8 +111,7 @@ class RolloutController:
         """Start the event loop thread; initialise the client on it (if it has ``initialize``)."""
         if self._thread is not None:
             raise RuntimeError("controller already started")
-        freeze_gc_heap(self.config.freeze_gc)
-        self._switch.apply()
+        self._old_switch_interval = tune_process(self.config.gil_switch_interval_ms, self.config.freeze_gc)
         self._lt.start()
         init = getattr(self._client, "initialize", None)
         if init is not None:
@@ -135,7 +134,8 @@ class RolloutController:
             # Episodes that never finished stay known, so that state_dict() after stop still lists them.
             self._admission.requeue_unfinished()
             self._feed.unstash()  # the loop is gone: nothing else touches the queue now
-            self._switch.restore()
+            restore_switch_interval(self._old_switch_interval)
+            self._old_switch_interval = None
 
     async def _shutdown_on_loop(self) -> None:
         await self._admission.cancel_all()
@@ -200,8 +200,7 @@ class RolloutController:
                 f"wait(count={count}) can never be satisfied: at most rollout.queue_size="
                 f"{self.config.queue_size} groups are ever queued"
             )
-        with self._switch.waiting():
-            return self.run(self._feed.wait(count, timeout, should_accept))
+        return self.run(self._feed.wait(count, timeout, should_accept))
 
     def rollout_batch(self, items: list[JsonObject], workflow: RolloutWorkflow,
                       should_accept: ShouldAccept | None = None) -> TensorDict:
@@ -227,8 +226,7 @@ class RolloutController:
             batch = self._feed.take_stashed()
             if batch is not None:
                 return batch
-        with self._switch.waiting():
-            return self.run(self._feed.prepare(dataloader, workflow, should_accept, poll_s))
+        return self.run(self._feed.prepare(dataloader, workflow, should_accept, poll_s))
 
     @property
     def last_batch_items(self) -> list[JsonObject]:

@@ -10,10 +10,9 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import contextlib
 import sys
 import threading
-from typing import Any, Callable, Coroutine, Iterator, TypeVar
+from typing import Any, Callable, Coroutine, TypeVar
 
 import torch
 import uvloop
@@ -112,54 +111,24 @@ async def cancel_other_tasks() -> None:
     await asyncio.gather(*rest, return_exceptions=True)
 
 
-def freeze_gc_heap(freeze_gc: bool) -> None:
-    """``gc.freeze()`` moves the objects alive so far (model, modules: ~10^5-10^6 in a trainer
-    process) out of the collector's reach, so the collections the rollout's allocations
-    trigger do not scan them all."""
+def tune_process(switch_interval_ms: float | None, freeze_gc: bool) -> float | None:
+    """Process-wide settings for a loop thread beside a training thread; returns the old switch
+    interval to give back to `restore_switch_interval` (None when unchanged).
+
+    The two threads share the GIL: a shorter switch interval bounds how long one waits for
+    the other. ``gc.freeze()`` moves the objects alive so far (model, modules: ~10^5-10^6 in a
+    trainer process) out of the collector's reach, so the collections the rollout's
+    allocations trigger do not scan them all.
+    """
+    old = None
+    if switch_interval_ms is not None:
+        old = sys.getswitchinterval()
+        sys.setswitchinterval(switch_interval_ms / 1000)
     if freeze_gc:
         freeze_heap()
+    return old
 
 
-class SwitchInterval:
-    """The process's GIL switch interval while a controller runs (``rollout.gil_switch_interval_ms``).
-
-    The loop thread and a training thread share the GIL: a shorter interval bounds how long
-    one waits for the other. While the caller waits on the loop for a batch (`waiting`), no
-    thread of its wants the GIL back, and a short interval only makes the loop and the reward
-    threads hand it to each other more often (bench_controller, Nov 27, on a 2-core machine
-    shared by other jobs: 0.82 context switches per trajectory instead of 1.02, 7 rounds; CPU
-    per trajectory 36 us less in one A/B of 5 rounds, within the noise in two others). So
-    Python's own interval holds during such waits, the short one the rest of the time (training).
-    """
-
-    def __init__(self, ms: float | None):
-        self.ms = ms
-        self._old: float | None = None  # the interval to give back; None while not applied
-        self._waiting = 0  # callers inside `waiting()`
-        self._lock = threading.Lock()
-
-    def apply(self) -> None:
-        if self.ms is not None and self._old is None:
-            self._old = sys.getswitchinterval()
-            sys.setswitchinterval(self.ms / 1000)
-
-    def restore(self) -> None:
-        with self._lock:
-            if self._old is not None:
-                sys.setswitchinterval(self._old)
-                self._old = None
-
-    @contextlib.contextmanager
-    def waiting(self) -> Iterator[None]:
-        """Python's own interval for the duration (nested and concurrent callers counted)."""
-        with self._lock:
-            self._waiting += 1
-            if self._waiting == 1 and self._old is not None:
-                sys.setswitchinterval(self._old)
-        try:
-            yield
-        finally:
-            with self._lock:
-                self._waiting -= 1
-                if self._waiting == 0 and self._old is not None and self.ms is not None:
-                    sys.setswitchinterval(self.ms / 1000)
+def restore_switch_interval(old: float | None) -> None:
+    if old is not None:
+        sys.setswitchinterval(old)
