@@ -17,7 +17,7 @@ Four ways to move the same bytes, in one run; each update is one
 The figure of merit is best path / memory copy (goals: shm <= 2.5x with verification
 included and <= 10% of the push, distributed <= 8x). Every phase is printed.
 
-    python benchmarks/bench_weight_sync.py            # "large" tiny model (~50M), 3 rounds
+    python benchmarks/bench_weight_sync.py            # "large" tiny model (~50M), 5 interleaved rounds
     python benchmarks/bench_weight_sync.py --quick    # "base" model (~10M), 1 round
 
 The last line printed is one JSON object with the figures.
@@ -29,6 +29,7 @@ import argparse
 import asyncio
 import json
 import os
+import statistics
 import sys
 import tempfile
 import threading
@@ -91,7 +92,7 @@ def main() -> None:
                     help="verify with the log-prob probe too, as a training run does by default")
     args = ap.parse_args()
     size = args.size or ("base" if args.quick else "large")
-    rounds = args.rounds or (1 if args.quick else 3)
+    rounds = args.rounds or (1 if args.quick else 5)
 
     work = Path(tempfile.mkdtemp(prefix="bench_ws_"))
     if args.model_dir:
@@ -114,10 +115,7 @@ def main() -> None:
         for k, v in state.items():
             dst[k].copy_(v)
 
-    mem_copy()  # touch the pages once
-    # Best of many, before and after the pushes: one busy moment on a shared machine must
-    # not inflate the floor (and so flatter every ratio).
-    t_mem = best_of(10, mem_copy)
+    mem_copy()  # touch the pages once (each round times it again: best of 3 beside its pushes)
 
     proc, addr = start_server(model_dir, work / "server.log")
     loop = asyncio.new_event_loop()
@@ -127,8 +125,10 @@ def main() -> None:
         return asyncio.run_coroutine_threadsafe(coro, loop).result()
 
     client = SGLangClient([addr])
-    results: dict[str, float] = {}
-    phases: dict[str, dict] = {}
+    times: dict[str, list[float]] = {}  # path -> seconds per round
+    ratios: dict[str, list[float]] = {}  # path -> seconds / the same round's memory copy
+    floors: list[float] = []
+    phases: dict[str, dict] = {}  # path -> the phases of its fastest push
     try:
         run(client.initialize(60))
         cfg = WeightSyncConfig(bucket_size_mb=args.bucket_mb, verify_n_tensors=2, timeout_s=300)
@@ -151,16 +151,25 @@ def main() -> None:
             publishers.append(WeightPublisher(transfer, src, admin, run, parties=[client], verifier=verifier))
             publishers[-1].init()
         version = 0
-        for (name, _), pub in zip(transfers, publishers):
+        for pub in publishers:
             pub.publish(version := version + 1)  # warm-up (first group use, page cache)
-            best = float("inf")
-            for _ in range(rounds):
+        # Interleaved rounds: each round pushes once by every path (in turn, the order rotated)
+        # and times the memory copy beside them, so that load from other jobs on a shared
+        # machine hits every path and the floor alike; each ratio is paired within its round.
+        for r in range(rounds):
+            order = list(range(len(transfers)))
+            order = order[r % len(order):] + order[:r % len(order)]
+            floor = best_of(3, mem_copy)
+            for i in order:
+                name = transfers[i][0]
                 t0 = time.perf_counter()
-                timings = pub.publish(version := version + 1)
+                timings = publishers[i].publish(version := version + 1)
                 dt = time.perf_counter() - t0
-                if dt < best:
-                    best, phases[name] = dt, timings
-            results[name] = best
+                times.setdefault(name, []).append(dt)
+                ratios.setdefault(name, []).append(dt / floor)
+                if dt <= min(times[name]):
+                    phases[name] = timings
+            floors.append(floor)
         for pub in publishers:
             pub.close()
     finally:
@@ -168,19 +177,21 @@ def main() -> None:
         proc.terminate()
         proc.wait(30)
 
-    t_mem = min(t_mem, best_of(10, mem_copy))
-    best_path = min(results, key=results.get)
-    ratio = {k: v / t_mem for k, v in results.items()}
+    t_mem = statistics.median(floors)
+    results = {k: statistics.median(v) for k, v in times.items()}
+    ratio = {k: statistics.median(v) for k, v in ratios.items()}
+    best_path = min(ratio, key=ratio.get)
     print(f"\nweight sync of the '{size}' tiny model: {n_params / 1e6:.1f}M params, "
-          f"{n_bytes / 2**20:.0f} MB, buckets of {args.bucket_mb:g} MB, best of {rounds}")
-    print(f"{'path':<14}{'seconds':>10}{'GB/s':>8}{'x memcopy':>11}")
-    print(f"{'memory copy':<14}{t_mem:>10.3f}{n_bytes / t_mem / 1e9:>8.2f}{1.0:>11.2f}")
+          f"{n_bytes / 2**20:.0f} MB, buckets of {args.bucket_mb:g} MB, median of {rounds} interleaved rounds")
+    print(f"{'path':<18}{'seconds':>10}{'GB/s':>8}{'x memcopy':>11}{'rounds (x memcopy)':>22}")
+    print(f"{'memory copy':<18}{t_mem:>10.3f}{n_bytes / t_mem / 1e9:>8.2f}{1.0:>11.2f}")
     for k, v in results.items():
-        print(f"{k:<14}{v:>10.3f}{n_bytes / v / 1e9:>8.2f}{ratio[k]:>11.2f}")
+        spread = f"{min(ratios[k]):.2f}-{max(ratios[k]):.2f}"
+        print(f"{k:<18}{v:>10.3f}{n_bytes / v / 1e9:>8.2f}{ratio[k]:>11.2f}{spread:>22}")
     for k, ph in phases.items():
         detail = ", ".join(f"{p}={s:.3f}" for p, s in ph.items() if p.endswith("_s"))
         verify = ph.get("verify_s", 0.0) + ph.get("probe_s", 0.0)
-        print(f"  {k}: {detail}; verification {verify / ph['total_s']:.0%} of the push")
+        print(f"  {k} (fastest push): {detail}; verification {verify / ph['total_s']:.0%} of the push")
     print(f"best path: {best_path}, {ratio[best_path]:.2f}x the memory copy "
           f"(goals: shm <= 2.5x, distributed <= 8x; shm is {ratio.get('shm', 0):.2f}x, "
           f"distributed {ratio.get('distributed', 0):.2f}x)")
@@ -189,6 +200,8 @@ def main() -> None:
         "rounds": rounds, "bucket_mb": args.bucket_mb, "memcopy_s": round(t_mem, 4),
         **{f"{k}_s": round(v, 4) for k, v in results.items()},
         **{f"{k}_ratio": round(v, 2) for k, v in ratio.items()},
+        **{f"{k}_ratio_min": round(min(v), 2) for k, v in ratios.items()},
+        **{f"{k}_ratio_max": round(max(v), 2) for k, v in ratios.items()},
         "best_path": best_path, "best_ratio": round(ratio[best_path], 2), "probe": args.probe,
         **{f"{k}_verify_frac": round((ph.get("verify_s", 0.0) + ph.get("probe_s", 0.0)) / ph["total_s"], 3)
            for k, ph in phases.items()},

@@ -43,6 +43,8 @@ def _checked_rows(c: Completion) -> torch.Tensor | None:
 def routed_experts_of(comps: Sequence[Completion], width: int) -> torch.Tensor | None:
     """``[n, width, n_layers * top_k]`` int16 for the single-turn samples ``comps`` (prompt + output,
     right-padded to ``width``); None when any sample has no routing (the server was not asked)."""
+    if any(c.routed_experts is None for c in comps):  # not an MoE run: nothing built per trajectory
+        return None
     return conversation_routed_experts([[c] for c in comps], [len(c.input_ids) + len(c.output_ids) for c in comps],
                                        width)
 

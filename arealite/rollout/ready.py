@@ -26,7 +26,7 @@ from typing import Callable, TypedDict
 import torch
 from tensordict import TensorDict
 
-from arealite.rollout.staleness import trajectory_staleness
+from arealite.rollout.staleness import oldest_versions, trajectory_staleness
 from arealite.utils.json_types import JsonObject
 from arealite.workflow.base import concat_trajectories
 
@@ -51,10 +51,7 @@ class _Stash:
 
 def _oldest_version(td: TensorDict) -> int:
     """The oldest policy version among a group's produced tokens (a group with none sorts last)."""
-    produced = td["loss_mask"].bool()
-    if not bool(produced.any()):
-        return torch.iinfo(torch.int64).max
-    return int(td["versions"][produced].min())
+    return int(oldest_versions(td["versions"], td["loss_mask"]).min())
 
 
 class ReadyGroups:
