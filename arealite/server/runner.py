@@ -33,7 +33,7 @@ from arealite.moe.router_hooks import RoutingCapture
 
 from .prompt_cache import PromptCache, cached_row, stack_cached
 from .generate_request import GenerateInput
-from .runner_contract import PauseState, Sequence
+from .runner_contract import PauseState, Sequence, record_version_change
 from .sampling import BatchSamplingState, sample_next
 from .vision import prefill_inputs, prompt_key, rope_deltas
 
@@ -121,7 +121,7 @@ class ModelRunner:
         self.pad_id = pad_id
         self.vocab_size = vocab_size
         self.max_batch_size = max_batch_size
-        self.weight_version = weight_version
+        self._weight_version = weight_version
         self.shared_gen = torch.Generator(device=device)
         self.shared_gen.manual_seed(random_seed)
 
@@ -212,6 +212,30 @@ class ModelRunner:
     def abort(self, rid_prefix: str | None, message: str) -> int:
         """Abort running and waiting requests whose rid starts with the prefix (all when None)."""
         return self._abort(lambda s: rid_prefix is None or s.inp.rid.startswith(rid_prefix), message, waiting=True)
+
+    def retract_running(self) -> int:
+        """Put the running sequences back at the head of the queue, their KV dropped."""
+        seqs = self._running
+        self._reset_batch()
+        with self._cv:
+            for s in reversed(seqs):
+                s.retracted = True
+                self._waiting.appendleft(s)
+        self.stats["retracted"] = self.stats.get("retracted", 0) + len(seqs)
+        return len(seqs)
+
+    @property
+    def weight_version(self) -> str:
+        """The version the served weights carry (set by the weight routes, on the model thread)."""
+        return self._weight_version
+
+    @weight_version.setter
+    def weight_version(self, version: str) -> None:
+        if version != self._weight_version:
+            with self._cv:
+                live = self._running + list(self._waiting)
+            record_version_change([(s, len(s.output_ids)) for s in live], self._weight_version)
+        self._weight_version = version
 
     # ------------------------------------------------------------------
     # Model thread
@@ -306,6 +330,12 @@ class ModelRunner:
                 ready.append(s)
         if not ready:
             return
+        resumed = [s for s in ready if s.retracted]
+        if resumed:  # back from a retract pause: their own prefill, over prompt + output so far
+            ready = [s for s in ready if not s.retracted]
+            self._resume(resumed)
+            if not ready:
+                return
         want_input = any(s.inp.logprob_start_len >= 0 for s in ready)
         exact = want_input or any(s.inp.return_routed_experts for s in ready)
         # Samples of one prompt (a GRPO group) arrive together: their prompt runs once and its
@@ -331,6 +361,21 @@ class ModelRunner:
         self._next[b_old:] = tokens
         self._record(range(b_old, b_old + len(ready)), tokens.tolist(), logprobs.tolist(), top)
 
+    def _resume(self, seqs: list[Sequence]) -> None:
+        """Recompute the KV of retracted sequences (prompt + every output token, the last one
+        not yet in any cache) under the current weights, and sample their next token."""
+        for s in seqs:
+            s.retracted = False
+        cache, logits, mask, lens = self._run_prompts(seqs, False, resume=True)
+        b_old = len(self._running)
+        self._merge(seqs, cache, mask, torch.tensor(lens, device=self.device)
+                    + torch.tensor(rope_deltas(seqs), device=self.device))
+        state = BatchSamplingState.build([s.inp.sampling for s in seqs], [s.generator for s in seqs],
+                                         self.vocab_size, self.device)
+        tokens, logprobs, top = self._sample(logits, state, seqs)
+        self._next[b_old:] = tokens
+        self._record(range(b_old, b_old + len(seqs)), tokens.tolist(), logprobs.tolist(), top)
+
     def _prompt_states(self, seqs: list[Sequence], want_input: bool, exact: bool):
         """Cache, last logits ``[B, vocab]``, mask and lengths of the distinct prompts ``seqs``:
         those in the prompt cache are copied from it (their ``cached_tokens`` set), the others
@@ -354,16 +399,18 @@ class ModelRunner:
                 return cache, logits, mask, lens
         return stack_cached(found, self.device)
 
-    def _run_prompts(self, seqs: list[Sequence], want_input: bool):
-        """One forward over the prompts of ``seqs``, left-padded: (cache, last logits, mask, lengths)."""
+    def _run_prompts(self, seqs: list[Sequence], want_input: bool, resume: bool = False):
+        """One forward over the prompts of ``seqs``, left-padded: (cache, last logits, mask, lengths).
+        ``resume``: over each prompt followed by its output so far (a retracted sequence)."""
         from transformers import DynamicCache
 
-        lens = [len(s.inp.input_ids) for s in seqs]
+        rows = [list(s.inp.input_ids) + s.output_ids if resume else s.inp.input_ids for s in seqs]
+        lens = [len(r) for r in rows]
         T = max(lens)
         ids = torch.full((len(seqs), T), self.pad_id, dtype=torch.long)
         mask = torch.zeros((len(seqs), T), dtype=torch.long)
-        for i, s in enumerate(seqs):
-            ids[i, T - lens[i]:] = torch.tensor(s.inp.input_ids, dtype=torch.long)
+        for i, row in enumerate(rows):
+            ids[i, T - lens[i]:] = torch.tensor(row, dtype=torch.long)
             mask[i, T - lens[i]:] = 1
         ids, mask = ids.to(self.device), mask.to(self.device)
         positions = (mask.cumsum(dim=1) - 1).clamp(min=0)
@@ -373,7 +420,8 @@ class ModelRunner:
         if want_input:
             _input_logprobs(seqs, logits, ids, lens)
             logits = logits[:, -1, :]
-        _keep_routing(seqs, self._last_routing, [T - n for n in lens])
+        if not resume:  # a resumed sequence's routing rows were kept at its first prefill
+            _keep_routing(seqs, self._last_routing, [T - n for n in lens])
         self.stats["prefills"] += 1
         return cache, logits, mask, lens
 
