@@ -34,7 +34,7 @@ from arealite.moe.router_hooks import RoutingCapture
 from .prompt_cache import PromptCache, cached_row, stack_cached
 from .generate_request import GenerateInput
 from .runner_contract import PauseState, Sequence, record_version_change
-from .sampling import BatchSamplingState, sample_next
+from .sampling import BatchSamplingState, sample_rows
 from .vision import prefill_inputs, prompt_key, rope_deltas
 
 logger = logging.getLogger("arealite.server")
@@ -121,7 +121,7 @@ class ModelRunner:
         self.pad_id = pad_id
         self.vocab_size = vocab_size
         self.max_batch_size = max_batch_size
-        self._weight_version = weight_version
+        self.weight_version = self._served_version = weight_version  # the second: as the live sequences know it
         self.shared_gen = torch.Generator(device=device)
         self.shared_gen.manual_seed(random_seed)
 
@@ -218,24 +218,8 @@ class ModelRunner:
         seqs = self._running
         self._reset_batch()
         with self._cv:
-            for s in reversed(seqs):
-                s.retracted = True
-                self._waiting.appendleft(s)
-        self.stats["retracted"] = self.stats.get("retracted", 0) + len(seqs)
+            self._waiting.extendleft(reversed(seqs))
         return len(seqs)
-
-    @property
-    def weight_version(self) -> str:
-        """The version the served weights carry (set by the weight routes, on the model thread)."""
-        return self._weight_version
-
-    @weight_version.setter
-    def weight_version(self, version: str) -> None:
-        if version != self._weight_version:
-            with self._cv:
-                live = self._running + list(self._waiting)
-            record_version_change([(s, len(s.output_ids)) for s in live], self._weight_version)
-        self._weight_version = version
 
     # ------------------------------------------------------------------
     # Model thread
@@ -269,6 +253,10 @@ class ModelRunner:
             admit: list[Sequence] = []
             try:
                 with self._cv:
+                    if self.weight_version != self._served_version:  # new weights under the live sequences
+                        record_version_change([(s, len(s.output_ids)) for s in self._running + list(self._waiting)],
+                                              self._served_version)
+                        self._served_version = self.weight_version
                     if not self._running and self._can_admit():
                         self._coalesce_arrivals()
                     while self._can_admit() and len(self._running) + len(admit) < self.max_batch_size:
@@ -330,10 +318,10 @@ class ModelRunner:
                 ready.append(s)
         if not ready:
             return
-        resumed = [s for s in ready if s.retracted]
-        if resumed:  # back from a retract pause: their own prefill, over prompt + output so far
-            ready = [s for s in ready if not s.retracted]
-            self._resume(resumed)
+        resumed = [s for s in ready if s.output_ids]
+        if resumed:  # retracted by a pause: prompt + output so far, under the current weights
+            ready = [s for s in ready if not s.output_ids]
+            self._join(resumed, *self._run_prompts(resumed, False, resume=True))
             if not ready:
                 return
         want_input = any(s.inp.logprob_start_len >= 0 for s in ready)
@@ -350,29 +338,17 @@ class ModelRunner:
             logits, mask = logits.index_select(0, idx), mask.index_select(0, idx)
             lens = [lens[j] for j in src]
             self.stats["shared_prefill_rows"] += len(ready) - len(uniq)
+        self._join(ready, cache, logits, mask, lens)
 
+    def _join(self, seqs: list[Sequence], cache, logits: torch.Tensor, mask: torch.Tensor, lens: list[int]) -> None:
+        """Merge prefilled sequences into the batch and sample their next token."""
         b_old = len(self._running)
         # Decode positions: a row's length plus its rope delta (0 but for rows with images).
-        self._merge(ready, cache, mask, torch.tensor(lens, device=self.device)
-                    + torch.tensor(rope_deltas(ready), device=self.device))
-        state = BatchSamplingState.build([s.inp.sampling for s in ready], [s.generator for s in ready],
-                                         self.vocab_size, self.device)
-        tokens, logprobs, top = self._sample(logits, state, ready)
-        self._next[b_old:] = tokens
-        self._record(range(b_old, b_old + len(ready)), tokens.tolist(), logprobs.tolist(), top)
-
-    def _resume(self, seqs: list[Sequence]) -> None:
-        """Recompute the KV of retracted sequences (prompt + every output token, the last one
-        not yet in any cache) under the current weights, and sample their next token."""
-        for s in seqs:
-            s.retracted = False
-        cache, logits, mask, lens = self._run_prompts(seqs, False, resume=True)
-        b_old = len(self._running)
         self._merge(seqs, cache, mask, torch.tensor(lens, device=self.device)
                     + torch.tensor(rope_deltas(seqs), device=self.device))
         state = BatchSamplingState.build([s.inp.sampling for s in seqs], [s.generator for s in seqs],
                                          self.vocab_size, self.device)
-        tokens, logprobs, top = self._sample(logits, state, seqs)
+        tokens, logprobs, top = sample_rows(logits, state, self.shared_gen, max(s.inp.top_logprobs_num for s in seqs))
         self._next[b_old:] = tokens
         self._record(range(b_old, b_old + len(seqs)), tokens.tolist(), logprobs.tolist(), top)
 
@@ -400,8 +376,8 @@ class ModelRunner:
         return stack_cached(found, self.device)
 
     def _run_prompts(self, seqs: list[Sequence], want_input: bool, resume: bool = False):
-        """One forward over the prompts of ``seqs``, left-padded: (cache, last logits, mask, lengths).
-        ``resume``: over each prompt followed by its output so far (a retracted sequence)."""
+        """One forward over the prompts of ``seqs`` (``resume``: and their output so far), left-padded:
+        (cache, last logits, mask, lengths)."""
         from transformers import DynamicCache
 
         rows = [list(s.inp.input_ids) + s.output_ids if resume else s.inp.input_ids for s in seqs]
@@ -459,18 +435,11 @@ class ModelRunner:
                                seqs=self._running)
         self._positions = self._positions + 1
         _keep_routing(self._running, self._last_routing, [0] * B)
-        tokens, logprobs, top = self._sample(logits, self._sampling, self._running)
+        tokens, logprobs, top = sample_rows(logits, self._sampling, self.shared_gen,
+                                            max(s.inp.top_logprobs_num for s in self._running))
         self._next = tokens
         self.stats["steps"] += 1
         self._record(range(B), tokens.tolist(), logprobs.tolist(), top)
-
-    def _sample(self, logits: torch.Tensor, state: BatchSamplingState, seqs: list[Sequence]):
-        """`sample_next`, with the top log-probs as lists when a sequence asked for them."""
-        k = max(s.inp.top_logprobs_num for s in seqs)
-        if k == 0:
-            return (*sample_next(logits, state, self.shared_gen), None)
-        tokens, logprobs, (values, ids) = sample_next(logits, state, self.shared_gen, top=k)
-        return tokens, logprobs, (values.tolist(), ids.tolist())
 
     def _record(self, rows: range, tokens: list[int], logprobs: list[float], top=None) -> None:
         """Append each row's new token; finish rows that hit a stop token or their length."""

@@ -56,9 +56,6 @@ class Sequence:
     version_events: list[tuple[str, int]] = field(default_factory=list)
     """Each weight change while it ran: (the version before, how many output tokens it had
     made then); `weight_version_spans` turns them into SGLang's ``meta_info.weight_versions``."""
-    retracted: bool = False
-    """Put back in the queue by a ``retract`` pause: its next prefill recomputes the prompt and
-    the output so far (under the weights loaded meanwhile)."""
     start_time: float = field(default_factory=time.perf_counter)
     end_time: float = 0.0
 
