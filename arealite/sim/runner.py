@@ -136,6 +136,7 @@ class SimRunner:
         self._arrivals = 0
         self._holds = 0
         self._wake: asyncio.Event | None = None
+        self._settled: asyncio.Event | None = None  # cleared while a decode sleeps uncounted
         self._task: asyncio.Task | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stopped = False
@@ -149,6 +150,8 @@ class SimRunner:
         if self._task is None:
             self._loop = asyncio.get_running_loop()
             self._wake = asyncio.Event()
+            self._settled = asyncio.Event()
+            self._settled.set()
             self._task = self._loop.create_task(self._main(), name="arealite-sim-runner")
 
     def _poke(self) -> None:
@@ -176,8 +179,12 @@ class SimRunner:
             raise
 
     async def call(self, fn: Callable[[], T]) -> T:
-        """Run ``fn()`` between two steps (here: now, on the loop) and return its result."""
+        """Run ``fn()`` between two steps (on the loop, once the decode under way has counted
+        the steps made so far) and return its result."""
         self._ensure_started()
+        if self._settled is not None and not self._settled.is_set():
+            self._poke()
+            await self._settled.wait()
         try:
             return fn()
         finally:
@@ -203,6 +210,8 @@ class SimRunner:
 
         def stop() -> None:
             self._stopped = True
+            if self._settled is not None:  # no call waits on a decode that will not count
+                self._settled.set()
             self._abort(lambda s: True, "server shutting down")
             if self._task is not None:
                 self._task.cancel()
@@ -351,6 +360,7 @@ class SimRunner:
         n_max = min(r.left for r in self._running)
         full = max(0.0, self.spec.steps_s(n_max, batch, kv) - debt)
         self._wake.clear()
+        self._settled.clear()
         t0 = time.perf_counter()
         try:
             await asyncio.wait_for(self._wake.wait(), full * self.spec.time_scale)
@@ -361,9 +371,10 @@ class SimRunner:
             n, debt = n_max, 0.0
         self.stats["sim_busy_s"] += self.spec.steps_s(n, batch, kv)
         self.stats["steps"] += n
-        self.stats["generated_tokens"] += n * batch
+        self.stats["generated_tokens"] += n * len(self._running)  # less any a command took out meanwhile
         for r in self._running:
             r.made += n
+        self._settled.set()
         self._retire()
         return debt
 
