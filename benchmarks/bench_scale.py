@@ -17,7 +17,7 @@ each server gets ``--per-server`` requests in flight and ``--items`` prompts to 
 - weight updates through the real ``WeightPublisher`` (disk transfer of a tiny model, the
   simulated 7B transfer held on every server), in each pause mode (``--pause-modes``), interleaved
   rounds after a warm-up one: pause -> resume wall time minus the simulated transfer, each phase,
-  and the client's CPU on the update's critical path (the publisher's ``total_client_cpu_s``)
+  and the client's CPU on the update's critical path (the publisher's ``held_client_cpu_s``)
   apart from this process's CPU and the servers' (the first pause of a client also asks every
   server whether its start-up warm-up is over, reported apart as ``warm_check_ms``).
 
@@ -195,8 +195,8 @@ def weight_update(ctl, client, model_dir: Path, args, work: Path) -> dict:
     warm-up, then ``--update-rounds`` rounds of one publish in each pause mode (interleaved).
     Per mode, medians and spread (min-max) of: the pause -> resume wall time less the simulated
     transfer (``update_overhead_ms``), each phase, the client's CPU on the update's critical path
-    (the publisher's ``total_client_cpu_s``: its thread plus the client's loop thread) and this
-    whole process's CPU meanwhile; the simulated servers' CPU of the last round."""
+    (the publisher's ``held_client_cpu_s``, pause to continue: its thread plus the client's loop
+    thread; ``publish_client_cpu_ms`` the whole publish) and this whole process's CPU meanwhile; the simulated servers' CPU of the last round."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -235,7 +235,8 @@ def weight_update(ctl, client, model_dir: Path, args, work: Path) -> dict:
                    "pause_ms": [o["pause_s"] * 1e3 for o in outs], "transfer_ms": [o["transfer_s"] * 1e3 for o in outs],
                    "verify_ms": [o.get("verify_s", 0.0) * 1e3 for o in outs],
                    "continue_ms": [o["continue_s"] * 1e3 for o in outs],
-                   "update_client_cpu_ms": [o["total_client_cpu_s"] * 1e3 for o in outs],
+                   "update_client_cpu_ms": [o["held_client_cpu_s"] * 1e3 for o in outs],
+                   "publish_client_cpu_ms": [o["total_client_cpu_s"] * 1e3 for o in outs],
                    "pause_client_cpu_ms": [o["pause_client_cpu_s"] * 1e3 for o in outs],
                    "update_process_cpu_ms": [o["process_cpu_s"] * 1e3 for o in outs],
                    "update_sim_cpu_ms": [o["sim_cpu_s"] * 1e3 for o in outs]}
@@ -339,7 +340,7 @@ def main() -> None:
     print(f"weight updates, {args.update_rounds} round(s) per mode, interleaved: median [min-max] ms "
           "(overhead = pause -> resume less the simulated transfer; client CPU = the update's critical path)")
     cols = ["update_overhead_ms", "pause_ms", "transfer_ms", "verify_ms", "continue_ms", "update_client_cpu_ms",
-            "pause_client_cpu_ms", "update_process_cpu_ms", "update_sim_cpu_ms"]
+            "pause_client_cpu_ms", "publish_client_cpu_ms", "update_process_cpu_ms", "update_sim_cpu_ms"]
     print(f"{'servers':>7} {'mode':>8} " + " ".join(f"{c.removesuffix('_ms'):>22}" for c in cols))
     for r in rows:
         for mode, fig in r["by_mode"].items():

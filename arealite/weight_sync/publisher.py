@@ -27,8 +27,9 @@ the update goes on with the others.
 
 Each phase's wall time (``pause_s``, ``transfer_s``: sending and the servers' loading,
 ``verify_s``, ``continue_s``, ``probe_s``) and the client's CPU on it (``<phase>_client_cpu_s``,
-``total_client_cpu_s``: this thread plus the client's event-loop thread, where the admin calls
-and, in abort mode, the aborted answers are handled) are returned and logged every step. Any other failure, or no server left,
+``total_client_cpu_s``, and ``held_client_cpu_s`` from the pause to the continue: this thread plus
+the client's event-loop thread, where the admin calls and, in abort mode, the aborted answers are
+handled) are returned and logged every step. Any other failure, or no server left,
 raises `WeightSyncError` on every rank with the servers left paused and the controller
 not resumed, so that nothing generates with weights that are not the trainer's.
 """
@@ -262,6 +263,9 @@ class WeightPublisher:
         if self.controller is not None:
             self.controller.resume()
         out.update({k: v for k, v in timer.total().items() if k not in out})
+        # The client's CPU while generation is held (pause to continue): the update's critical path.
+        out["held_client_cpu_s"] = sum(out.get(f"{k}_client_cpu_s", 0.0) for k in ("pause", "transfer", "verify",
+                                                                                   "continue"))
         logger.info("published version %d to %d server(s) in %.3fs", version,
                     len(self.admin.healthy_servers), out["total_s"])
         return out
