@@ -15,14 +15,16 @@ each server gets ``--per-server`` requests in flight and ``--items`` prompts to 
 - the admin fan-out alone: pause + continue to every server with nothing in flight (wall and
   this process's CPU, median of ``--admin-rounds``);
 - weight updates through the real ``WeightPublisher`` (disk transfer of a tiny model, the
-  simulated 7B transfer held on every server): pause -> resume wall time minus the simulated
-  transfer, of the second of two updates (the first reported beside it; the first pause of a
-  client also asks every server whether its start-up warm-up is over, reported apart as
-  ``warm_check_ms``).
+  simulated 7B transfer held on every server), in each pause mode (``--pause-modes``), interleaved
+  rounds after a warm-up one: pause -> resume wall time minus the simulated transfer, each phase,
+  and the client's CPU on the update's critical path (the publisher's ``held_client_cpu_s``)
+  apart from this process's CPU and the servers' (the first pause of a client also asks every
+  server whether its start-up warm-up is over, reported apart as ``warm_check_ms``).
 
 Simulated compute runs ``--time-scale`` times real time; orchestration always runs in real time.
 The last line is JSON: ``scaling_efficiency_256``, ``cpu_per_request_growth_256``,
-``update_overhead_ms_256``, ``admin_fanout_ms_256``, ``rss_growth_mb_256`` ... Part (a), AReaL's
+``update_client_cpu_ms_256`` and ``update_overhead_ms_256`` (the default mode; ``..._256_<mode>``
+for each, median and spread), ``admin_fanout_ms_256``, ``rss_growth_mb_256`` ... Part (a), AReaL's
 setup simulated (``eta4_of_bound``), is `scale_overlap.py`; ``--part a`` runs it alone.
 
     python benchmarks/bench_scale.py [--quick] [--servers 8,32,128,256] [--sim-procs 2] [--profile-update FILE]
@@ -189,8 +191,12 @@ def client_waits(sent: dict[str, float], traces: list[Path]) -> np.ndarray:
 
 
 def weight_update(ctl, client, model_dir: Path, args, work: Path) -> dict:
-    """Two publishes through the real publisher (disk transfer), servers generating meanwhile;
-    the second is measured, the first reported beside it."""
+    """Publishes through the real publisher (disk transfer), servers generating meanwhile: one
+    warm-up, then ``--update-rounds`` rounds of one publish in each pause mode (interleaved).
+    Per mode, medians and spread (min-max) of: the pause -> resume wall time less the simulated
+    transfer (``update_overhead_ms``), each phase, the client's CPU on the update's critical path
+    (the publisher's ``held_client_cpu_s``, pause to continue: its thread plus the client's loop
+    thread; ``publish_client_cpu_ms`` the whole publish) and this whole process's CPU meanwhile; the simulated servers' CPU of the last round."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -205,21 +211,41 @@ def weight_update(ctl, client, model_dir: Path, args, work: Path) -> dict:
     pub = WeightPublisher(transfer, StateDictSource(state), client.admin, ctl.run, parties=[client], controller=ctl)
     pub.init()
     heads = client.servers[:max(1, min(args.sim_procs, len(client.servers)))]  # one server per process
-    first = pub.publish(1)  # generation settles back after it; the second one is measured
-    time.sleep(args.resume_s)  # generation back under way, requests in flight again
-    sim_cpu0, cpu0 = sim_cpu_s(heads), time.process_time()
-    profiler = start_profile(args.profile_update)
-    out = pub.publish(2)
-    stop_profile(profiler, args.profile_update)
-    sim_cpu, cpu = sim_cpu_s(heads) - sim_cpu0, time.process_time() - cpu0
-    pub.close()
     sim_s = SimSpec().transfer_s() * args.time_scale
-    paused = paused_s(out)
-    return {"update_s": paused, "update_overhead_ms": (paused - sim_s) * 1e3, "sim_transfer_ms": sim_s * 1e3,
-            "update1_overhead_ms": (paused_s(first) - sim_s) * 1e3,
-            "pause_ms": out["pause_s"] * 1e3, "transfer_ms": out["transfer_s"] * 1e3,
-            "continue_ms": out["continue_s"] * 1e3, "update_sim_cpu_ms": sim_cpu * 1e3,
-            "update_client_cpu_ms": cpu * 1e3}
+    modes = args.pause_modes.split(",")
+    client.admin.pause_mode = modes[0]
+    first = pub.publish(1)  # generation settles back after it; the rounds are measured
+    version, rows = 1, {m: [] for m in modes}
+    for _ in range(args.update_rounds):
+        for mode in modes:
+            client.admin.pause_mode = mode
+            time.sleep(args.resume_s)  # generation back under way, requests in flight again
+            version += 1
+            sim_cpu0, cpu0 = sim_cpu_s(heads), time.process_time()
+            profiler = start_profile(args.profile_update)
+            out = pub.publish(version)
+            stop_profile(profiler, args.profile_update)
+            out["process_cpu_s"] = time.process_time() - cpu0
+            out["sim_cpu_s"] = sim_cpu_s(heads) - sim_cpu0
+            rows[mode].append(out)
+    pub.close()
+    result = {"update1_overhead_ms": (paused_s(first) - sim_s) * 1e3, "sim_transfer_ms": sim_s * 1e3, "by_mode": {}}
+    for mode, outs in rows.items():
+        figures = {"update_overhead_ms": [(paused_s(o) - sim_s) * 1e3 for o in outs],
+                   "pause_ms": [o["pause_s"] * 1e3 for o in outs], "transfer_ms": [o["transfer_s"] * 1e3 for o in outs],
+                   "verify_ms": [o.get("verify_s", 0.0) * 1e3 for o in outs],
+                   "continue_ms": [o["continue_s"] * 1e3 for o in outs],
+                   "update_client_cpu_ms": [o["held_client_cpu_s"] * 1e3 for o in outs],
+                   "publish_client_cpu_ms": [o["total_client_cpu_s"] * 1e3 for o in outs],
+                   "pause_client_cpu_ms": [o["pause_client_cpu_s"] * 1e3 for o in outs],
+                   "update_process_cpu_ms": [o["process_cpu_s"] * 1e3 for o in outs],
+                   "update_sim_cpu_ms": [o["sim_cpu_s"] * 1e3 for o in outs]}
+        result["by_mode"][mode] = {k: median_spread(v) for k, v in figures.items()}
+    return result
+
+
+def median_spread(xs: list[float]) -> dict:
+    return {"median": round(float(np.median(xs)), 1), "min": round(min(xs), 1), "max": round(max(xs), 1)}
 
 
 def paused_s(out: dict) -> float:
@@ -273,6 +299,8 @@ def main() -> None:
                    help="pause+continue rounds to every idle server, timed (the admin fan-out alone)")
     p.add_argument("--resume-s", type=float, default=3.0,
                    help="seconds of generation between the first (warm-up) update and the measured one")
+    p.add_argument("--update-rounds", type=int, default=3,
+                   help="measured weight updates per pause mode (--pause-modes), interleaved")
     p.add_argument("--sim-procs", type=int, default=2,
                    help="spread the simulated servers over this many processes (round-robin by port; "
                         "2 on a 2-core machine, so that the client's share of an update can be told apart)")
@@ -284,7 +312,7 @@ def main() -> None:
     args = p.parse_args()
     if args.quick:
         args.servers, args.items = "8,32", 4
-        args.etas, args.steps, args.repeats = "0,4", 6, 1
+        args.etas, args.steps, args.repeats, args.update_rounds = "0,4", 6, 1, 1
     part_a = run_part_a(args) if args.part in ("a", "all") else {}
     if args.part == "a":
         print(json.dumps(part_a))
@@ -301,24 +329,37 @@ def main() -> None:
         shutil.rmtree(work, ignore_errors=True)
     base = rows[0]
     print(f"{'servers':>7} {'done':>6} {'req/s/server':>12} {'rel':>5} {'CPU us/req':>10} {'growth':>6} "
-          f"{'p99 wait ms':>11} {'RSS MB':>7} {'RSS +MB':>7} {'fan-out ms':>10} {'its CPU':>7} {'update ms':>9} "
-          f"{'- transfer':>10} {'1st':>6} {'pause':>6} {'load':>6} {'cont.':>6} {'sim CPU':>7} {'our CPU':>7}")
+          f"{'p99 wait ms':>11} {'RSS MB':>7} {'RSS +MB':>7} {'fan-out ms':>10} {'its CPU':>7} {'1st upd.':>8}")
     for r in rows:
         r["rel"] = r["per_server_rps"] / base["per_server_rps"]
         r["cpu_growth"] = r["cpu_us_per_req"] / base["cpu_us_per_req"]
         r["rss_growth_mb"] = r["rss_mb"] - r["rss_quarter_mb"]
         print(f"{r['n']:>7} {r['done']:>6} {r['per_server_rps']:>12.2f} {r['rel']:>5.2f} {r['cpu_us_per_req']:>10.0f} "
               f"{r['cpu_growth']:>6.2f} {r['p99_wait_ms']:>11.1f} {r['rss_mb']:>7.0f} {r['rss_growth_mb']:>7.1f} "
-              f"{r['fanout_ms']:>10.1f} {r['fanout_client_cpu_ms']:>7.1f} {r['update_s'] * 1e3:>9.1f} "
-              f"{r['update_overhead_ms']:>10.1f} {r['update1_overhead_ms']:>6.0f} {r['pause_ms']:>6.0f} "
-              f"{r['transfer_ms']:>6.0f} {r['continue_ms']:>6.0f} {r['update_sim_cpu_ms']:>7.0f} "
-              f"{r['update_client_cpu_ms']:>7.0f}")
+              f"{r['fanout_ms']:>10.1f} {r['fanout_client_cpu_ms']:>7.1f} {r['update1_overhead_ms']:>8.0f}")
+    print(f"weight updates, {args.update_rounds} round(s) per mode, interleaved: median [min-max] ms "
+          "(overhead = pause -> resume less the simulated transfer; client CPU = the update's critical path)")
+    cols = ["update_overhead_ms", "pause_ms", "transfer_ms", "verify_ms", "continue_ms", "update_client_cpu_ms",
+            "pause_client_cpu_ms", "publish_client_cpu_ms", "update_process_cpu_ms", "update_sim_cpu_ms"]
+    print(f"{'servers':>7} {'mode':>8} " + " ".join(f"{c.removesuffix('_ms'):>22}" for c in cols))
+    for r in rows:
+        for mode, fig in r["by_mode"].items():
+            print(f"{r['n']:>7} {mode:>8} " + " ".join(
+                f"{fig[c]['median']:>8.1f} [{fig[c]['min']:.0f}-{fig[c]['max']:.0f}]".rjust(22) for c in cols))
     print("RSS after each batch (MB), largest run: " + ", ".join(f"{x:.0f}" for x in rows[-1]["rss_steps_mb"]))
     last = rows[-1]
     tag = last["n"]
+    default = "in_place" if "in_place" in last["by_mode"] else next(iter(last["by_mode"]))
+    by_mode = last["by_mode"]
     print(json.dumps({f"scaling_efficiency_{tag}": round(last["rel"], 3),
                       f"cpu_per_request_growth_{tag}": round(last["cpu_growth"], 3),
-                      f"update_overhead_ms_{tag}": round(last["update_overhead_ms"], 1),
+                      f"update_client_cpu_ms_{tag}": by_mode[default]["update_client_cpu_ms"]["median"],
+                      f"update_overhead_ms_{tag}": by_mode[default]["update_overhead_ms"]["median"],
+                      **{f"update_overhead_ms_{tag}_{m}": f["update_overhead_ms"] for m, f in by_mode.items()},
+                      **{f"update_client_cpu_ms_{tag}_{m}": f["update_client_cpu_ms"] for m, f in by_mode.items()},
+                      **{f"update_process_cpu_ms_{tag}_{m}": f["update_process_cpu_ms"] for m, f in by_mode.items()},
+                      **{f"update_sim_process_cpu_ms_{tag}_{m}": f["update_sim_cpu_ms"] for m, f in by_mode.items()},
+                      "default_pause_mode": default,
                       f"update1_overhead_ms_{tag}": round(last["update1_overhead_ms"], 1),
                       f"warm_check_ms_{tag}": round(last["warm_check_ms"], 1),
                       f"admin_fanout_ms_{tag}": round(last["fanout_ms"], 1),
@@ -326,11 +367,8 @@ def main() -> None:
                       f"p99_client_wait_ms_{tag}": round(last["p99_wait_ms"], 1),
                       f"controller_rss_mb_{tag}": round(last["rss_mb"], 1),
                       f"rss_growth_mb_{tag}": round(last["rss_growth_mb"], 1),
-                      f"update_sim_process_cpu_ms_{tag}": round(last["update_sim_cpu_ms"], 1),
-                      f"update_client_cpu_ms_{tag}": round(last["update_client_cpu_ms"], 1),
-                      "time_scale": args.time_scale, "sim_procs": args.sim_procs,
+                      "time_scale": args.time_scale, "sim_procs": args.sim_procs, "update_rounds": args.update_rounds,
                       "servers": [r["n"] for r in rows], **part_a}))
-
 
 if __name__ == "__main__":
     main()

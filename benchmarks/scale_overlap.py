@@ -16,8 +16,10 @@ GPU split as AReaL's paper (arXiv 2505.24298): three generation GPUs for one tra
 H800s, a 1.5B model; the batch and the answer lengths are scaled down so that the
 orchestration fits two CPU cores (docs/scale.md).
 
-Every eta runs ``--repeats`` times (interleaved); the table gives medians with [min-max] and the
-orchestration's CPU per step (every process of the run, read from /proc) and per trajectory.
+Every pause mode (``--pause-modes``: abort, retract, in_place; ``weight_sync.pause_mode``) and
+eta runs ``--repeats`` times (interleaved); one table per mode gives medians with [min-max], the
+push's paused time and client CPU (``weight_sync/*`` stats), and the orchestration's CPU per step
+(every process of the run, read from /proc) and per trajectory. JSON: ``eta4_of_bound_<mode>``.
 
     python benchmarks/scale_overlap.py [--quick] [--etas 0,1,2,4,8] [--repeats 3]
 """
@@ -51,7 +53,7 @@ def prepare_demo(work: Path, n_train: int) -> Path:
     return out
 
 
-def run_config(args, demo: Path, runs: Path, eta: int) -> dict:
+def run_config(args, demo: Path, runs: Path, eta: int, mode: str) -> dict:
     return {
         "experiment": {"name": "overlap", "trial": f"eta{eta}", "output_root": str(runs), "seed": 1},
         "launch": {"n_servers": args.gen_gpus, "n_trainer_procs": 1, "server_backend": "sim"},
@@ -67,7 +69,7 @@ def run_config(args, demo: Path, runs: Path, eta: int) -> dict:
         "evaluation": {"freq_steps": None},
         "saver": {"export_hf_at_end": False, "freq_steps": None},
         "stats": {"progress_bar": False, "plot": False},
-        "weight_sync": {"bucket_size_mb": 1, "probe": False},
+        "weight_sync": {"bucket_size_mb": 1, "probe": False, "pause_mode": mode},
     }
 
 
@@ -137,12 +139,12 @@ class CpuSampler:
         return out
 
 
-def one_run(args, demo: Path, work: Path, eta: int, rep: int = 0) -> dict:
-    runs = work / f"runs_eta{eta}_{rep}"
-    cfg_path = work / f"eta{eta}.yaml"
-    cfg_path.write_text(yaml.safe_dump(run_config(args, demo, runs, eta)))
+def one_run(args, demo: Path, work: Path, eta: int, rep: int = 0, mode: str = "in_place") -> dict:
+    runs = work / f"runs_{mode}_eta{eta}_{rep}"
+    cfg_path = work / f"{mode}_eta{eta}.yaml"
+    cfg_path.write_text(yaml.safe_dump(run_config(args, demo, runs, eta, mode)))
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    log = work / f"eta{eta}_{rep}.log"
+    log = work / f"{mode}_eta{eta}_{rep}.log"
     with open(log, "w") as out:
         proc = subprocess.Popen([sys.executable, "-m", "arealite.train", "--config", str(cfg_path)], cwd=work,
                                 env=env, stdout=out, stderr=subprocess.STDOUT, text=True)
@@ -152,7 +154,7 @@ def one_run(args, demo: Path, work: Path, eta: int, rep: int = 0) -> dict:
         finally:
             sampler.stop()
     if rc != 0:
-        raise RuntimeError(f"eta={eta}: the run failed\n{log.read_text()[-4000:]}")
+        raise RuntimeError(f"{mode} eta={eta}: the run failed\n{log.read_text()[-4000:]}")
     recs = [json.loads(x) for x in (runs / "overlap" / f"eta{eta}" / "stats.jsonl").read_text().splitlines()]
     steps = [r for r in recs if "time/step_s" in r and "rollout/prompt_ids" in r]
     kept = steps[args.skip:]
@@ -163,6 +165,8 @@ def one_run(args, demo: Path, work: Path, eta: int, rep: int = 0) -> dict:
     cpu = {k: v / n for k, v in sampler.between(start, kept[-1]["time"]).items()}
     return {"eta": eta, "steps_per_s": n / span, "step_s": span / n, "gen_s": med("time/rollout_wait_s"),
             "train_s": med("time/train_s") + med("time/weight_sync_s"), "push_s": med("time/weight_sync_s"),
+            "push_paused_s": med("weight_sync/pause_s") + med("weight_sync/transfer_s") + med("weight_sync/verify_s")
+            + med("weight_sync/continue_s"), "push_client_cpu_s": med("weight_sync/total_client_cpu_s"),
             "staleness_max": max(r["rollout/staleness_max"] for r in kept),
             "answer_len": med("rollout/response_len_mean"),
             "seq_len": med("rollout/n_tokens") / max(1.0, med("rollout/n_trajectories")),
@@ -196,20 +200,41 @@ def _cpu_row(runs: list[dict], per_step_trajectories: int) -> dict[str, float]:
 
 
 def run_part_a(args) -> dict:
-    """Every eta ``args.repeats`` times, interleaved (repeat r runs every eta before r + 1), so
-    that each asynchronous run has a synchronous one beside it; speed-ups are per repeat."""
+    """Every pause mode and eta ``args.repeats`` times, interleaved (repeat r runs every mode and
+    eta before r + 1), so that each asynchronous run has a synchronous one of its mode beside it;
+    speed-ups are per repeat and per mode."""
     etas = [int(e) for e in args.etas.split(",")]
+    modes = args.pause_modes.split(",")
     if etas[0] != 0:
         raise ValueError(f"--etas {args.etas!r} must start with 0 (the synchronous baseline)")
     work = Path(tempfile.mkdtemp(prefix="scale_overlap_"))
     try:
         demo = prepare_demo(work, n_train=args.batch * (args.steps + 1))
-        runs = {e: [] for e in etas}
+        runs = {m: {e: [] for e in etas} for m in modes}
         for rep in range(args.repeats):
-            for e in etas:
-                runs[e].append(one_run(args, demo, work, e, rep))
+            for m in modes:
+                for e in etas:
+                    runs[m][e].append(one_run(args, demo, work, e, rep, m))
     finally:
         shutil.rmtree(work, ignore_errors=True)
+    print(f"part (a): {args.gen_gpus} generation + {args.train_gpus} training GPUs, {args.model}, batch "
+          f"{args.batch}x{args.n_samples}, answers lognormal median {args.a_length_median:.0f} capped "
+          f"{args.a_max_new_tokens}, time_scale {args.a_time_scale}, {args.repeats} repeat(s): "
+          "median [min-max]")
+    out: dict = {"paper_speedup": PAPER_SPEEDUP, "time_scale": args.a_time_scale, "repeats": args.repeats,
+                 "by_mode": {}}
+    for m in modes:
+        row = _mode_summary(args, m, etas, runs[m])
+        out["by_mode"][m] = row
+        if "eta4_of_bound" in row:
+            out[f"eta4_of_bound_{m}"] = row["eta4_of_bound"]
+    default = modes[0] if "in_place" not in modes else "in_place"
+    out["eta4_of_bound"] = out["by_mode"][default].get("eta4_of_bound")
+    return out
+
+
+def _mode_summary(args, mode: str, etas: list[int], runs: dict[int, list[dict]]) -> dict:
+    """One pause mode's table (printed) and figures."""
     sync = runs[0]
     med = lambda rows, k: statistics.median(r[k] for r in rows)
     gen, train = med(sync, "gen_s"), med(sync, "train_s")
@@ -217,15 +242,11 @@ def run_part_a(args) -> dict:
     busy = busy_generation_s(args, med(sync, "answer_len"), med(sync, "seq_len"))
     bound = med(sync, "step_s") / max(busy, train)  # generation never idle and overlapped with training
     per_step = args.batch * args.n_samples
-    print(f"part (a): {args.gen_gpus} generation + {args.train_gpus} training GPUs, {args.model}, batch "
-          f"{args.batch}x{args.n_samples}, answers lognormal median {args.a_length_median:.0f} capped "
-          f"{args.a_max_new_tokens}, time_scale {args.a_time_scale}, {args.repeats} repeat(s): "
-          "median [min-max]")
-    print(f"eta=0 step: generation wait {gen:.3f} s + train and push {train:.3f} s (real seconds); "
-          f"overlap alone {overlap:.2f}x; busy generation of a batch {busy:.3f} s; "
+    print(f"pause_mode {mode}: eta=0 step: generation wait {gen:.3f} s + train and push {train:.3f} s (real "
+          f"seconds); overlap alone {overlap:.2f}x; busy generation of a batch {busy:.3f} s; "
           f"bound max(busy, train) {bound:.2f}x; paper {PAPER_SPEEDUP}x")
-    print(f"{'eta':>4} {'step s':>21} {'push s':>7} {'speed-up':>21} {'of bound':>8} {'stale max':>9} "
-          f"{'CPU s/step':>10} {'servers':>7} {'worker':>7} {'trainer':>7} {'ms/traj':>7}")
+    print(f"{'eta':>4} {'step s':>21} {'push s':>7} {'paused':>7} {'cli CPU':>7} {'speed-up':>21} {'of bound':>8} "
+          f"{'stale max':>9} {'CPU s/step':>10} {'servers':>7} {'worker':>7} {'trainer':>7} {'ms/traj':>7}")
     out_rows = {}
     for e in etas:
         speedups = [r["steps_per_s"] / s0["steps_per_s"] for r, s0 in zip(runs[e], sync)]
@@ -233,25 +254,30 @@ def run_part_a(args) -> dict:
         row = {"step_s": med(runs[e], "step_s"), "speedup": statistics.median(speedups),
                "speedup_min": min(speedups), "speedup_max": max(speedups),
                "of_bound": statistics.median(speedups) / bound,
+               "of_bound_min": min(speedups) / bound, "of_bound_max": max(speedups) / bound,
                "staleness_max": max(r["staleness_max"] for r in runs[e]), "cpu_per_step_s": cpu["total"],
                "cpu_per_trajectory_ms": cpu["per_trajectory_ms"]}
         out_rows[e] = row
         print(f"{e:>4} {_spread([r['step_s'] for r in runs[e]]):>21} {med(runs[e], 'push_s'):>7.3f} "
+              f"{med(runs[e], 'push_paused_s'):>7.3f} {med(runs[e], 'push_client_cpu_s') * 1e3:>7.1f} "
               f"{_spread(speedups):>21} {row['of_bound']:>8.2f} {row['staleness_max']:>9} {cpu['total']:>10.3f} "
               f"{cpu['servers']:>7.3f} {cpu['rollout_worker']:>7.3f} {cpu['trainer']:>7.3f} "
               f"{cpu['per_trajectory_ms']:>7.2f}")
     out = {"bound_speedup": round(bound, 3), "overlap_only_speedup": round(overlap, 3),
-           "busy_generation_s": round(busy, 4), "train_push_s": round(train, 4), "paper_speedup": PAPER_SPEEDUP,
-           "time_scale": args.a_time_scale, "repeats": args.repeats,
+           "busy_generation_s": round(busy, 4), "train_push_s": round(train, 4),
            "speedup_by_eta": {str(e): round(r["speedup"], 3) for e, r in out_rows.items()},
            "speedup_spread_by_eta": {str(e): [round(r["speedup_min"], 3), round(r["speedup_max"], 3)]
                                      for e, r in out_rows.items()},
+           "of_bound_by_eta": {str(e): round(r["of_bound"], 3) for e, r in out_rows.items()},
+           "push_paused_s_by_eta": {str(e): round(med(runs[e], "push_paused_s"), 4) for e in etas},
+           "push_client_cpu_ms_by_eta": {str(e): round(med(runs[e], "push_client_cpu_s") * 1e3, 2) for e in etas},
            "staleness_max_by_eta": {str(e): r["staleness_max"] for e, r in out_rows.items()},
            "orchestration_cpu_s_per_step": {str(e): round(r["cpu_per_step_s"], 3) for e, r in out_rows.items()},
            "orchestration_cpu_ms_per_trajectory": {str(e): round(r["cpu_per_trajectory_ms"], 2)
                                                    for e, r in out_rows.items()}}
     if 4 in out_rows:
         out["eta4_of_bound"] = round(out_rows[4]["of_bound"], 3)
+        out["eta4_of_bound_spread"] = [round(out_rows[4]["of_bound_min"], 3), round(out_rows[4]["of_bound_max"], 3)]
     return out
 
 
@@ -272,6 +298,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="simulated compute takes this many real seconds per simulated second; 0.5 keeps "
                         "the orchestration's CPU (~0.4 s a step) a fraction of a step on two cores")
     g.add_argument("--repeats", type=int, default=3, help="runs per eta, interleaved; medians and spread")
+    g.add_argument("--pause-modes", default="abort,retract,in_place",
+                   help="weight_sync.pause_mode values to run, each with every eta")
 
 
 def main() -> None:

@@ -717,7 +717,7 @@ async def test_admin_failure_names_the_server(fakes):
             await eng.update_weights_from_disk("/nope", version=3)
     err = ei.value
     assert list(err.failures) == [b.addr] and "file not found" in str(err) and a.addr in err.results
-    assert a.calls == [("/update_weights_from_disk", {"model_path": "/nope", "weight_version": "3"})]
+    assert a.calls == [("/update_weights_from_disk", {"model_path": "/nope", "weight_version": "3", "flush_cache": True})]
 
 
 async def test_admin_calls_reuse_one_keep_alive_connection_and_name_a_dead_server(fakes):

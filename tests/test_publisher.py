@@ -173,6 +173,11 @@ def test_publish_runs_the_whole_sequence_in_order():
                    *AFTER_TRANSFER]
     assert engine.version == client.version == controller.version == 3 and not controller.paused
     assert {"write_s", "load_s", "n_tensors", "pause_s", "verify_s", "continue_s", "total_s"} <= set(timings)
+    # Each phase's client CPU, and the share while generation is held, are logged with the wall times.
+    phases = ("pause", "transfer", "verify", "continue")
+    assert all(timings[f"{k}_client_cpu_s"] >= 0.0 for k in (*phases, "stage", "probe", "total"))
+    assert timings["held_client_cpu_s"] == pytest.approx(sum(timings[f"{k}_client_cpu_s"] for k in phases))
+    assert timings["held_client_cpu_s"] <= timings["total_client_cpu_s"] + 1e-9
     pub.close()
     assert log[-1] == "transfer.close"
 

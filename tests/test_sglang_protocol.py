@@ -231,3 +231,30 @@ def test_weight_version_is_reported_and_settable(backend):
     status, out = _gen(backend, [5, 6])
     assert status == 200 and out["meta_info"]["weight_version"] == "7"
     assert backend.call("/update_weight_version", {"new_version": "0"})[0] == 200
+
+
+def test_in_place_pause_keeps_the_answer_and_splits_its_versions(backend):
+    """Scheduler.pause_generation(mode=in_place): the running request stays, frozen; the cache cannot be
+    flushed meanwhile (Scheduler.flush_cache); a version change while paused splits its tokens
+    (utils/weight_versions.py: meta_info.weight_versions) and it finishes after the continue."""
+    n = 3000 if backend.name == "sglang" else 600
+    assert backend.call("/update_weight_version", {"new_version": "0"})[0] == 200
+    with cf.ThreadPoolExecutor(1) as pool:
+        fut = pool.submit(backend.call, "/generate", {
+            "input_ids": [5, 6], "return_logprob": True,
+            "sampling_params": {"max_new_tokens": n, "ignore_eos": True}}, 120)
+        _wait_running(backend)
+        assert backend.call("/pause_generation", {"mode": "in_place"})[0] == 200
+        try:
+            flushed = backend.call("/flush_cache", {})[0]
+            relabelled = backend.call("/update_weight_version", {"new_version": "9", "abort_all_requests": False})[0]
+        finally:
+            backend.call("/continue_generation", {})
+        status, out = fut.result(120)
+    backend.call("/update_weight_version", {"new_version": "0"})
+    assert flushed == 400 and relabelled == 200
+    meta = out["meta_info"]
+    assert status == 200 and meta["finish_reason"]["type"] == "length", out
+    spans = meta["weight_versions"]
+    assert [sp["version"] for sp in spans] == ["0", "9"] and meta["weight_version"] == "9", spans
+    assert spans[0]["start"] == 0 and spans[0]["end"] == spans[1]["start"] > 0 and spans[1]["end"] == n

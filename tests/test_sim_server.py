@@ -147,6 +147,39 @@ def test_pause_aborts_with_partial_output_and_a_hold_stops_generation():
     assert waiting == 1 and later.finish_reason["type"] in ("stop", "length")
 
 
+@pytest.mark.parametrize("mode", ["retract", "in_place"])
+def test_kept_pauses_finish_the_answer_and_tag_its_tokens_by_version(mode):
+    # retract: the answer goes back to the queue and its prompt + tokens so far are prefilled again;
+    # in_place: it freezes and decodes on, nothing recomputed. Either way one answer, no abort, and
+    # its tokens split by the weight version that made them (SGLang's meta_info.weight_versions).
+    from arealite.server.runner_contract import weight_version_spans
+
+    async def run():
+        r = _runner(SimSpec(time_scale=0.05))
+        task = asyncio.ensure_future(r.generate(_inp("long", max_new_tokens=3000, ignore_eos=True)))
+        await asyncio.sleep(0.2)
+        n = await r.call(lambda: r.set_paused(True, mode))
+        await asyncio.sleep(0.05)  # the step under way completes, as in SGLang's scheduler
+        made, waiting = r.stats["generated_tokens"], r.n_waiting
+        await asyncio.sleep(0.1)
+        frozen = r.stats["generated_tokens"] == made and not task.done()
+
+        def load() -> None:
+            r.weight_version = "1"
+        await r.call(load)
+        await r.call(lambda: r.set_paused(False))
+        seq = await task
+        r.shutdown()
+        return n, made, waiting, frozen, seq, r.stats
+
+    n, made, waiting, frozen, seq, stats = asyncio.run(run())
+    assert n == 1 and frozen and seq.finish_reason["type"] == "length" and len(seq.output_ids) == 3000
+    assert waiting == (1 if mode == "retract" else 0)
+    assert stats.get("reprefill_tokens", 0) == (3 + made if mode == "retract" else 0)
+    assert weight_version_spans(seq) == [{"version": "0", "start": 0, "end": made},
+                                         {"version": "1", "start": made, "end": 3000}]
+
+
 # ---------------------------------------------------------------- servers and the launcher
 
 

@@ -9,6 +9,11 @@ from pydantic import Field
 from arealite.config.section import Section
 
 
+#: SGLang's pause modes (`pause_generation`'s ``mode``), as `weight_sync.pause_mode` names them.
+PAUSE_MODES = ("abort", "retract", "in_place")
+PauseMode = Literal["abort", "retract", "in_place"]
+
+
 class WeightSyncConfig(Section):
     method: Literal["distributed", "disk", "shm", "tensor"] = "distributed"
     """`distributed`: broadcast over a process group (gloo on CPU, NCCL on CUDA); `disk`: safetensors directory;
@@ -17,6 +22,12 @@ class WeightSyncConfig(Section):
     or SGLang servers on the trainer's host only; the colocated placement's push)."""
     bucket_size_mb: float = Field(64.0, gt=0)
     """Tensors are sent in buckets of about this size."""
+    pause_mode: PauseMode = "in_place"
+    """How the servers pause for an update (SGLang's `pause_generation` mode). `in_place`: answers in
+    flight freeze with their KV cache and decode on under the new weights after the update (each token
+    keeps the version that sampled it; the cache is not flushed, the old KV stays); `retract`: they go
+    back to the servers' queues and their KV is recomputed under the new weights; `abort`: they are cut,
+    returned and resubmitted by the client. Default measured in docs/scale.md."""
     verify_n_tensors: int = Field(2, ge=0)
     """Tensors read back with `get_weights_by_name` after each update and compared (on servers whose
     model class can read weights back; SGLang cannot for Qwen2, for example)."""

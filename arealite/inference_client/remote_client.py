@@ -303,7 +303,7 @@ class RemoteInferenceClient(ServerPoolView):
 
     @staticmethod
     def _take(p: _Progress, seg: Segment) -> None:
-        """Append a segment's tokens, each tagged with the segment's version."""
+        """Append a segment's tokens, each tagged with the version that sampled it."""
         server = p.server
         if server.consecutive_failures:
             server.consecutive_failures = 0
@@ -312,7 +312,8 @@ class RemoteInferenceClient(ServerPoolView):
         if ids:
             p.ids += ids
             p.lps += seg.logprobs
-            p.vers += [seg.version] * len(ids)
+            # Each token keeps the version that sampled it (several when the weights changed under it).
+            p.vers += seg.versions if seg.versions is not None else [seg.version] * len(ids)
             if p.top is not None:
                 p.top += seg.top
             on_segment = p.req.metadata.get("on_segment") if p.req.metadata else None

@@ -20,6 +20,7 @@ from arealite.inference_client.errors import ServerAdminError
 from arealite.inference_client.server_pool import ServerPool, ServerPoolView, ServerState
 from arealite.inference_client.sglang_wire import has_weight_update_brackets, parse_prompt_logprobs, prompt_score_body
 from arealite.inference_client.server_ready import wait_until_warm
+from arealite.config.weight_sync import PAUSE_MODES
 from arealite.utils.json_types import JsonObject, JsonValue
 
 if TYPE_CHECKING:
@@ -44,17 +45,31 @@ class SGLangAdmin(ServerPoolView):
     the update is verified.
     """
 
-    def __init__(self, pool: ServerPool):
+    def __init__(self, pool: ServerPool, pause_mode: str = "abort"):
+        if pause_mode not in PAUSE_MODES:
+            raise ValueError(f"pause_mode {pause_mode!r}: expected one of {', '.join(PAUSE_MODES)} "
+                             "(weight_sync.pause_mode)")
         self.pool = pool
+        self.pause_mode = pause_mode
+        """SGLang's pause mode for weight updates (`weight_sync.pause_mode`)."""
         self._groups: dict[str, list[str]] = {}  # weight-update group -> member servers
         self.lora_path: str | None = None  # the LoRA adapter the log-prob probe scores with (LoRA runs)
 
     # ------------------------------------------------------------ generation
 
-    async def pause_generation(self) -> dict[str, JsonValue]:
-        """Pause every server: in-flight requests return with finish reason ``abort``.
+    @property
+    def flush_on_load(self) -> bool:
+        """Whether a weight load asks the servers to flush their cache: not in ``in_place`` mode,
+        where SGLang's flush fails while requests are frozen in the batch (and its scheduler's
+        assertion after the load takes the server down); the old KV is kept, as the mode says."""
+        return self.pause_mode != "in_place"
 
-        Until ``continue_generation``, their resubmissions and new requests wait in
+    async def pause_generation(self) -> dict[str, JsonValue]:
+        """Pause every server in ``pause_mode``: with ``abort`` in-flight requests return with
+        finish reason ``abort``; with ``retract`` and ``in_place`` they stay in the servers and
+        finish after ``continue_generation`` (nothing comes back to resubmit).
+
+        Until ``continue_generation``, resubmissions and new requests wait in
         the client (at most its ``max_pause_s``), not on the servers. A server is paused
         only once its start-up warm-up is over (`wait_until_warm`): SGLang kills itself
         when its warm-up request waits out a pause longer than its warm-up timeout.
@@ -62,7 +77,7 @@ class SGLangAdmin(ServerPoolView):
         if self.pool.running.is_set():  # not paused by us already
             await wait_until_warm(self.pool)
         self.pool.hold()
-        return await self.pool.pausing(self.pool.call_all("/pause_generation", {"mode": "abort"}))
+        return await self.pool.pausing(self.pool.call_all("/pause_generation", {"mode": self.pause_mode}))
 
     async def continue_generation(self) -> dict[str, JsonValue]:
         """Resume generation on every server after ``pause_generation``; held requests go out."""
@@ -84,7 +99,8 @@ class SGLangAdmin(ServerPoolView):
         """Load an HF-format directory on every healthy server, tagged ``version``."""
         self.pool.exclude_unhealthy(f"the weight update to version {version}")
         return await self.pool.call_all(
-            "/update_weights_from_disk", {"model_path": str(path), "weight_version": str(int(version))},
+            "/update_weights_from_disk", {"model_path": str(path), "weight_version": str(int(version)),
+                                          "flush_cache": self.flush_on_load},
             timeout=timeout)
 
     async def load_lora_adapter(self, name: str, path: str, *, timeout: float | None = None) -> dict[str, JsonValue]:
@@ -131,11 +147,11 @@ class SGLangAdmin(ServerPoolView):
         return await self.pool.call_all(route, {
             "path": str(path), "names": list(names), "dtypes": _dtype_names(dtypes),
             "shapes": _shape_lists(shapes), "offsets": [int(o) for o in offsets],
-            "weight_version": str(int(version)), **({"alias": True} if alias else {}),
+            "weight_version": str(int(version)), "flush_cache": self.flush_on_load, **({"alias": True} if alias else {}),
         }, timeout=timeout)
 
     async def update_weights_from_tensor(self, named_tensors: Sequence[tuple[str, torch.Tensor]], version: int | None, *,
-                                         flush_cache: bool = True, load_format: str | None = None,
+                                         flush_cache: bool | None = None, load_format: str | None = None,
                                          timeout: float | None = None) -> dict[str, JsonValue]:
         """Hand ``named_tensors`` to every healthy server by handle (SGLang's
         ``/update_weights_from_tensor``), tagged ``version``.
@@ -151,7 +167,8 @@ class SGLangAdmin(ServerPoolView):
 
         self.pool.exclude_unhealthy(f"the weight update to version {version}")
         entry = encode_named_tensors(named_tensors)  # once: every server maps the same memory
-        fields: JsonObject = {"flush_cache": bool(flush_cache)}
+        flush = self.flush_on_load if flush_cache is None else bool(flush_cache)
+        fields: JsonObject = {"flush_cache": flush}
         if version is not None:
             fields["weight_version"] = str(int(version))
         if load_format is not None:
@@ -308,7 +325,7 @@ class SGLangAdmin(ServerPoolView):
     async def update_weights_from_distributed(
         self, names: Sequence[str], dtypes: Sequence[torch.dtype | str], shapes: Sequence[Sequence[int]],
         group_name: str = "arealite_weights", version: int | None = None, flattened_bucket: bool = False,
-        *, flush_cache: bool = True, timeout: float | None = None,
+        *, flush_cache: bool | None = None, timeout: float | None = None,
     ) -> dict[str, JsonValue]:
         """Tell every group member to receive the tensors ``names`` (broadcast from rank 0).
 
@@ -322,7 +339,8 @@ class SGLangAdmin(ServerPoolView):
         members = self._members(group_name, route)
         payload: JsonObject = {
             "names": list(names), "dtypes": _dtype_names(dtypes), "shapes": _shape_lists(shapes),
-            "group_name": group_name, "flush_cache": bool(flush_cache),
+            "group_name": group_name,
+            "flush_cache": self.flush_on_load if flush_cache is None else bool(flush_cache),
         }
         if version is not None:
             payload["weight_version"] = str(int(version))

@@ -89,11 +89,11 @@ class SGLangClient(RemoteInferenceClient):
                  api_key: str | None = None, *, eos_token_ids: Iterable[int] = (),
                  unhealthy_after: int = 3, health_probe_interval_s: float = 5.0,
                  max_pause_s: float = 3600.0, vocab_size: int | None = None, lora_adapter: str | None = None,
-                 return_routed_experts: bool = False):
+                 return_routed_experts: bool = False, pause_mode: str = "abort"):
         super().__init__(addrs, config, api_key, wire=SGLangWire(), eos_token_ids=eos_token_ids,
                          unhealthy_after=unhealthy_after, health_probe_interval_s=health_probe_interval_s,
                          max_pause_s=max_pause_s, vocab_size=vocab_size)
-        self.admin = SGLangAdmin(self.pool)
+        self.admin = SGLangAdmin(self.pool, pause_mode)
         # A LoRA run: every request and the log-prob probe run with the adapter served under
         # this name (`arealite.weight_sync.lora_push` reloads it under the same name each push).
         self.wire.lora_path = self.admin.lora_path = lora_adapter

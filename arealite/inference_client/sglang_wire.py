@@ -81,6 +81,26 @@ def _weight_version(wv: JsonValue) -> int | None:
     raise AttemptFailure("malformed", f"meta_info.weight_version is a {type(wv).__name__} ({wv!r:.40})")
 
 
+def _token_versions(spans: JsonValue, n: int) -> list[int] | None:
+    """Per-token versions from ``meta_info.weight_versions`` (SGLang 0.5.21+: ``[{version, start,
+    end}, ...]`` covering the output tokens in order); None when a span's version is unknown."""
+    if not isinstance(spans, list):
+        raise _malformed(f"meta_info.weight_versions is a {type(spans).__name__}, expected a list of spans")
+    out: list[int] = []
+    for sp in spans:
+        if not (isinstance(sp, dict) and type(sp.get("start")) is int and type(sp.get("end")) is int
+                and sp["start"] == len(out) and sp["end"] >= sp["start"]):
+            raise _malformed(f"meta_info.weight_versions has span {str(sp)[:80]} after {len(out)} tokens; "
+                             "expected {version, start, end} spans covering the output in order")
+        v = _weight_version(sp.get("version"))
+        if v is None:
+            return None
+        out += [v] * (sp["end"] - sp["start"])
+    if len(out) != n:
+        raise _malformed(f"meta_info.weight_versions cover {len(out)} tokens of an answer of {n}")
+    return out
+
+
 def prompt_score_body(input_ids: list[int], rid: str) -> JsonObject:
     """A request that scores ``input_ids`` (their ``input_token_logprobs`` at temperature 1)."""
     return {"input_ids": list(input_ids), "rid": rid, "return_logprob": True, "logprob_start_len": 0,
@@ -259,9 +279,12 @@ class SGLangWire:
             raise _malformed(f"output tokens/logprobs have types {type(ids[0]).__name__}/"
                              f"{type(lps[0]).__name__}, expected int/float")
         top = meta.get("output_top_logprobs")
+        spans = meta.get("weight_versions")
         return Segment(ids, lps, finish, _weight_version(meta.get("weight_version")),
                        None if top is None else _split_top(top, len(ids)),
-                       _routed_experts(meta.get("routed_experts")))
+                       _routed_experts(meta.get("routed_experts")),
+                       None if spans is None or (type(spans) is list and len(spans) < 2)
+                       else _token_versions(spans, len(ids)))
 
     def server_facts(self, addr: str, info: JsonObject) -> ServerFacts:
         release = info.get("version") if isinstance(info.get("version"), str) else None

@@ -87,6 +87,9 @@ class Segment(NamedTuple):
     # SGLang's meta_info.routed_experts decoded: int32 [rows * layers * top_k], one row per token the
     # server ran forward (this segment's input and its output but the last); None when not asked.
     routed_experts: torch.Tensor | None = None
+    # Per output token, the version that sampled it, when the weights changed under the answer (SGLang's
+    # meta_info.weight_versions spans, an in_place or retract pause); None: every token is ``version``'s.
+    versions: list[int] | None = None
 
 
 class ServerFacts(NamedTuple):

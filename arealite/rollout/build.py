@@ -34,7 +34,7 @@ def build_inference_client(cfg: ArealiteConfig, tokenizer: PreTrainedTokenizerBa
         server_addrs(cfg), cfg.rollout, api_key=server_api_key(cfg), eos_token_ids=[tokenizer.eos_token_id],
         vocab_size=vocab_bound(cfg.actor.model_path, tokenizer),
         lora_adapter=cfg.actor.lora.served_name if cfg.actor.lora is not None else None,
-        return_routed_experts=cfg.algorithm.routing_replay == "r3")
+        return_routed_experts=cfg.algorithm.routing_replay == "r3", pause_mode=cfg.weight_sync.pause_mode)
 
 
 def build_local_rollout(cfg: ArealiteConfig, tokenizer: PreTrainedTokenizerBase, loader: EpochTagged,

@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 from aiohttp import web
 
+from arealite.config.weight_sync import PAUSE_MODES
 from arealite.moe.wire import encode_routed_experts
 from arealite.utils.heap import freeze_heap
 from arealite.utils.json_types import JsonObject
@@ -26,7 +27,7 @@ from .body import RequestError, check_fields, error_response, json_answer, json_
 from .limits import LIMITS_KEY, OFFLOAD_BYTES, install_log_filter
 from .middleware import make_guard
 from .runner import ModelRunner
-from .runner_contract import RunnerFactory, Sequence
+from .runner_contract import RunnerFactory, Sequence, weight_version_spans
 from .strict import SGLangBehaviour
 from .generate_request import GenerateInput, RequestCaps, parse_generate
 from .sampling import SamplingConfig
@@ -155,6 +156,9 @@ class EmbeddedServer:
             "completion_tokens": len(seq.output_ids),
             "cached_tokens": seq.cached_tokens,
             "weight_version": seq.weight_version,
+            # SGLang 0.5.21's per-token versions (`utils/weight_versions.py`): which weights sampled
+            # which output tokens, when they changed under the request (an in_place or retract pause).
+            "weight_versions": weight_version_spans(seq),
             "e2e_latency": seq.end_time - seq.start_time,
         }
         if seq.inp.return_logprob:
@@ -313,6 +317,10 @@ class EmbeddedServer:
         return json_answer(outs if batch else outs[0])
 
     async def flush_cache(self, request: web.Request) -> web.Response:
+        r = self.runner
+        if r.pause.holds_old_kv and r.n_running:  # SGLang's Scheduler.flush_cache: not while requests run
+            return web.Response(status=400, text=f"Cache not flushed because there are pending requests. "
+                                                 f"#running-req: {r.n_running} (paused in_place)\n")
         n = await self.runner.call(self.runner.prompt_cache.clear)
         return web.json_response({"success": True, "message": f"prompt cache flushed ({n} prompts)"})
 
@@ -320,8 +328,8 @@ class EmbeddedServer:
         body = await json_body(request, allow_empty=True)
         check_fields(body, set(), {"mode"}, "pause_generation")
         mode = want(body, "mode", str, "pause_generation", "abort")
-        if mode not in ("abort", "in_place"):
-            raise RequestError(f"pause_generation: mode {mode!r} is not supported (use 'abort' or 'in_place')")
+        if mode not in PAUSE_MODES:
+            raise RequestError(f"pause_generation: mode {mode!r} is not supported (use one of {', '.join(PAUSE_MODES)})")
         self.unpaused.clear()
         n = await self.runner.call(lambda: self.runner.set_paused(True, mode))
         return web.json_response({"success": True, "message": f"generation paused ({mode}); {n} running requests affected"})

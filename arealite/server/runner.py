@@ -33,8 +33,8 @@ from arealite.moe.router_hooks import RoutingCapture
 
 from .prompt_cache import PromptCache, cached_row, stack_cached
 from .generate_request import GenerateInput
-from .runner_contract import PauseState, Sequence
-from .sampling import BatchSamplingState, sample_next
+from .runner_contract import PauseState, Sequence, record_version_change
+from .sampling import BatchSamplingState, sample_rows
 from .vision import prefill_inputs, prompt_key, rope_deltas
 
 logger = logging.getLogger("arealite.server")
@@ -121,7 +121,7 @@ class ModelRunner:
         self.pad_id = pad_id
         self.vocab_size = vocab_size
         self.max_batch_size = max_batch_size
-        self.weight_version = weight_version
+        self.weight_version = self._served_version = weight_version  # the second: as the live sequences know it
         self.shared_gen = torch.Generator(device=device)
         self.shared_gen.manual_seed(random_seed)
 
@@ -213,6 +213,14 @@ class ModelRunner:
         """Abort running and waiting requests whose rid starts with the prefix (all when None)."""
         return self._abort(lambda s: rid_prefix is None or s.inp.rid.startswith(rid_prefix), message, waiting=True)
 
+    def retract_running(self) -> int:
+        """Put the running sequences back at the head of the queue, their KV dropped."""
+        seqs = self._running
+        self._reset_batch()
+        with self._cv:
+            self._waiting.extendleft(reversed(seqs))
+        return len(seqs)
+
     # ------------------------------------------------------------------
     # Model thread
     # ------------------------------------------------------------------
@@ -245,6 +253,10 @@ class ModelRunner:
             admit: list[Sequence] = []
             try:
                 with self._cv:
+                    if self.weight_version != self._served_version:  # new weights under the live sequences
+                        record_version_change([(s, len(s.output_ids)) for s in self._running + list(self._waiting)],
+                                              self._served_version)
+                        self._served_version = self.weight_version
                     if not self._running and self._can_admit():
                         self._coalesce_arrivals()
                     while self._can_admit() and len(self._running) + len(admit) < self.max_batch_size:
@@ -306,6 +318,12 @@ class ModelRunner:
                 ready.append(s)
         if not ready:
             return
+        resumed = [s for s in ready if s.output_ids]
+        if resumed:  # retracted by a pause: prompt + output so far, under the current weights
+            ready = [s for s in ready if not s.output_ids]
+            self._join(resumed, *self._run_prompts(resumed, False, resume=True))
+            if not ready:
+                return
         want_input = any(s.inp.logprob_start_len >= 0 for s in ready)
         exact = want_input or any(s.inp.return_routed_experts for s in ready)
         # Samples of one prompt (a GRPO group) arrive together: their prompt runs once and its
@@ -320,16 +338,19 @@ class ModelRunner:
             logits, mask = logits.index_select(0, idx), mask.index_select(0, idx)
             lens = [lens[j] for j in src]
             self.stats["shared_prefill_rows"] += len(ready) - len(uniq)
+        self._join(ready, cache, logits, mask, lens)
 
+    def _join(self, seqs: list[Sequence], cache, logits: torch.Tensor, mask: torch.Tensor, lens: list[int]) -> None:
+        """Merge prefilled sequences into the batch and sample their next token."""
         b_old = len(self._running)
         # Decode positions: a row's length plus its rope delta (0 but for rows with images).
-        self._merge(ready, cache, mask, torch.tensor(lens, device=self.device)
-                    + torch.tensor(rope_deltas(ready), device=self.device))
-        state = BatchSamplingState.build([s.inp.sampling for s in ready], [s.generator for s in ready],
+        self._merge(seqs, cache, mask, torch.tensor(lens, device=self.device)
+                    + torch.tensor(rope_deltas(seqs), device=self.device))
+        state = BatchSamplingState.build([s.inp.sampling for s in seqs], [s.generator for s in seqs],
                                          self.vocab_size, self.device)
-        tokens, logprobs, top = self._sample(logits, state, ready)
+        tokens, logprobs, top = sample_rows(logits, state, self.shared_gen, max(s.inp.top_logprobs_num for s in seqs))
         self._next[b_old:] = tokens
-        self._record(range(b_old, b_old + len(ready)), tokens.tolist(), logprobs.tolist(), top)
+        self._record(range(b_old, b_old + len(seqs)), tokens.tolist(), logprobs.tolist(), top)
 
     def _prompt_states(self, seqs: list[Sequence], want_input: bool, exact: bool):
         """Cache, last logits ``[B, vocab]``, mask and lengths of the distinct prompts ``seqs``:
@@ -354,16 +375,18 @@ class ModelRunner:
                 return cache, logits, mask, lens
         return stack_cached(found, self.device)
 
-    def _run_prompts(self, seqs: list[Sequence], want_input: bool):
-        """One forward over the prompts of ``seqs``, left-padded: (cache, last logits, mask, lengths)."""
+    def _run_prompts(self, seqs: list[Sequence], want_input: bool, resume: bool = False):
+        """One forward over the prompts of ``seqs`` (``resume``: and their output so far), left-padded:
+        (cache, last logits, mask, lengths)."""
         from transformers import DynamicCache
 
-        lens = [len(s.inp.input_ids) for s in seqs]
+        rows = [list(s.inp.input_ids) + s.output_ids if resume else s.inp.input_ids for s in seqs]
+        lens = [len(r) for r in rows]
         T = max(lens)
         ids = torch.full((len(seqs), T), self.pad_id, dtype=torch.long)
         mask = torch.zeros((len(seqs), T), dtype=torch.long)
-        for i, s in enumerate(seqs):
-            ids[i, T - lens[i]:] = torch.tensor(s.inp.input_ids, dtype=torch.long)
+        for i, row in enumerate(rows):
+            ids[i, T - lens[i]:] = torch.tensor(row, dtype=torch.long)
             mask[i, T - lens[i]:] = 1
         ids, mask = ids.to(self.device), mask.to(self.device)
         positions = (mask.cumsum(dim=1) - 1).clamp(min=0)
@@ -373,7 +396,8 @@ class ModelRunner:
         if want_input:
             _input_logprobs(seqs, logits, ids, lens)
             logits = logits[:, -1, :]
-        _keep_routing(seqs, self._last_routing, [T - n for n in lens])
+        if not resume:  # a resumed sequence's routing rows were kept at its first prefill
+            _keep_routing(seqs, self._last_routing, [T - n for n in lens])
         self.stats["prefills"] += 1
         return cache, logits, mask, lens
 
@@ -411,18 +435,11 @@ class ModelRunner:
                                seqs=self._running)
         self._positions = self._positions + 1
         _keep_routing(self._running, self._last_routing, [0] * B)
-        tokens, logprobs, top = self._sample(logits, self._sampling, self._running)
+        tokens, logprobs, top = sample_rows(logits, self._sampling, self.shared_gen,
+                                            max(s.inp.top_logprobs_num for s in self._running))
         self._next = tokens
         self.stats["steps"] += 1
         self._record(range(B), tokens.tolist(), logprobs.tolist(), top)
-
-    def _sample(self, logits: torch.Tensor, state: BatchSamplingState, seqs: list[Sequence]):
-        """`sample_next`, with the top log-probs as lists when a sequence asked for them."""
-        k = max(s.inp.top_logprobs_num for s in seqs)
-        if k == 0:
-            return (*sample_next(logits, state, self.shared_gen), None)
-        tokens, logprobs, (values, ids) = sample_next(logits, state, self.shared_gen, top=k)
-        return tokens, logprobs, (values.tolist(), ids.tolist())
 
     def _record(self, rows: range, tokens: list[int], logprobs: list[float], top=None) -> None:
         """Append each row's new token; finish rows that hit a stop token or their length."""

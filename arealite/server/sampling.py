@@ -108,6 +108,14 @@ def sample_next(
     return tokens, chosen
 
 
+def sample_rows(logits: torch.Tensor, state: BatchSamplingState, shared_gen: torch.Generator, top: int):
+    """`sample_next` with the ``top`` log-probs as lists (None when ``top`` is 0), as the runner keeps them."""
+    if top == 0:
+        return (*sample_next(logits, state, shared_gen), None)
+    tokens, logprobs, (values, ids) = sample_next(logits, state, shared_gen, top=top)
+    return tokens, logprobs, (values.tolist(), ids.tolist())
+
+
 def _sample(logits: torch.Tensor, state: BatchSamplingState,
             shared_gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
     """(tokens [B], the full log-prob matrix [B, V])."""

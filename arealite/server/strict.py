@@ -23,6 +23,13 @@ Always (whatever the mode), as SGLang's releases that have the routes:
   ``weight_version`` relabels the server at once, so a push that fails after its first
   bucket leaves the new label over mixed weights unless only its last bucket carries it.
 
+- **Pause modes** (``Scheduler.pause_generation`` / ``flush_cache`` in ``managers/scheduler.py``,
+  ``flush_cache_after_weight_update`` in ``managers/scheduler_components/weight_updater.py``):
+  ``abort``, ``retract`` and ``in_place``; paused ``in_place`` with requests frozen in the batch,
+  ``/flush_cache`` answers 400 and a weight load asking for a flush (``flush_cache`` true, the
+  default) is refused with a 400 before loading (SGLang 0.5.21's scheduler dies on it, 0.5.23
+  loads and answers ``success: false``). Every answer carries ``meta_info.weight_versions``.
+
 Strict mode only (``--strict-sglang``; on in the suite's end-to-end and fault tests):
 
 - **The start-up warm-up** (``_wait_and_warmup`` / ``_execute_server_warmup`` in

@@ -69,7 +69,7 @@ class TensorRoutes:
         if fmt not in (None, "direct"):
             raise RequestError(f"{ROUTE}: load_format {short(fmt)} is not supported here (None or 'direct'; "
                                "SGLang would import a custom loader by that name or fail)")
-        want(body, "flush_cache", bool, ROUTE, True)
+        self.weights.check_flush(body, ROUTE)
         abort_all = want(body, "abort_all_requests", bool, ROUTE, False)
         version = self.weights.version_of(body, ROUTE)
         if self.weights.behaviour.has_sessions and not self.weights.session_open:

@@ -122,6 +122,7 @@ class WeightRoutes:
         route = "update_weights_from_disk"
         check_fields(body, {"model_path"}, {"weight_version", "load_format", "abort_all_requests", "flush_cache",
                                             "is_async", "token_step"}, route)
+        self.check_flush(body, route)
         path = want(body, "model_path", str, route)
         version = _version(body, route)
         fmt = want(body, "load_format", str, route)
@@ -152,6 +153,7 @@ class WeightRoutes:
         route = "update_weights_from_shm"
         check_fields(body, {"path", "names", "dtypes", "shapes", "offsets"},
                      {"weight_version", "flush_cache", "abort_all_requests", "alias"}, route)
+        self.check_flush(body, route)
         alias = want(body, "alias", bool, route, False)
         path = want(body, "path", str, route)
         names, dtypes_raw, shapes_raw, offsets = body["names"], body["dtypes"], body["shapes"], body["offsets"]
@@ -205,6 +207,18 @@ class WeightRoutes:
         msg = f"updated {len(names)} tensors from {path} in {time.perf_counter() - t0:.3f}s"
         logger.debug("%s: %s", route, msg)
         return web.json_response({"success": True, "message": msg})
+
+    def check_flush(self, body: dict, route: str) -> None:
+        """SGLang flushes its cache after every load unless told ``flush_cache: false``; paused
+        ``in_place`` with requests frozen in the batch the flush fails and the scheduler's assertion
+        (``flush_cache_after_weight_update``) takes the server down. Refused here, before loading."""
+        flush = want(body, "flush_cache", bool, route, True)
+        running = self.runner.n_running
+        if flush and self.runner.pause.holds_old_kv and running:
+            raise RequestError(
+                f"{route}: flush_cache is true (the default) while generation is paused in_place with "
+                f"{running} requests in the batch: SGLang cannot flush then and its scheduler dies on the "
+                "failed flush; send flush_cache: false (weight_sync.pause_mode in_place does)")
 
     async def load_between_steps(self, copy: Callable[[], None], version: str | None, copies: bool = True) -> None:
         """Run `copy` (new tensors into the model) on the runner's thread, between two
@@ -290,6 +304,7 @@ class WeightRoutes:
         check_fields(body, {"names", "dtypes", "shapes"},
                      {"group_name", "flush_cache", "weight_version", "flattened_bucket", "abort_all_requests",
                       "load_format"}, route)
+        self.check_flush(body, route)
         names, dtypes_raw, shapes_raw = body["names"], body["dtypes"], body["shapes"]
         if not (isinstance(names, list) and isinstance(dtypes_raw, list) and isinstance(shapes_raw, list)):
             raise RequestError(f"{route}: names, dtypes and shapes must be lists")

@@ -8,7 +8,8 @@ would take. It runs on the server's event loop (no thread), so one process serve
 
 Scheduling, as SGLang's: requests wait in arrival order; one is admitted while the
 batch has a free row and the KV cache room for its prompt and its answer (the answer's
-length is drawn at admission, so nothing is ever retracted); the admitted ones run one
+length is drawn at admission, so the cache never runs out; only a ``retract`` pause puts
+running sequences back in the queue, and their next prefill recomputes prompt and answer so far); the admitted ones run one
 prefill, which yields their first token; then the batch decodes. Between two events
 (a sequence finishes, a request arrives, a command) the batch does not change, so the
 runner sleeps through all those decode steps at once (`SimSpec.steps_s`) and, woken
@@ -35,7 +36,7 @@ from typing import Callable, TypeVar
 import numpy as np
 
 from arealite.server.generate_request import GenerateInput
-from arealite.server.runner_contract import PauseState, Sequence
+from arealite.server.runner_contract import PauseState, Sequence, record_version_change
 
 from .cost_model import SimSpec
 
@@ -85,6 +86,8 @@ class SimSequence(Sequence):
     """What, besides the server's seed and the prompt, seeds its length and tokens:
     ``sampling_seed``, else its arrival number, else (greedy) nothing."""
     stops: frozenset[int] = field(default_factory=frozenset)
+    resume: _Running | None = None
+    """Its place in the batch when a ``retract`` pause put it back in the queue (tokens made so far)."""
 
 
 @dataclass
@@ -120,7 +123,7 @@ class SimRunner:
         self.vocab_size = vocab_size
         self.max_batch_size = max_batch_size
         self.seed = random_seed
-        self.weight_version = weight_version
+        self._weight_version = weight_version
         self.pause = PauseState()
         self.lora = None  # set by the LoRA routes; adapters change nothing here
         self.prompt_cache = PrefixCache(prompt_cache_entries)
@@ -133,6 +136,7 @@ class SimRunner:
         self._arrivals = 0
         self._holds = 0
         self._wake: asyncio.Event | None = None
+        self._settled: asyncio.Event | None = None  # cleared while a decode sleeps uncounted
         self._task: asyncio.Task | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stopped = False
@@ -146,6 +150,8 @@ class SimRunner:
         if self._task is None:
             self._loop = asyncio.get_running_loop()
             self._wake = asyncio.Event()
+            self._settled = asyncio.Event()
+            self._settled.set()
             self._task = self._loop.create_task(self._main(), name="arealite-sim-runner")
 
     def _poke(self) -> None:
@@ -173,8 +179,12 @@ class SimRunner:
             raise
 
     async def call(self, fn: Callable[[], T]) -> T:
-        """Run ``fn()`` between two steps (here: now, on the loop) and return its result."""
+        """Run ``fn()`` between two steps (on the loop, once the decode under way has counted
+        the steps made so far) and return its result."""
         self._ensure_started()
+        if self._settled is not None and not self._settled.is_set():
+            self._poke()
+            await self._settled.wait()
         try:
             return fn()
         finally:
@@ -200,6 +210,8 @@ class SimRunner:
 
         def stop() -> None:
             self._stopped = True
+            if self._settled is not None:  # no call waits on a decode that will not count
+                self._settled.set()
             self._abort(lambda s: True, "server shutting down")
             if self._task is not None:
                 self._task.cancel()
@@ -224,6 +236,31 @@ class SimRunner:
 
     def abort(self, rid_prefix: str | None, message: str) -> int:
         return self._abort(lambda s: rid_prefix is None or s.inp.rid.startswith(rid_prefix), message)
+
+    def retract_running(self) -> int:
+        """Put the running sequences back at the head of the queue; their KV is recomputed
+        (prompt + tokens made) when they are admitted again."""
+        runs, self._running = self._running, []
+        for r in reversed(runs):
+            assert isinstance(r.seq, SimSequence)
+            self._kv_reserved -= len(r.seq.inp.input_ids) + r.target
+            r.seq.resume = r
+            self._waiting.appendleft(r.seq)
+        self.stats["retracted"] = self.stats.get("retracted", 0) + len(runs)
+        return len(runs)
+
+    @property
+    def weight_version(self) -> str:
+        """The version the (simulated) weights carry."""
+        return self._weight_version
+
+    @weight_version.setter
+    def weight_version(self, version: str) -> None:
+        if version != self._weight_version:
+            made = [(r.seq, r.made) for r in self._running]
+            made += [(s, s.resume.made) for s in self._waiting if isinstance(s, SimSequence) and s.resume]
+            record_version_change(made, self._weight_version)
+        self._weight_version = version
 
     @property
     def n_running(self) -> int:
@@ -267,7 +304,7 @@ class SimRunner:
         out: list[_Running] = []
         while self._waiting and len(self._running) + len(out) < self.max_batch_size:
             seq = self._waiting[0]
-            run = self._plan(seq)
+            run = seq.resume or self._plan(seq)
             need = len(seq.inp.input_ids) + run.target
             if self._kv_reserved + need > self.kv_capacity and (self._running or out):
                 break  # wait for room (a lone request too big for the cache still runs)
@@ -293,6 +330,11 @@ class SimRunner:
         new_tokens = 0
         for run in admitted:
             ids = run.seq.inp.input_ids
+            if run.made:  # retracted: prompt and answer so far computed again
+                run.seq.resume = None
+                new_tokens += len(ids) + run.made
+                self.stats["reprefill_tokens"] = self.stats.get("reprefill_tokens", 0) + len(ids) + run.made
+                continue
             if self.prompt_cache.seen(_key(ids)):
                 run.seq.cached_tokens = len(ids) - 1
             new_tokens += len(ids) - run.seq.cached_tokens
@@ -304,8 +346,8 @@ class SimRunner:
         self.stats["max_running"] = max(self.stats["max_running"], len(self._running))
         await asyncio.sleep(t * self.spec.time_scale)
         for run in admitted:
-            if run.target > 0 and not run.seq.future.done():
-                run.made = 1
+            if run.target > run.made and not run.seq.future.done():
+                run.made += 1
                 self.stats["generated_tokens"] += 1
         self._retire()
 
@@ -318,6 +360,7 @@ class SimRunner:
         n_max = min(r.left for r in self._running)
         full = max(0.0, self.spec.steps_s(n_max, batch, kv) - debt)
         self._wake.clear()
+        self._settled.clear()
         t0 = time.perf_counter()
         try:
             await asyncio.wait_for(self._wake.wait(), full * self.spec.time_scale)
@@ -328,9 +371,10 @@ class SimRunner:
             n, debt = n_max, 0.0
         self.stats["sim_busy_s"] += self.spec.steps_s(n, batch, kv)
         self.stats["steps"] += n
-        self.stats["generated_tokens"] += n * batch
+        self.stats["generated_tokens"] += n * len(self._running)  # less any a command took out meanwhile
         for r in self._running:
             r.made += n
+        self._settled.set()
         self._retire()
         return debt
 
@@ -389,7 +433,7 @@ class SimRunner:
             assert isinstance(s, SimSequence)
             if pred(s):
                 if not s.future.done():
-                    self._fill(s, 0, False)
+                    self._fill(s, s.resume.made if s.resume else 0, False)
                     s.finish_reason, s.weight_version, s.end_time = dict(reason), self.weight_version, time.perf_counter()
                     s.future.set_result(s)
                 n += 1

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import logging
 import random
+import threading
 import time
 from collections.abc import Callable, Coroutine, Iterator
 from typing import Protocol, TypeVar
@@ -290,19 +291,37 @@ def admin_error(e: Exception, version: int, tensor: str | None = None) -> Weight
     return WeightSyncError(f"{type(e).__name__}: {e}", tensor=tensor, version=version)
 
 
-class Timer:
-    """Accumulates named phase durations for the timings an update returns."""
+def thread_cpu_clock(thread_id: int | None = None) -> Callable[[], float]:
+    """CPU seconds of one thread (this one when None; Linux clocks of other threads), as a clock."""
+    if thread_id is None or thread_id == threading.get_ident():
+        return time.thread_time
+    clock = time.pthread_getcpuclockid(thread_id)
+    return lambda: time.clock_gettime(clock)
 
-    def __init__(self):
+
+class Timer:
+    """Accumulates named phase durations for the timings an update returns, and with ``cpu``
+    (a clock of CPU seconds) the CPU each phase cost: ``<phase>_client_cpu_s``."""
+
+    def __init__(self, cpu: Callable[[], float] | None = None):
         self.t0 = time.perf_counter()
         self.timings: dict[str, float] = {}
         self._last = self.t0
+        self.cpu = cpu
+        self._cpu0 = self._cpu_last = cpu() if cpu is not None else 0.0
 
     def lap(self, name: str) -> None:
         now = time.perf_counter()
         self.timings[name] = self.timings.get(name, 0.0) + now - self._last
         self._last = now
+        if self.cpu is not None:
+            c = self.cpu()
+            key = name.removesuffix("_s") + "_client_cpu_s"
+            self.timings[key] = self.timings.get(key, 0.0) + c - self._cpu_last
+            self._cpu_last = c
 
     def total(self) -> dict[str, float]:
         self.timings["total_s"] = time.perf_counter() - self.t0
+        if self.cpu is not None:
+            self.timings["total_client_cpu_s"] = self.cpu() - self._cpu0
         return self.timings

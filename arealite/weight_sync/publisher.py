@@ -5,12 +5,13 @@ The sequence, the same for every transfer (disk, shm, distributed):
 
     controller.pause()                   every rank: admit no new episodes
     transfer.stage(source, version)      rank 0: what needs no pause (write the weights)
-    pause_generation                     rank 0: in-flight requests come back as `abort`
+    pause_generation                     rank 0: in weight_sync.pause_mode (abort: in-flight requests
+                                         come back cut; retract, in_place: they stay in the servers)
     transfer.transfer(source, version)   rank 0: load the weights on every server
     verify                               rank 0: read a sample back (`WeightVerifier`)
     after_read()                         every rank, when given: the source is read in full
     set_version(version) on every party  train engine, controller, client
-    continue_generation                  rank 0: aborted requests resume on the new weights
+    continue_generation                  rank 0: generation goes on with the new weights
     check_serving                        rank 0: the log-prob probe (it generates)
     controller.resume()                  every rank
 
@@ -23,7 +24,13 @@ with rank 0 (again each time the transfer starts over, `RETRY`), then learn from
 how the update ended (`agree`) before they set the version and resume.
 
 A server that is gone (no answer to its health route) is dropped from rotation and
-the update goes on with the others. Any other failure, or no server left,
+the update goes on with the others.
+
+Each phase's wall time (``pause_s``, ``transfer_s``: sending and the servers' loading,
+``verify_s``, ``continue_s``, ``probe_s``) and the client's CPU on it (``<phase>_client_cpu_s``,
+``total_client_cpu_s``, and ``held_client_cpu_s`` from the pause to the continue: this thread plus
+the client's event-loop thread, where the admin calls and, in abort mode, the aborted answers are
+handled) are returned and logged every step. Any other failure, or no server left,
 raises `WeightSyncError` on every rank with the servers left paused and the controller
 not resumed, so that nothing generates with weights that are not the trainer's.
 """
@@ -31,6 +38,7 @@ not resumed, so that nothing generates with weights that are not the trainer's.
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Callable, Coroutine, Iterator, Sequence
 from typing import TypeVar
 
@@ -55,6 +63,7 @@ from arealite.weight_sync.base import (
     call_dropping_dead,
     drain,
     rank0_failed,
+    thread_cpu_clock,
     trainer_rank,
 )
 from arealite.weight_sync.verify import WeightVerifier
@@ -64,6 +73,10 @@ logger = logging.getLogger("arealite.weight_sync")
 T = TypeVar("T")
 
 __all__ = ["WeightPublisher"]
+
+
+async def _current_thread() -> int:
+    return threading.get_ident()
 
 
 class _InStep:
@@ -168,6 +181,7 @@ class WeightPublisher:
         self.verifier = verifier
         self.after_read = after_read
         self._initialized = False
+        self._loop_thread: int | None = None  # the client's event-loop thread (its CPU is the update's too)
 
     # ------------------------------------------------------------ lifecycle
 
@@ -231,7 +245,7 @@ class WeightPublisher:
 
     def _lead(self, version: int) -> dict[str, float]:
         """Rank 0: the whole sequence; the other ranks learn how it ended."""
-        timer = Timer()
+        timer = Timer(self._client_cpu_clock())
         observed = self.verifier.observe(self.source, version) if self.verifier is not None else self.source
         source = _InStep(observed, self.transfer.bucket_bytes)
         try:
@@ -261,9 +275,25 @@ class WeightPublisher:
         if self.controller is not None:
             self.controller.resume()
         out.update({k: v for k, v in timer.total().items() if k not in out})
+        # The client's CPU while generation is held (pause to continue): the update's critical path.
+        out["held_client_cpu_s"] = sum(out.get(f"{k}_client_cpu_s", 0.0) for k in ("pause", "transfer", "verify",
+                                                                                   "continue"))
         logger.info("published version %d to %d server(s) in %.3fs", version,
                     len(self.admin.healthy_servers), out["total_s"])
         return out
+
+    def _client_cpu_clock(self) -> Callable[[], float]:
+        """CPU seconds of the client's side of an update: this thread plus the event-loop thread
+        that runs the admin calls (found once, on the first publish)."""
+        if self._loop_thread is None:
+            self._loop_thread = self.run(_current_thread())
+        mine = thread_cpu_clock()
+        try:
+            loop = thread_cpu_clock(self._loop_thread) if isinstance(self._loop_thread, int) else mine
+            loop()
+        except (OSError, OverflowError):  # not a thread of this process (a runner elsewhere)
+            loop = mine
+        return mine if loop is mine else (lambda: mine() + loop())
 
     def _set_versions(self, version: int) -> None:
         for party in self.parties:

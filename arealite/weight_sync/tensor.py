@@ -109,7 +109,7 @@ class TensorTransfer:
             n_tensors += len(named)
             n_bytes += sum(t.numel() * t.element_size() for _, t in named)
             call_dropping_dead(self.run, self.admin, lambda: self.admin.update_weights_from_tensor(
-                named, version if last else None, flush_cache=last, timeout=self.config.timeout_s),
+                named, version if last else None, flush_cache=None if last else False, timeout=self.config.timeout_s),
                 version, "update_weights_from_tensor")
         return n_buckets, n_tensors, n_bytes
 
