@@ -67,7 +67,7 @@ class _FlakyServers:
     def __init__(self, failures: int = 0, hang: bool = False):
         self.failures, self.hang, self.calls = failures, hang, []
 
-    async def pause_generation(self):
+    async def pause_generation(self, mode=None):
         self.calls.append("pause")
 
     async def release_memory_occupation(self, tags=None):

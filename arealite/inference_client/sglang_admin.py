@@ -64,8 +64,8 @@ class SGLangAdmin(ServerPoolView):
         assertion after the load takes the server down); the old KV is kept, as the mode says."""
         return self.pause_mode != "in_place"
 
-    async def pause_generation(self) -> dict[str, JsonValue]:
-        """Pause every server in ``pause_mode``: with ``abort`` in-flight requests return with
+    async def pause_generation(self, mode: str | None = None) -> dict[str, JsonValue]:
+        """Pause every server in ``mode`` (None: ``pause_mode``): with ``abort`` in-flight requests return with
         finish reason ``abort``; with ``retract`` and ``in_place`` they stay in the servers and
         finish after ``continue_generation`` (nothing comes back to resubmit).
 
@@ -77,7 +77,7 @@ class SGLangAdmin(ServerPoolView):
         if self.pool.running.is_set():  # not paused by us already
             await wait_until_warm(self.pool)
         self.pool.hold()
-        return await self.pool.pausing(self.pool.call_all("/pause_generation", {"mode": self.pause_mode}))
+        return await self.pool.pausing(self.pool.call_all("/pause_generation", {"mode": mode or self.pause_mode}))
 
     async def continue_generation(self) -> dict[str, JsonValue]:
         """Resume generation on every server after ``pause_generation``; held requests go out."""

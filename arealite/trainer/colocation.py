@@ -110,7 +110,8 @@ class TimeSharing:
         gpu = _gpu_free_gib()
         _barrier()  # every rank holds its batch: no episode still waits on a server about to sleep
         if self.rank == 0:
-            self._call(self.admin.pause_generation(), "pause_generation")
+            # abort whatever pause_mode says: SGLang releases memory only with nothing in its batch
+            self._call(self.admin.pause_generation("abort"), "pause_generation(mode=abort)")
             self._call(self.admin.release_memory_occupation(list(MEMORY_TAGS)),
                        f"release_memory_occupation(tags={list(MEMORY_TAGS)})")
             self._record_asleep(list(MEMORY_TAGS))
