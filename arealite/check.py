@@ -26,6 +26,7 @@ from collections.abc import Sequence
 
 from arealite.algo.advantage import estimator_problems
 from arealite.algo.loss import policy_loss_problems
+from arealite.config.cross_field_checks import config_advice
 from arealite.config.launch_checks import check_launch
 from arealite.config.loader import ConfigError, load_config, parse_args, split_config_args
 from arealite.config.problems import ConfigCheck
@@ -94,6 +95,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ConfigError as e:
         print(e, file=sys.stderr)
         return 1
+    for advice in config_advice(cfg):  # runs, but likely not what is wanted
+        print(f"advice: {advice}", file=sys.stderr)
     print(f"OK: {path or 'defaults'}" + (f" with {len(overrides)} override(s)" if overrides else ""))
     return 0
 

@@ -244,3 +244,12 @@ def test_fp8_experts_take_a_push_and_routing_replay_reproduces_the_server(moe_di
         assert torch.equal(cap.take(), served)
     mine = logp[len(c.input_ids) - 1:].gather(1, torch.tensor(c.output_ids)[:, None])[:, 0]
     torch.testing.assert_close(mine, torch.tensor(c.output_logprobs), atol=1e-4, rtol=0)
+
+
+def test_the_config_check_command_prints_the_fp8_correction_advice(capsys):
+    from arealite.check import main
+
+    assert main(["--no-paths", "server.quantization=fp8"]) == 0
+    assert "algorithm.mismatch.mode=tis" in capsys.readouterr().err
+    assert main(["--no-paths", "server.quantization=fp8", "algorithm.mismatch.mode=tis"]) == 0
+    assert "advice:" not in capsys.readouterr().err
