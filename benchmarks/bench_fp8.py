@@ -48,6 +48,12 @@ from benchmarks.push_server import start_server  # noqa: E402
 #: Qwen2.5-1.5B's shapes (config.json of the released model).
 QWEN_1_5B = dict(vocab_size=151936, hidden_size=1536, intermediate_size=8960, num_hidden_layers=28,
                  num_attention_heads=12, num_key_value_heads=2, tie_word_embeddings=True)
+#: Larger members of the family (their released config.json): the embedding and the untied head,
+#: which stay 16-bit, are a smaller share of the weights as the model grows.
+QWEN_7B = dict(vocab_size=152064, hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
+               num_attention_heads=28, num_key_value_heads=4, tie_word_embeddings=False)
+QWEN_32B = dict(vocab_size=152064, hidden_size=5120, intermediate_size=27648, num_hidden_layers=64,
+                num_attention_heads=40, num_key_value_heads=8, tie_word_embeddings=False)
 
 
 def push_bytes(shapes: dict[str, tuple[int, ...]]) -> tuple[int, int, int, int]:
@@ -66,13 +72,14 @@ def push_bytes(shapes: dict[str, tuple[int, ...]]) -> tuple[int, int, int, int]:
     return bf16, fp8, lin_bf16, lin_fp8
 
 
-def qwen_shapes() -> dict[str, tuple[int, ...]]:
+def qwen_shapes(config: dict = QWEN_1_5B) -> dict[str, tuple[int, ...]]:
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     with torch.device("meta"):
-        model = Qwen2ForCausalLM(Qwen2Config(**QWEN_1_5B))
-    # Meta tensors have no storage to tell tied ones apart: the tied LM head is left out by name.
-    return {n: tuple(t.shape) for n, t in model.state_dict().items() if n != "lm_head.weight"}
+        model = Qwen2ForCausalLM(Qwen2Config(**config))
+    # Meta tensors have no storage to tell tied ones apart: a tied LM head is left out by name.
+    tied = config.get("tie_word_embeddings", False)
+    return {n: tuple(t.shape) for n, t in model.state_dict().items() if not (tied and n == "lm_head.weight")}
 
 
 _LOOP = asyncio.new_event_loop()
@@ -187,6 +194,10 @@ def main() -> None:
            "bytes_bf16_gb": bf16 / 1e9, "bytes_fp8_gb": fp8 / 1e9}
     print(f"Qwen2.5-1.5B push: bf16 {bf16 / 1e9:.2f} GB, FP8 {fp8 / 1e9:.2f} GB ({out['bytes_ratio']:.2f}x fewer; "
           f"quantised layers alone {out['bytes_ratio_quantised_layers']:.2f}x)")
+    for label, config in (("7b", QWEN_7B), ("32b", QWEN_32B)):
+        b, f, _, _ = push_bytes(qwen_shapes(config))
+        out[f"bytes_ratio_{label}"] = b / f
+        print(f"Qwen2.5-{label.upper()} push: bf16 {b / 1e9:.2f} GB, FP8 {f / 1e9:.2f} GB ({b / f:.2f}x fewer)")
 
     from transformers import AutoModelForCausalLM
 
