@@ -306,7 +306,7 @@ BAD_ADMIN = [
                                     "world_size": 2, "group_name": "g", "backend": "mpi"}, "backend"),
     ("/init_weights_update_group", {"master_address": "127.0.0.1", "master_port": 1, "rank_offset": 0,
                                     "world_size": 2, "group_name": "g"}, "rank_offset"),
-    ("/pause_generation", {"mode": "retract"}, "mode"),
+    ("/pause_generation", {"mode": "freeze"}, "mode"),
     ("/abort_request", {}, "rid"),
     ("/update_weight_version", {}, "new_version"),
 ]
