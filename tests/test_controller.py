@@ -562,3 +562,34 @@ def test_ready_groups_hand_out_the_stalest_groups_first():
     assert sorted(ready.staleness_hist.items()) == [(2, 2), (3, 2)]
     _, items = ready.take(3, version=5)  # no choice left: completion order
     assert [i["tag"] for i in items] == [0, 1, 4] and len(ready) == 0
+
+
+def test_ready_groups_keep_their_order_across_takes_put_backs_and_filters():
+    from tensordict import TensorDict
+
+    from arealite.rollout.ready import ReadyGroups
+
+    def group(version: int, tag: int) -> TensorDict:
+        return TensorDict({"input_ids": torch.full((1, 2), tag), "loss_mask": torch.tensor([[0, 1]]).bool(),
+                           "attention_mask": torch.ones(1, 2, dtype=torch.bool),
+                           "versions": torch.tensor([[-1, version]])}, batch_size=[1])
+
+    ready = ReadyGroups()
+    for tag, version in enumerate([2, 0, 1, 0, 2]):
+        ready.put(group(version, tag), {"tag": tag})
+    assert [i["tag"] for i in ready.take(2, version=2)[1]] == [1, 3]  # both of version 0
+    ready.put(group(0, 5), {"tag": 5})  # arrives after a take: indexed by the next one
+    ready.stash(2, version=2)  # takes 2 (version 1) and 5 (version 0) ahead of a prepare_batch
+    assert ready.stashed == 2 and len(ready) == 2
+    assert ready.unstash() == 2  # back in front, as if never taken
+    assert len(ready) == 4 and ready.count_from(0) == 1 and ready.count_from(1) == 2
+    ready.put(group(1, 6), {"tag": 6})
+    assert ready.filter(lambda td: int(td["input_ids"][0, 0]) != 4) == [{"tag": 4}]
+    assert [i["tag"] for i in ready.take(2, version=2)[1]] == [2, 5]  # 5 is stalest; 2 (put back first) beats 6
+    assert [i["tag"] for i in ready.take(1, version=2)[1]] == [6]
+    ready.put(group(0, 7), {"tag": 7})
+    state = ready.state_dict()
+    assert [item["tag"] for _, item in state["ready"]] == [0, 7]  # completion order
+    again = ReadyGroups()
+    again.load_state_dict(state)
+    assert [i["tag"] for i in again.take(1, version=2)[1]] == [7]

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import heapq
 import threading
 from dataclasses import dataclass
 from typing import Callable, TypedDict
@@ -59,8 +60,16 @@ class ReadyGroups:
     histogram of what was taken, and at most one batch taken ahead (the stash)."""
 
     def __init__(self) -> None:
-        self._groups: collections.deque[tuple[TensorDict, JsonObject]] = collections.deque()
-        self._oldest: dict[int, int] = {}  # id(group) -> its oldest produced token's version, once
+        # Waiting groups by sequence number: completion order, a batch put back in front
+        # (`unstash`) numbered below every other (`_first`), new ones above (`_next`).
+        self._groups: dict[int, tuple[TensorDict, JsonObject]] = {}
+        self._first, self._next = 0, 0
+        # The stalest-first index, filled lazily (`_index`): each group's age computed once
+        # and its number pushed on its age's heap. A number whose group is gone stays in a
+        # heap until popped (skipped then), so a take costs O(count log n), not O(n).
+        self._oldest: dict[int, int] = {}  # seq -> its oldest produced token's version
+        self._unindexed: list[int] = []
+        self._by_age: dict[int, list[int]] = {}  # age -> heap of seqs
         self.staleness_hist: collections.Counter[int] = collections.Counter()
         self._stash: _Stash | None = None
         self._stash_lock = threading.Lock()  # take_stashed() runs on the trainer's thread
@@ -69,17 +78,26 @@ class ReadyGroups:
         return len(self._groups)
 
     def put(self, td: TensorDict, item: JsonObject) -> None:
-        self._groups.append((td, item))
+        self._add(self._next, td, item)
+        self._next += 1
+
+    def _add(self, seq: int, td: TensorDict, item: JsonObject) -> None:
+        self._groups[seq] = (td, item)
+        self._unindexed.append(seq)
+
+    def _in_order(self) -> list[tuple[TensorDict, JsonObject]]:
+        """The waiting groups in completion order (a batch put back first)."""
+        return [self._groups[s] for s in sorted(self._groups)]
 
     def count_from(self, version: int) -> int:
         """How many waiting groups hold a produced token of ``version`` or older."""
-        return sum(1 for td, _ in self._groups if self._age(td) <= version)
+        return sum(1 for seq in self._groups if self._age(seq) <= version)
 
-    def _age(self, td: TensorDict) -> int:
+    def _age(self, seq: int) -> int:
         """`_oldest_version` of a waiting group, computed once (its tokens never change)."""
-        v = self._oldest.get(id(td))
+        v = self._oldest.get(seq)
         if v is None:
-            v = self._oldest[id(td)] = _oldest_version(td)
+            v = self._oldest[seq] = _oldest_version(self._groups[seq][0])
         return v
 
     def take(self, count: int, version: int) -> tuple[TensorDict, list[JsonObject]]:
@@ -98,19 +116,50 @@ class ReadyGroups:
         """Remove and return the ``count`` groups whose oldest produced token is oldest (ties and
         the batch itself in completion order). A group that finished late behind a long answer
         thus goes before the fresher groups that overtook it, instead of waiting behind them
-        and growing staler. With no choice to make (``count`` or fewer waiting) it costs nothing."""
+        and growing staler. With no choice to make (``count`` or fewer waiting) it costs nothing.
+
+        The choice pops the oldest ages' heaps: a backlog of thousands of groups (a producer
+        ahead of its trainer, bench_controller) cost a sort of all of them per batch before."""
         groups = self._groups
         if len(groups) <= count:
-            taken = [groups.popleft() for _ in range(count)]
-        else:
-            oldest = [self._age(td) for td, _ in groups]
-            chosen = sorted(sorted(range(len(groups)), key=oldest.__getitem__)[:count])
-            taken = [groups[i] for i in chosen]
-            keep = set(range(len(groups))) - set(chosen)
-            self._groups = collections.deque(g for i, g in enumerate(groups) if i in keep)
-        for td, _ in taken:  # ids are reused once a group is gone
-            self._oldest.pop(id(td), None)
-        return taken
+            if len(groups) < count:
+                raise IndexError(f"take({count}) with {len(groups)} groups waiting")
+            taken = [groups[seq] for seq in sorted(groups)]
+            groups.clear()
+            self._clear_index()
+            return taken
+        self._index()
+        chosen: list[int] = []
+        by_age = self._by_age
+        for age in sorted(by_age):
+            heap = by_age[age]
+            while heap and len(chosen) < count:
+                seq = heapq.heappop(heap)
+                if seq in groups:
+                    chosen.append(seq)
+            if not heap:
+                del by_age[age]
+            if len(chosen) == count:
+                break
+        chosen.sort()
+        oldest = self._oldest
+        for seq in chosen:
+            oldest.pop(seq, None)
+        return [groups.pop(seq) for seq in chosen]
+
+    def _index(self) -> None:
+        """Age the groups not indexed yet and push them on their age's heap."""
+        groups, by_age = self._groups, self._by_age
+        for seq in self._unindexed:
+            if seq in groups:
+                heapq.heappush(by_age.setdefault(self._age(seq), []), seq)
+        self._unindexed.clear()
+
+    def _clear_index(self) -> None:
+        """Forget the index (every group it held is gone, or about to be re-added)."""
+        self._unindexed = list(self._groups)
+        self._by_age.clear()
+        self._oldest = {seq: self._oldest[seq] for seq in self._groups if seq in self._oldest}
 
     # ------------------------------------------------------------ the stash
     @property
@@ -141,38 +190,38 @@ class ReadyGroups:
             s, self._stash = self._stash, None
         if s is None:
             return 0
-        self._groups.extendleft(reversed(s.groups))
+        for td, item in reversed(s.groups):
+            self._first -= 1
+            self._add(self._first, td, item)
         self.staleness_hist.subtract(s.stale)
         self.staleness_hist = +self.staleness_hist  # drop the counts that went back to 0
         return len(s.groups)
 
     def filter(self, should_accept: Callable[[TensorDict], bool]) -> list[JsonObject]:
         """Drop the groups ``should_accept`` refuses; return their items."""
-        kept: collections.deque[tuple[TensorDict, JsonObject]] = collections.deque()
         dropped = []
-        for td, item in self._groups:
-            if should_accept(td):
-                kept.append((td, item))
-            else:
+        for seq in sorted(self._groups):
+            td, item = self._groups[seq]
+            if not should_accept(td):
                 dropped.append(item)
-                self._oldest.pop(id(td), None)
+                del self._groups[seq]
         if dropped:
-            self._groups = kept
+            self._clear_index()
         return dropped
 
     def state_dict(self) -> ReadyState:
         """The waiting groups (as plain dicts) and the histogram."""
         return {
-            "ready": [(td.to_dict(), item) for td, item in self._groups],
+            "ready": [(td.to_dict(), item) for td, item in self._in_order()],
             "staleness_hist": dict(self.staleness_hist),
         }
 
     def load_state_dict(self, state: ReadyState) -> None:
         self.staleness_hist = collections.Counter({int(k): int(v) for k, v in state["staleness_hist"].items()})
-        self._oldest.clear()
-        self._groups = collections.deque(
-            (TensorDict(d, batch_size=[d["input_ids"].shape[0]]), item) for d, item in state["ready"]
-        )
+        self._groups.clear()
+        self._clear_index()
+        for d, item in state["ready"]:
+            self.put(TensorDict(d, batch_size=[d["input_ids"].shape[0]]), item)
 
 
 class Waiters:
