@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import logging
 import random
+import sys
 import threading
 import time
 from collections.abc import Callable, Coroutine, Iterator
@@ -173,6 +174,30 @@ def call_dropping_dead(run: Runner, admin: WeightUpdateAdmin,
             logger.warning("inference server(s) %s did not answer %s and are gone: dropped from "
                            "rotation and weight updates; %d server(s) left: %s", ", ".join(dropped),
                            what, len(admin.healthy_servers), ", ".join(admin.healthy_servers))
+
+
+def end_session(run: Runner, admin: WeightUpdateAdmin, version: int) -> None:
+    """Close the servers' weight-update session (``end_weight_update``) after a push; when
+    the push itself is failing, a failure here is logged, not raised over the push's own."""
+    try:
+        call_dropping_dead(run, admin, admin.end_weight_update, version, "end_weight_update")
+    except WeightSyncError as e:
+        if sys.exc_info()[0] is None:
+            raise
+        logger.warning("version %d: closing the weight-update session failed too: %s", version, e)
+
+
+def with_last(items: Iterator[T]) -> Iterator[tuple[T, bool]]:
+    """``(item, is_last)`` for each item, reading one item ahead."""
+    it = iter(items)
+    try:
+        current = next(it)
+    except StopIteration:
+        return
+    for following in it:
+        yield current, False
+        current = following
+    yield current, True
 
 
 def no_server_left(admin: WeightUpdateAdmin, version: int | None) -> WeightSyncError:

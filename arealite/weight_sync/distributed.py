@@ -32,10 +32,9 @@ transfer raises `WeightSyncError`.
 from __future__ import annotations
 
 import concurrent.futures as cf
-import sys
 import threading
 import uuid
-from collections.abc import Callable, Coroutine, Iterator
+from collections.abc import Callable, Coroutine
 from typing import Literal, TypeVar
 
 import torch
@@ -49,8 +48,10 @@ from arealite.weight_sync.base import (
     admin_error,
     bucket_bytes_of,
     call_dropping_dead,
+    end_session,
     logger,
     no_server_left,
+    with_last,
 )
 from arealite.weight_sync.group import Layout, UpdateGroup
 
@@ -73,19 +74,6 @@ def in_thread(fn: Callable[[], T], name: str) -> cf.Future[T]:
 
     threading.Thread(target=body, name=name, daemon=True).start()
     return fut
-
-
-def with_last(items: Iterator[T]) -> Iterator[tuple[T, bool]]:
-    """``(item, is_last)`` for each item, reading one item ahead."""
-    it = iter(items)
-    try:
-        current = next(it)
-    except StopIteration:
-        return
-    for following in it:
-        yield current, False
-        current = following
-    yield current, True
 
 
 def resolve_backend(backend: str) -> str:
@@ -267,7 +255,7 @@ class DistributedTransfer:
                 self._tear_down(version)
                 raise
             finally:
-                self._end_session(version)
+                end_session(self.run, self.admin, version)
             if counts is not None:
                 break
         timer.lap("transfer_s")
@@ -278,15 +266,6 @@ class DistributedTransfer:
         logger.info("version %d broadcast: %d tensors, %.1f MB in %d bucket(s), %d attempt(s)",
                     version, n_tensors, n_bytes / 2**20, n_buckets, attempts)
         return out
-
-    def _end_session(self, version: int) -> None:
-        """Close the session the attempt opened; a failure here must not hide the attempt's."""
-        try:
-            self._admin(self.admin.end_weight_update, version, "end_weight_update")
-        except WeightSyncError as e:
-            if sys.exc_info()[0] is None:
-                raise
-            logger.warning("version %d: closing the weight-update session failed too: %s", version, e)
 
     def _tear_down(self, version: int) -> None:
         """After a failed transfer: drop our end of the group (a server still blocked in a

@@ -22,16 +22,13 @@ server that is gone is dropped (`call_dropping_dead`); any other failure raises
 
 from __future__ import annotations
 
-import sys
-from collections.abc import Iterator
-
 import torch
 
 from arealite.api.contracts import Runner, TensorUpdateAdmin, WeightSource, require
 from arealite.utils.net import is_local_host, split_addr
 from arealite.utils.tensor_handles import file_system_sharing
 from arealite.weight_sync.base import (
-    Timer, WeightSyncError, bucket_bytes_of, call_dropping_dead, cast_for_servers, logger)
+    Timer, WeightSyncError, bucket_bytes_of, call_dropping_dead, cast_for_servers, end_session, logger, with_last)
 
 #: Slot alignment in the staging buffer (bytes): every dtype view stays legal.
 ALIGN = 64
@@ -94,7 +91,7 @@ class TensorTransfer:
         try:
             n_buckets, n_tensors, n_bytes = self._push_all(source, version)
         finally:
-            self._end_session(version)
+            end_session(self.run, self.admin, version)
         timer.lap("push_s")
         logger.info("version %d handed over by tensor handles: %d tensors, %.1f MB in %d bucket(s)",
                     version, n_tensors, n_bytes / 2**20, n_buckets)
@@ -103,7 +100,7 @@ class TensorTransfer:
     def _push_all(self, source: WeightSource, version: int) -> tuple[int, int, int]:
         n_buckets = n_tensors = n_bytes = 0
         seen: set[str] = set()
-        for bucket, last in _with_last(source.named_weight_buckets(self.bucket_bytes)):
+        for bucket, last in with_last(source.named_weight_buckets(self.bucket_bytes)):
             named = self._handover(bucket, seen)
             n_buckets += 1
             n_tensors += len(named)
@@ -133,15 +130,6 @@ class TensorTransfer:
             out += pack_into(self._staging, host)
         return out
 
-    def _end_session(self, version: int) -> None:
-        """Close the session; a failure here must not hide the push's own."""
-        try:
-            call_dropping_dead(self.run, self.admin, self.admin.end_weight_update, version, "end_weight_update")
-        except WeightSyncError as e:
-            if sys.exc_info()[0] is None:
-                raise
-            logger.warning("version %d: closing the weight-update session failed too: %s", version, e)
-
     def close(self) -> None:
         """Free the staging buffer (safe to call twice)."""
         self._staging = None
@@ -169,14 +157,3 @@ def pack_into(buf: torch.Tensor, named: list[tuple[str, torch.Tensor]]) -> list[
         out.append((name, slot))
         pos += -(-n // ALIGN) * ALIGN
     return out
-
-
-def _with_last(it: Iterator[list]) -> Iterator[tuple[list, bool]]:
-    """Each item of ``it`` with whether it is the last one (one item of look-ahead)."""
-    prev = None
-    for item in it:
-        if prev is not None:
-            yield prev, False
-        prev = item
-    if prev is not None:
-        yield prev, True
