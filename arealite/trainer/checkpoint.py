@@ -35,6 +35,7 @@ import torch.distributed as dist
 from arealite.config.schema import RecoverConfig, SaverConfig
 from arealite.utils.accounting import epoch_items_from_plain, epoch_items_to_plain
 from arealite.utils.checkpoint_manifest import COMPLETE, complete_checkpoints
+from arealite.utils.dist import barrier
 
 logger = logging.getLogger("arealite.checkpoint")
 
@@ -49,11 +50,6 @@ def _rank_world() -> tuple[int, int]:
     if dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
     return 0, 1
-
-
-def _barrier() -> None:
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.barrier()
 
 
 def fault_point(point: str, step: int) -> None:
@@ -133,7 +129,7 @@ class Checkpointer:
         if rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
             tmp.mkdir(parents=True)
-        _barrier()
+        barrier()
         engine.save(tmp / "engine")  # DCP fsyncs its own shard files
         state = epoch_items_to_plain({  # plain data only: it loads with weights_only
             "step": step,
@@ -147,7 +143,7 @@ class Checkpointer:
         engine_extra = tmp / "engine" / f"engine_rank{rank}.pt"
         if engine_extra.is_file():
             _fsync(engine_extra)
-        _barrier()
+        barrier()
         fault_point("ckpt_write", step)
         if rank == 0:
             files = sorted(str(p.relative_to(tmp)) for p in tmp.rglob("*") if p.is_file())
@@ -166,7 +162,7 @@ class Checkpointer:
             fault_point("ckpt_renamed", step)
             self._prune()
             logger.info("checkpoint step %d written to %s in %.1fs", step, final, time.monotonic() - t0)
-        _barrier()
+        barrier()
         self._last_save_time = time.monotonic()
         return final
 

@@ -39,11 +39,11 @@ from collections.abc import Coroutine, Iterator, Sequence
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 
 from arealite.api.contracts import Runner
 from arealite.config.launch import TimeSharingConfig
 from arealite.train_engine.offload import EngineOffload
+from arealite.utils.dist import barrier
 from arealite.weight_sync.publisher import WeightPublisher
 
 logger = logging.getLogger("arealite.trainer")
@@ -108,14 +108,14 @@ class TimeSharing:
         Returns the step's ``release_s`` and ``onload_s``."""
         t0 = time.perf_counter()
         gpu = _gpu_free_gib()
-        _barrier()  # every rank holds its batch: no episode still waits on a server about to sleep
+        barrier()  # every rank holds its batch: no episode still waits on a server about to sleep
         if self.rank == 0:
             # abort whatever pause_mode says: SGLang releases memory only with nothing in its batch
             self._call(self.admin.pause_generation("abort"), "pause_generation(mode=abort)")
             self._call(self.admin.release_memory_occupation(list(MEMORY_TAGS)),
                        f"release_memory_occupation(tags={list(MEMORY_TAGS)})")
             self._record_asleep(list(MEMORY_TAGS))
-        _barrier()  # no rank loads onto a GPU its server still holds
+        barrier()  # no rank loads onto a GPU its server still holds
         self.timings = {"release_s": time.perf_counter() - t0}
         if gpu is not None:  # what the servers' release gave back to the card
             self.timings.update(gpu_free_gib_before_release=gpu, gpu_free_gib_after_release=_gpu_free_gib())
@@ -138,7 +138,7 @@ class TimeSharing:
         if before is not None:
             self.timings.update(trainer_allocated_gib_before_offload=before,
                                 trainer_allocated_gib_after_offload=_gpu_allocated_gib())
-        _barrier()  # every rank's state has left before a server takes its KV cache back
+        barrier()  # every rank's state has left before a server takes its KV cache back
         if self.rank == 0:
             t0 = time.perf_counter()
             self._resume((KV_CACHE,), why="after the push")
@@ -227,8 +227,3 @@ def _gpu_free_gib() -> float | None:
 def _gpu_allocated_gib() -> float | None:
     """What this process's tensors hold on its GPU (None without CUDA)."""
     return torch.cuda.memory_allocated() / 2**30 if torch.cuda.is_available() else None
-
-
-def _barrier() -> None:
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        dist.barrier()

@@ -36,6 +36,12 @@ def default_backend(device_type: str | None = None) -> str:
     return "nccl" if (device_type or resolve_device_type()) == "cuda" else "gloo"
 
 
+def barrier() -> None:
+    """Wait for every rank of the default group (nothing to wait for without one, or alone)."""
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        dist.barrier()
+
+
 def free_port(host: str = "127.0.0.1") -> int:
     """A TCP port that was free a moment ago on ``host``."""
     with socket.socket() as s:
