@@ -25,6 +25,8 @@ import logging
 
 import torch
 
+from arealite.utils.storage import FreedStorages, distinct_storages
+
 logger = logging.getLogger("arealite.server")
 
 __all__ = ["ReleasedWeights", "process_rss_bytes", "return_freed_heap"]
@@ -66,16 +68,11 @@ class ReleasedWeights:
         self.model = model
         self.cpu_backup = cpu_backup
         self.released = False
-        self._sizes: list[tuple[torch.UntypedStorage, int]] = []
+        self._freed = FreedStorages()
         self._backups: list[torch.Tensor | None] = []
 
     def _storages(self) -> list[torch.UntypedStorage]:
-        seen: dict[int, torch.UntypedStorage] = {}
-        for p in self.model.parameters():
-            st = p.detach().untyped_storage()
-            if st.nbytes() > 0:
-                seen.setdefault(st.data_ptr(), st)
-        return list(seen.values())
+        return distinct_storages(p.detach() for p in self.model.parameters())
 
     def resizable(self) -> bool:
         """Whether every parameter storage can be freed in place (not a mapped file, as the
@@ -100,18 +97,12 @@ class ReleasedWeights:
         for st in storages:
             if self.cpu_backup:
                 host = torch.empty(st.nbytes(), dtype=torch.uint8, pin_memory=torch.cuda.is_available())
-                host.copy_(torch.tensor([], dtype=torch.uint8, device=st.device).set_(st))
+                host.copy_(_bytes_of(st))
                 backups.append(host)
             else:
                 backups.append(None)
-        freed = 0
-        sizes = []
-        for st in storages:
-            n = st.nbytes()
-            st.resize_(0)  # raises for a storage it cannot resize (a mapped file): nothing freed yet then
-            sizes.append((st, n))
-            freed += n
-        self._sizes, self._backups, self.released = sizes, backups, True
+        freed = self._freed.free(storages)  # raises for a mapped file: `resizable()` says so first
+        self._backups, self.released = backups, True
         if storages and storages[0].device.type == "cuda":
             torch.cuda.empty_cache()
         return_freed_heap()
@@ -123,13 +114,17 @@ class ReleasedWeights:
             return 0
         total = 0
         with torch.no_grad():
-            for (st, n), backup in zip(self._sizes, self._backups):
-                st.resize_(n)
-                view = torch.tensor([], dtype=torch.uint8, device=st.device).set_(st)
+            for st, backup in zip(self._freed.regrow(), self._backups):
+                view = _bytes_of(st)
                 if backup is None:
                     view.zero_()
                 else:
                     view.copy_(backup)
-                total += n
-        self._sizes, self._backups, self.released = [], [], False
+                total += st.nbytes()
+        self._backups, self.released = [], False
         return total
+
+
+def _bytes_of(st: torch.UntypedStorage) -> torch.Tensor:
+    """A uint8 tensor over the whole of ``st``."""
+    return torch.tensor([], dtype=torch.uint8, device=st.device).set_(st)

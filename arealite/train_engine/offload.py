@@ -21,6 +21,8 @@ from dataclasses import dataclass
 
 import torch
 
+from arealite.utils.storage import FreedStorages, distinct_storages
+
 __all__ = ["EngineOffload", "engine_tensors", "storage_bytes"]
 
 logger = logging.getLogger("arealite.train_engine")
@@ -48,12 +50,7 @@ def engine_tensors(model: torch.nn.Module | None, optimizer: torch.optim.Optimiz
 
 def storage_bytes(tensors: Iterator[torch.Tensor]) -> int:
     """Bytes the distinct storages behind ``tensors`` hold now (0 for a freed storage)."""
-    seen: dict[int, int] = {}
-    for t in tensors:
-        s = t.untyped_storage()
-        if s.nbytes():
-            seen[s.data_ptr()] = s.nbytes()
-    return sum(seen.values())
+    return sum(st.nbytes() for st in distinct_storages(tensors))
 
 
 @dataclass
@@ -77,7 +74,7 @@ class EngineOffload:
     def __init__(self, engine: object):
         self.engine = engine
         self._parked: list[_Parked] = []
-        self._sizes: dict[int, tuple[torch.UntypedStorage, int]] = {}
+        self._freed = FreedStorages()
         self._host: dict[tuple[int, tuple[int, ...], torch.dtype], torch.Tensor] = {}
         self.offloaded = False
 
@@ -95,18 +92,15 @@ class EngineOffload:
         t0 = time.perf_counter()
         _reshard(getattr(self.engine, "model", None))  # gathered copies (the root's) are freed too
         for i, t in enumerate(self._tensors()):
-            storage = t.untyped_storage()
-            if storage.nbytes() == 0:
+            if t.untyped_storage().nbytes() == 0:
                 continue
             host = self._host_buffer(i, t)
             host.copy_(t, non_blocking=t.is_cuda)
             self._parked.append(_Parked(t, host))
-            # Several views may share one storage (FSDP2's padded shard): it is freed once.
-            self._sizes.setdefault(storage.data_ptr(), (storage, storage.nbytes()))
         if any(p.tensor.is_cuda for p in self._parked):
             torch.cuda.synchronize()  # the copies must land before the storage goes
-        for storage, _ in self._sizes.values():
-            storage.resize_(0)
+        # Several views may share one storage (FSDP2's padded shard): it is freed once.
+        self._freed.free(distinct_storages(p.tensor for p in self._parked))
         self.offloaded = True
         return time.perf_counter() - t0
 
@@ -123,14 +117,13 @@ class EngineOffload:
         if not self.offloaded:
             return 0.0
         t0 = time.perf_counter()
-        for storage, nbytes in self._sizes.values():
-            storage.resize_(nbytes)
+        self._freed.regrow()
         with torch.no_grad():
             for p in self._parked:
                 p.tensor.copy_(p.host, non_blocking=p.tensor.is_cuda)
         if any(p.tensor.is_cuda for p in self._parked):
             torch.cuda.synchronize()
-        self._parked, self._sizes = [], {}
+        self._parked = []
         self.offloaded = False
         return time.perf_counter() - t0
 
