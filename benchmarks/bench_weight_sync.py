@@ -1,6 +1,7 @@
 """Seconds to publish a ~50M-parameter model to an embedded server, vs a plain memory copy.
 
-Four ways to move the same bytes, in one run; each update is one
+Five ways to move the same bytes, in one run, each to an embedded server of its own (a run
+uses one path; on a shared server each path paid for switching from the one before); each update is one
 `WeightPublisher.publish` (pause, transfer, read-back check, version, continue, and with
 ``--probe`` the log-prob probe: the trainer's forward of 32 tokens plus the server's):
 
@@ -34,6 +35,7 @@ import sys
 import tempfile
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -117,38 +119,47 @@ def main() -> None:
 
     mem_copy()  # touch the pages once (each round times it again: best of 3 beside its pushes)
 
-    proc, addr = start_server(model_dir, work / "server.log")
+    names = ("distributed", "distributed_flat", "disk", "shm", "shm_copy")
+    # One server per path, as in a run (which uses one path): on a shared server each path paid
+    # for the one before it (a copying load after an aliased one clones every parameter, a third
+    # shm file unmaps the other path's cached one), up to 30 ms of a 60 ms shm push (docs/scale.md).
+    with ThreadPoolExecutor(len(names)) as pool:
+        started = dict(zip(names, pool.map(
+            lambda n: start_server(model_dir, work / f"server-{n}.log"), names)))
     loop = asyncio.new_event_loop()
     threading.Thread(target=loop.run_forever, daemon=True).start()
 
     def run(coro):
         return asyncio.run_coroutine_threadsafe(coro, loop).result()
 
-    client = SGLangClient([addr])
+    clients = {n: SGLangClient([addr]) for n, (_, addr) in started.items()}
     times: dict[str, list[float]] = {}  # path -> seconds per round
     ratios: dict[str, list[float]] = {}  # path -> seconds / the same round's memory copy
     floors: list[float] = []
     phases: dict[str, dict] = {}  # path -> the phases of its fastest push
     try:
-        run(client.initialize(60))
+        for client in clients.values():
+            run(client.initialize(60))
         cfg = WeightSyncConfig(bucket_size_mb=args.bucket_mb, verify_n_tensors=2, timeout_s=300)
-        admin = client.admin
+        admin = {n: c.admin for n, c in clients.items()}
         transfers = (
-            ("distributed", DistributedTransfer(cfg, admin, run)),
-            ("distributed_flat", DistributedTransfer(cfg, admin, run, flattened=True)),  # one broadcast a bucket
-            ("disk", DiskTransfer(cfg, admin, run, Path("/dev/shm") / f"arealite-bench-{os.getpid()}",
+            ("distributed", DistributedTransfer(cfg, admin["distributed"], run)),
+            # one broadcast a bucket
+            ("distributed_flat", DistributedTransfer(cfg, admin["distributed_flat"], run, flattened=True)),
+            ("disk", DiskTransfer(cfg, admin["disk"], run, Path("/dev/shm") / f"arealite-bench-{os.getpid()}",
                                   str(model_dir))),
-            ("shm", ShmTransfer(cfg, admin, run)),  # the servers serve out of the file (shm_alias)
-            ("shm_copy", ShmTransfer(cfg.model_copy(update={"shm_alias": False}), admin, run)),
+            ("shm", ShmTransfer(cfg, admin["shm"], run)),  # the server serves out of the file (shm_alias)
+            ("shm_copy", ShmTransfer(cfg.model_copy(update={"shm_alias": False}), admin["shm_copy"], run)),
         )
         publishers = []
         scorer = _hf_scorer(model_dir, state) if args.probe else None
-        for _, transfer in transfers:
-            verifier = ReadbackVerifier(admin, cfg.verify_n_tensors, dtype=lambda t=transfer: t.server_dtype)
+        for name, transfer in transfers:
+            a = admin[name]
+            verifier = ReadbackVerifier(a, cfg.verify_n_tensors, dtype=lambda t=transfer: t.server_dtype)
             if scorer is not None:
                 tokens = probe_tokens(None, int(state["model.embed_tokens.weight"].shape[0]), 32)
-                verifier = Verifiers(verifier, LogprobProbe(admin, scorer, tokens, 1e-3))
-            publishers.append(WeightPublisher(transfer, src, admin, run, parties=[client], verifier=verifier))
+                verifier = Verifiers(verifier, LogprobProbe(a, scorer, tokens, 1e-3))
+            publishers.append(WeightPublisher(transfer, src, a, run, parties=[clients[name]], verifier=verifier))
             publishers[-1].init()
         version = 0
         for pub in publishers:
@@ -173,9 +184,11 @@ def main() -> None:
         for pub in publishers:
             pub.close()
     finally:
-        run(client.aclose())
-        proc.terminate()
-        proc.wait(30)
+        for client in clients.values():
+            run(client.aclose())
+        for proc, _ in started.values():
+            proc.terminate()
+            proc.wait(30)
 
     t_mem = statistics.median(floors)
     results = {k: statistics.median(v) for k, v in times.items()}
