@@ -143,13 +143,9 @@ def start_controller(url: str, items: list[dict], concurrency: int, tokenizer, b
     from arealite.config.schema import GenerationConfig, RolloutConfig
     from arealite.data.dataset import StatefulDataLoader
     from arealite.inference_client.sglang_client import SGLangClient
-    from arealite.reward.pool import cheap_reward
     from arealite.rollout.controller import RolloutController
     from arealite.workflow.rlvr import RLVRWorkflow
 
-    # Pure and instant: scored on the loop, no thread hop (~13 us and ~0.4 context switches
-    # per trajectory, benchmarks/controller_costs.py).
-    cheap_reward(trivial_reward)
     rc = RolloutConfig(max_concurrent_rollouts=concurrency, consumer_batch_size=batch, queue_size=queue_size,
                        max_head_offpolicyness=eta, reward_workers=8)
     wf = RLVRWorkflow(trivial_reward, GenerationConfig(n_samples=1, max_new_tokens=1), tokenizer, rc)

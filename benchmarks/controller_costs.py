@@ -337,12 +337,12 @@ def main() -> None:
     ap.add_argument("--n", type=int, default=8192)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--concurrency", type=int, default=64)
-    ap.add_argument("--reward-hop", action="store_true",
-                    help="score in the reward threads (the trivial reward is declared cheap otherwise)")
+    ap.add_argument("--reward-inline", action="store_true",
+                    help="declare the trivial reward cheap (`cheap_reward`: scored on the loop, no thread hop)")
     ap.add_argument("--switch-ms", type=float, default=0.5, help="rollout.gil_switch_interval_ms (0: unchanged)")
     args = ap.parse_args()
     switch = args.switch_ms or None
-    if not args.reward_hop:
+    if args.reward_inline:
         from arealite.reward.pool import cheap_reward
 
         cheap_reward(bc.trivial_reward)

@@ -31,8 +31,8 @@ def cheap_reward(fn: Callable[..., object]) -> Callable[..., object]:
     """Declare a reward function cheap: pure Python that returns in microseconds and never
     blocks. `RewardRunner` then calls it on the event loop itself, without a thread hop and
     without a timeout (its errors and non-numbers are reported as for any other). On
-    bench_controller's trivial reward the hop cost ~13 us of CPU and ~0.4 context switches per
-    trajectory (benchmarks/controller_costs.py). Returns ``fn``."""
+    bench_controller's path the hop costs ~13-16 us of CPU and ~0.4 context switches per
+    episode (benchmarks/controller_costs.py --reward-inline). Returns ``fn``."""
     setattr(fn, _CHEAP, True)
     return fn
 
