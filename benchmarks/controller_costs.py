@@ -234,7 +234,7 @@ def uninstrument(undo) -> None:
 
 
 # ------------------------------------------------------------------ runs
-def run_controller(url, items, tokenizer, conc, switch_ms) -> dict:
+def run_controller(url, items, tokenizer, conc, switch_ms, queue_size=4096) -> dict:
     """One bench_controller throughput run, with per-thread clocks around the timed part."""
     from arealite.config.schema import GenerationConfig, RolloutConfig
     from arealite.data.dataset import StatefulDataLoader
@@ -243,7 +243,7 @@ def run_controller(url, items, tokenizer, conc, switch_ms) -> dict:
     from arealite.workflow.rlvr import RLVRWorkflow
 
     batch = 64
-    rc = RolloutConfig(max_concurrent_rollouts=conc, consumer_batch_size=batch, queue_size=4096,
+    rc = RolloutConfig(max_concurrent_rollouts=conc, consumer_batch_size=batch, queue_size=queue_size,
                        max_head_offpolicyness=10**6, reward_workers=8, gil_switch_interval_ms=switch_ms)
     wf = RLVRWorkflow(bc.trivial_reward, GenerationConfig(n_samples=1, max_new_tokens=1), tokenizer, rc)
     loader = StatefulDataLoader(items, batch_size=batch, shuffle=False)
@@ -337,6 +337,8 @@ def main() -> None:
     ap.add_argument("--n", type=int, default=8192)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--concurrency", type=int, default=64)
+    ap.add_argument("--queue-size", type=int, default=4096,
+                    help="rollout.queue_size (bench_controller's 4,096 lets the producer run far ahead)")
     ap.add_argument("--reward-inline", action="store_true",
                     help="declare the trivial reward cheap (`cheap_reward`: scored on the loop, no thread hop)")
     ap.add_argument("--switch-ms", type=float, default=0.5, help="rollout.gil_switch_interval_ms (0: unchanged)")
@@ -365,12 +367,12 @@ def main() -> None:
                 if which == 0:
                     raw.append(run_raw(url, items[: args.n], args.concurrency))
                 elif which == 1:
-                    clean.append(run_controller(url, items, tok, args.concurrency, switch))
+                    clean.append(run_controller(url, items, tok, args.concurrency, switch, args.queue_size))
                 else:
                     ACC.clear()
                     undo = instrument()
                     try:
-                        res = run_controller(url, items, tok, args.concurrency, switch)
+                        res = run_controller(url, items, tok, args.concurrency, switch, args.queue_size)
                     finally:
                         uninstrument(undo)
                     # The instrumented run includes the untimed first batch: per trajectory of all.
