@@ -128,3 +128,21 @@ def test_reward_pool_is_still_importable_from_the_workflow_base():
     from arealite.workflow import base
 
     assert base.RewardRunner is RewardRunner and base.RewardError is RewardError
+
+
+async def test_a_cheap_reward_runs_on_the_loop_and_fails_as_any_other():
+    from arealite.reward.pool import cheap_reward
+
+    runner = RewardRunner(timeout_s=5, workers=2)
+    seen = []
+
+    @cheap_reward
+    def fn(x):
+        seen.append(threading.current_thread())
+        return {1: 1, 2: float("nan"), 3: "a"}.get(x, 0.5) if x != 4 else 1 / 0
+
+    assert await runner(fn, 1) == 1.0 and await runner(fn, 0) == 0.5
+    assert seen == [threading.current_thread()] * 2  # no worker thread
+    for x, why in ((2, "returned nan"), (3, "returned str"), (4, "raised ZeroDivisionError")):
+        with pytest.raises(RewardError, match=why):
+            await runner(fn, x)

@@ -230,3 +230,22 @@ def test_a_batch_waits_when_more_late_groups_run_than_the_next_batches_hold():
         _finish(ctl, engine, loader, wf, seen + ids(batch), 2, eta=2)
     finally:
         ctl.stop()
+
+
+def test_ready_groups_age_a_batch_of_groups_as_one_by_one():
+    from arealite.rollout.ready import ReadyGroups
+    from arealite.workflow.base import group_from_outputs
+
+    def group(vers_per_sample):  # one row per sample; a sample with no tokens has no version
+        outs = [(list(range(5, 5 + len(v))), [-0.1] * len(v), v) for v in vers_per_sample]
+        per_row = {"rewards": torch.zeros(len(outs)), "group_id": torch.zeros(len(outs), dtype=torch.int64)}
+        return group_from_outputs([1, 2, 3], outs, per_row)
+
+    ready = ReadyGroups()
+    shapes = [[[3, 4]], [[5], [2, 6, 7]], [[], [9]], [[8, 8, 8]], [[]]]
+    for i, s in enumerate(shapes):
+        ready.put(group(s), {"i": i})
+    # oldest produced tokens: 3, 2, 9, 8, none
+    assert [ready.count_from(v) for v in (1, 2, 3, 8, 9, 10**6)] == [0, 1, 2, 3, 4, 4]
+    batch, items = ready.take(2, 10)
+    assert [it["i"] for it in items] == [0, 1]  # the stalest two, in completion order

@@ -27,7 +27,7 @@ from typing import Callable, TypedDict
 import torch
 from tensordict import TensorDict
 
-from arealite.rollout.staleness import oldest_versions, trajectory_staleness
+from arealite.rollout.staleness import NO_PRODUCED_TOKEN, oldest_versions, trajectory_staleness
 from arealite.utils.json_types import JsonObject
 from arealite.workflow.base import concat_trajectories
 
@@ -53,6 +53,20 @@ class _Stash:
 def _oldest_version(td: TensorDict) -> int:
     """The oldest policy version among a group's produced tokens (a group with none sorts last)."""
     return int(oldest_versions(td["versions"], td["loss_mask"]).min())
+
+
+def _oldest_of_groups(tds: list[TensorDict]) -> list[int]:
+    """`_oldest_version` of each of ``tds``, with one set of tensor ops for all of them: per
+    group, the ``where`` + ``amin`` cost ~12 us of the loop's CPU per trajectory on
+    bench_controller (every take ages the groups that came since the last one)."""
+    if len(tds) == 1:
+        return [_oldest_version(tds[0])]
+    vers = [td["versions"].reshape(-1) for td in tds]
+    mask = torch.cat([td["loss_mask"].reshape(-1) for td in tds]).bool()
+    group = torch.repeat_interleave(torch.arange(len(tds)), torch.tensor([v.numel() for v in vers]))
+    produced = torch.where(mask, torch.cat(vers).long(), NO_PRODUCED_TOKEN)
+    out = torch.full((len(tds),), NO_PRODUCED_TOKEN, dtype=torch.int64)
+    return out.scatter_reduce_(0, group, produced, "amin").tolist()
 
 
 class ReadyGroups:
@@ -91,7 +105,15 @@ class ReadyGroups:
 
     def count_from(self, version: int) -> int:
         """How many waiting groups hold a produced token of ``version`` or older."""
-        return sum(1 for seq in self._groups if self._age(seq) <= version)
+        self._age_all(self._groups)
+        return sum(1 for seq in self._groups if self._oldest[seq] <= version)
+
+    def _age_all(self, seqs) -> None:
+        """`_age` of every group of ``seqs`` not aged yet, in one batch (`_oldest_of_groups`)."""
+        new = [seq for seq in seqs if seq in self._groups and seq not in self._oldest]
+        if new:
+            groups = self._groups
+            self._oldest.update(zip(new, _oldest_of_groups([groups[seq][0] for seq in new])))
 
     def _age(self, seq: int) -> int:
         """`_oldest_version` of a waiting group, computed once (its tokens never change)."""
@@ -150,6 +172,7 @@ class ReadyGroups:
     def _index(self) -> None:
         """Age the groups not indexed yet and push them on their age's heap."""
         groups, by_age = self._groups, self._by_age
+        self._age_all(self._unindexed)
         for seq in self._unindexed:
             if seq in groups:
                 heapq.heappush(by_age.setdefault(self._age(seq), []), seq)
