@@ -9,9 +9,13 @@ generation path (`remote_client.py`) and the administration (`sglang_admin.py`):
   ``excluded`` and never comes back (it would serve an old policy).
 - **The servers' pause**: while an admin ``pause_generation`` lasts (`hold`), requests
   wait in the client rather than on the paused servers (`running`).
-- **HTTP**: one aiohttp session (admin calls, probes, https) and, per plain-http
-  server, an `Http1Pool` for the generation hot path; `call_all` sends one admin
-  call to many servers at once and raises one `ServerAdminError` naming every failure.
+- **HTTP**: one aiohttp session (probes, https) and, per plain-http server, an
+  `Http1Pool` for the generation hot path; `call_all` sends one admin call to many
+  servers at once and raises one `ServerAdminError` naming every failure. Its POSTs to
+  plain-http servers go out on the admin's own thread (`control_plane.ControlPlane`,
+  its own loop and connections), so that a weight update's fan-out waits behind none of
+  the rollout's callbacks; the answers are applied back here, on the rollout loop, which
+  alone owns the pool's state.
 
 `ServerPoolView` is what the client and the admin both show of their one pool (the
 servers, which are in rotation, what each said about itself, dropping the unreachable):
@@ -30,6 +34,7 @@ from collections.abc import Awaitable, Callable, Iterable, Sequence
 from typing import TypeVar
 import aiohttp
 
+from arealite.inference_client.control_plane import Answer, ControlPlane
 from arealite.inference_client.errors import NoHealthyServerError, ServerAdminError, ServerStartupError
 from arealite.inference_client.http1 import Http1Pool, HttpResponseTooLarge
 from arealite.inference_client.wire import JSON_HEADERS, WireFormat, describe, dumps, error_message, loads, snippet
@@ -170,6 +175,11 @@ class ServerPool:
         self.loop: asyncio.AbstractEventLoop | None = None
         self.closed = False
         self._bg_tasks: set[asyncio.Task] = set()
+        self._headers: dict[str, str] | None = {"Authorization": f"Bearer {api_key}"} if api_key else None
+        # The admin's own thread (made on the first admin call) and the CPU the rollout loop
+        # spent on admin calls around it (`admin_cpu_s`).
+        self.control: ControlPlane | None = None
+        self._admin_loop_cpu_s = 0.0
 
     # ------------------------------------------------------------------ state
 
@@ -319,7 +329,7 @@ class ServerPool:
             # during a weight update) never queue behind generation requests for a socket.
             connector = aiohttp.TCPConnector(limit=len(self.states) * (per_host + 16),
                                              limit_per_host=per_host + 16, keepalive_timeout=60)
-            headers = {"Authorization": f"Bearer {self._api_key}"} if self._api_key else None
+            headers = self._headers
             self.session = aiohttp.ClientSession(connector=connector, headers=headers,
                                                  timeout=aiohttp.ClientTimeout(total=None), trust_env=False)
             for s in self.states:
@@ -440,6 +450,8 @@ class ServerPool:
         for s in self.states:
             if s.conns is not None:
                 await s.conns.aclose()
+        if self.control is not None:
+            self.control.close()
         if self.session is not None:
             session, self.session = self.session, None
             await session.close()
@@ -455,19 +467,67 @@ class ServerPool:
         """Send one call to every target (default: the servers in rotation) concurrently.
 
         Returns ``{addr: answer}``; raises `ServerAdminError` naming every server that failed
-        (no answer, HTTP error, or ``success: false``).
+        (no answer, HTTP error, or ``success: false``). POSTs to plain-http servers go out
+        on the admin's own thread (`ControlPlane`), the same encoded body to every server
+        unless ``per_server`` gives each its own.
         """
+        cpu0 = time.thread_time()
         self.ensure_session()
         targets = servers if servers is not None else [s for s in self.states if s.healthy]
         if not targets:
             detail = "; ".join(f"{x.addr}: {x.excluded or x.reason}" for x in self.states)
             raise NoHealthyServerError(f"{route}: no healthy inference server ({detail})")
-        t = aiohttp.ClientTimeout(total=timeout if timeout is not None else self.request_timeout_s)
+        total = timeout if timeout is not None else self.request_timeout_s
+        if method == "POST" and (payload is not None or per_server is not None):
+            if all(s.conns is not None for s in targets):
+                return await self._call_all_apart(route, payload, targets, per_server, total, cpu0)
+        self._admin_loop_cpu_s += time.thread_time() - cpu0
+        t = aiohttp.ClientTimeout(total=total)
         answers = await asyncio.gather(*(
             self._call_one(s, route, per_server(i, s) if per_server is not None else payload, t, method)
             for i, s in enumerate(targets)))
-        results = {s.addr: r for s, (r, err) in zip(targets, answers) if err is None}
-        failures = {s.addr: err for s, (r, err) in zip(targets, answers) if err is not None}
+        return self._results(route, targets, answers)
+
+    async def _call_all_apart(self, route: str, payload: JsonObject | None, targets: list[ServerState],
+                              per_server: Callable[[int, ServerState], JsonObject] | None, total: float,
+                              cpu0: float) -> dict[str, JsonValue]:
+        """`call_all` on the admin's thread; the answers are applied here (the pool's state is
+        this loop's). The CPU this loop spends on it counts in `admin_cpu_s`."""
+        if per_server is None:
+            bodies = [dumps(payload)] * len(targets)
+        else:
+            bodies = [dumps(per_server(i, s)) for i, s in enumerate(targets)]
+        if self.control is None:
+            self.control = ControlPlane(self._admin_connections, name=f"{self.owner}-admin")
+        fut = self.control.fan_out([s.addr for s in targets], route, bodies, total, self.max_response_bytes,
+                                   judge_answer)
+        self._admin_loop_cpu_s += time.thread_time() - cpu0
+        answers = await asyncio.wrap_future(fut)
+        cpu1 = time.thread_time()
+        try:
+            for s, (_, _, no_answer) in zip(targets, answers):
+                if no_answer:
+                    self.record_admin_fault(s)
+            return self._results(route, targets, answers)
+        finally:
+            self._admin_loop_cpu_s += time.thread_time() - cpu1
+
+    def _admin_connections(self, addr: str) -> Http1Pool:
+        """New keep-alive connections to ``addr`` for the admin's thread (called there)."""
+        host, _, port = addr.rpartition(":")
+        return Http1Pool(host.strip("[]"), int(port), self._headers, max_body=self.max_response_bytes)
+
+    def admin_cpu_s(self) -> float:
+        """CPU seconds spent on admin calls so far: the admin's thread's (all its life) plus what
+        this loop spent sending them and applying their answers. Read it from any thread (a
+        weight publisher's clock); a difference of two readings is the CPU between them."""
+        return (self.control.cpu_s() if self.control is not None else 0.0) + self._admin_loop_cpu_s
+
+    @staticmethod
+    def _results(route: str, targets: list[ServerState],
+                 answers: Sequence[tuple[JsonValue, str | None] | Answer]) -> dict[str, JsonValue]:
+        results = {s.addr: a[0] for s, a in zip(targets, answers) if a[1] is None}
+        failures = {s.addr: a[1] for s, a in zip(targets, answers) if a[1] is not None}
         if failures:
             raise ServerAdminError(route, failures, results)
         return results
@@ -483,15 +543,7 @@ class ServerPool:
         except (aiohttp.ClientError, ConnectionError) as e:  # Http1Pool's errors are ConnectionErrors
             self.record_admin_fault(s)
             return None, describe(e)
-        try:
-            result: JsonValue = loads(raw) if raw else None
-        except ValueError:
-            result = raw.decode("utf-8", "replace")
-        if status != 200:
-            return result, f"HTTP {status}: {error_message(raw)}"
-        if isinstance(result, dict) and result.get("success") is False:
-            return result, f"success false: {result.get('message', '(no message)')}"
-        return result, None
+        return judge_answer(status, raw)
 
     async def _exchange(self, s: ServerState, route: str, body: JsonObject | None,
                         t: aiohttp.ClientTimeout, method: str) -> tuple[int, bytes]:
@@ -537,6 +589,11 @@ class ServerPoolView:
     def out_of_rotation(self) -> dict[str, str]:
         """Every server out of rotation and why."""
         return self.pool.out_of_rotation()
+
+    def admin_cpu_s(self) -> float:
+        """CPU seconds the admin calls have cost the client so far (`ServerPool.admin_cpu_s`; any
+        thread may read it: a weight update's clock is the difference of two readings)."""
+        return self.pool.admin_cpu_s()
 
     async def drop_unreachable(self, addrs: Iterable[str] | None = None, why: str = "") -> list[str]:
         """Probe the given servers in rotation (default: all of them).
@@ -608,6 +665,20 @@ class Router:
             if len(self._affinity) > _AFFINITY_CACHE:
                 self._affinity.popitem(last=False)
         return best
+
+
+def judge_answer(status: int, raw: bytes) -> tuple[JsonValue, str | None]:
+    """An admin call's answer: (parsed answer, None) or (answer, why it failed: an HTTP error
+    or ``success: false``)."""
+    try:
+        result: JsonValue = loads(raw) if raw else None
+    except ValueError:
+        result = raw.decode("utf-8", "replace")
+    if status != 200:
+        return result, f"HTTP {status}: {error_message(raw)}"
+    if isinstance(result, dict) and result.get("success") is False:
+        return result, f"success false: {result.get('message', '(no message)')}"
+    return result, None
 
 
 async def read_body(resp: aiohttp.ClientResponse, cap: int) -> bytes:
