@@ -50,6 +50,7 @@ class ControlPlane:
     def __init__(self, connections: Callable[[str], Http1Pool], name: str = "arealite-admin"):
         self._connections = connections
         self._pools: dict[str, Http1Pool] = {}  # the control thread's only
+        self._warming: dict[str, asyncio.Task] = {}  # the control thread's only: `warm` under way
         self._loop = uvloop.new_event_loop()
         self._cpu_clock: int | None = None
         self._cpu_at_close = 0.0
@@ -97,11 +98,38 @@ class ControlPlane:
         return list(await asyncio.gather(*(self._one(a, route, b, timeout, max_body, judge)
                                            for a, b in zip(addrs, bodies))))
 
-    async def _one(self, addr: str, route: str, body: bytes, timeout: float | None, max_body: int,
-                   judge: Judge) -> Answer:
+    def warm(self, addrs: Sequence[str], timeout: float) -> None:
+        """Open a connection to each server now unless a fresh one is idle, without waiting: a
+        fan-out that follows uses it (it waits for the opening under way) rather than connecting
+        on its own path. A server that cannot be reached is left to that fan-out to report."""
+        if self._loop.is_running():
+            self._loop.call_soon_threadsafe(self._start_warming, list(addrs), timeout)
+
+    def _start_warming(self, addrs: list[str], timeout: float) -> None:
+        for addr in addrs:
+            if addr not in self._warming:
+                task = self._loop.create_task(self._conns(addr).warm(timeout))
+                task.add_done_callback(lambda t, a=addr: self._warm_done(a, t))
+                self._warming[addr] = task
+
+    def _warm_done(self, addr: str, task: asyncio.Task) -> None:
+        if self._warming.get(addr) is task:
+            del self._warming[addr]
+        if not task.cancelled():
+            task.exception()  # read, so that it is not logged: the fan-out reports the server
+
+    def _conns(self, addr: str) -> Http1Pool:
         conns = self._pools.get(addr)
         if conns is None:
             conns = self._pools[addr] = self._connections(addr)
+        return conns
+
+    async def _one(self, addr: str, route: str, body: bytes, timeout: float | None, max_body: int,
+                   judge: Judge) -> Answer:
+        warming = self._warming.get(addr)
+        if warming is not None:
+            await asyncio.wait([warming], timeout=timeout)
+        conns = self._conns(addr)
         try:
             status, raw = await conns.post(route, body, timeout, max_body=max_body)
         except TimeoutError:
@@ -124,6 +152,8 @@ class ControlPlane:
             return
 
         async def shut() -> None:
+            for task in list(self._warming.values()):
+                task.cancel()
             for conns in self._pools.values():
                 await conns.aclose()
             self._pools.clear()

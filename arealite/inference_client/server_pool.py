@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 import time
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Iterable, Sequence
@@ -178,8 +179,11 @@ class ServerPool:
         self._headers: dict[str, str] | None = {"Authorization": f"Bearer {api_key}"} if api_key else None
         # The admin's own thread (made on the first admin call) and the CPU the rollout loop
         # spent on admin calls around it (`admin_cpu_s`).
+        # `_control_lock` guards its making: the rollout loop (`call_all`) and a weight
+        # publisher's thread (`warm_admin_connections`) may both be first.
         self.control: ControlPlane | None = None
-        self._admin_loop_cpu_s = 0.0
+        self._control_lock = threading.Lock()
+        self._admin_loop_cpu_s = 0.0  # written on the rollout loop only
 
     # ------------------------------------------------------------------ state
 
@@ -450,8 +454,10 @@ class ServerPool:
         for s in self.states:
             if s.conns is not None:
                 await s.conns.aclose()
-        if self.control is not None:
-            self.control.close()
+        with self._control_lock:
+            control = self.control
+        if control is not None:
+            control.close()
         if self.session is not None:
             session, self.session = self.session, None
             await session.close()
@@ -497,9 +503,7 @@ class ServerPool:
             bodies = [dumps(payload)] * len(targets)
         else:
             bodies = [dumps(per_server(i, s)) for i, s in enumerate(targets)]
-        if self.control is None:
-            self.control = ControlPlane(self._admin_connections, name=f"{self.owner}-admin")
-        fut = self.control.fan_out([s.addr for s in targets], route, bodies, total, self.max_response_bytes,
+        fut = self.admin_plane().fan_out([s.addr for s in targets], route, bodies, total, self.max_response_bytes,
                                    judge_answer)
         self._admin_loop_cpu_s += time.thread_time() - cpu0
         answers = await asyncio.wrap_future(fut)
@@ -511,6 +515,26 @@ class ServerPool:
             return self._results(route, targets, answers)
         finally:
             self._admin_loop_cpu_s += time.thread_time() - cpu1
+
+    def admin_plane(self) -> ControlPlane:
+        """The admin's own thread (started on first use; any thread may ask)."""
+        with self._control_lock:
+            if self.closed:
+                raise RuntimeError(f"{self.owner} is closed (aclose() was called)")
+            if self.control is None:
+                self.control = ControlPlane(self._admin_connections, name=f"{self.owner}-admin")
+            return self.control
+
+    def warm_admin_connections(self) -> None:
+        """Open the admin's connections to the plain-http servers in rotation now, so that the
+        next admin call (a weight update's pause) does not connect on its path; returns at once.
+        Any thread may call it (a weight publisher does, before it pauses the servers)."""
+        addrs = [s.addr for s in list(self.states) if s.healthy and s.base_url.startswith("http://")]
+        if addrs and not self.closed:
+            try:
+                self.admin_plane().warm(addrs, min(5.0, self.request_timeout_s))
+            except RuntimeError:  # closed meanwhile: nothing to warm
+                pass
 
     def _admin_connections(self, addr: str) -> Http1Pool:
         """New keep-alive connections to ``addr`` for the admin's thread (called there)."""
@@ -594,6 +618,12 @@ class ServerPoolView:
         """CPU seconds the admin calls have cost the client so far (`ServerPool.admin_cpu_s`; any
         thread may read it: a weight update's clock is the difference of two readings)."""
         return self.pool.admin_cpu_s()
+
+    def warm_connections(self) -> None:
+        """Open the admin's connections to every server now, without waiting (any thread): the
+        weight publisher calls it before it stages the weights, so that the pause that follows
+        does not connect on the update's critical path."""
+        self.pool.warm_admin_connections()
 
     async def drop_unreachable(self, addrs: Iterable[str] | None = None, why: str = "") -> list[str]:
         """Probe the given servers in rotation (default: all of them).

@@ -246,6 +246,9 @@ class WeightPublisher:
     def _lead(self, version: int) -> dict[str, float]:
         """Rank 0: the whole sequence; the other ranks learn how it ended."""
         timer = Timer(self._client_cpu_clock())
+        warm = getattr(self.admin, "warm_connections", None)
+        if callable(warm):  # connect to the servers while the weights are staged, not in the pause
+            warm()
         observed = self.verifier.observe(self.source, version) if self.verifier is not None else self.source
         source = _InStep(observed, self.transfer.bucket_bytes)
         try:
