@@ -137,3 +137,19 @@ def test_admin_failures_are_judged_on_the_admin_thread_and_name_each_server(serv
     assert set(dead.results) == set(servers[:2])
     assert healthy == servers[:2]  # the fault was applied on the rollout loop: out of rotation
     assert per_server == {a: {"success": True} for a in servers[:2]}
+
+
+def test_warmed_connections_carry_the_next_fan_out(servers, rollout):
+    # A weight publisher opens the admin's connections (from its own thread) while the weights
+    # are staged; the pause that follows goes over them and opens none of its own.
+    pool = ServerPool(servers, wire=SGLangWire(), max_inflight=4, request_timeout_s=10)
+    rollout.run(asyncio.sleep(0))
+    pool.warm_admin_connections()  # this thread, not the rollout loop: returns at once
+    deadline = time.monotonic() + 10
+    while pool.control.connection_stats() != {a: {"idle": 1, "live": 1} for a in servers}:
+        assert time.monotonic() < deadline, pool.control.connection_stats()
+        time.sleep(0.01)
+    out = rollout.run(pool.call_all("/continue_generation", {}), 30)
+    assert out == {a: {"success": True} for a in servers}
+    assert pool.control.connection_stats() == {a: {"idle": 1, "live": 1} for a in servers}
+    rollout.run(pool.aclose(), 30)
