@@ -730,7 +730,7 @@ async def test_admin_calls_reuse_one_keep_alive_connection_and_name_a_dead_serve
         for _ in range(3):
             await eng.admin.pause_generation()
             await eng.admin.continue_generation()
-        assert eng.pool.control.connection_stats()[a.addr] == {"idle": 1, "live": 1}
+        assert eng.pool.admin_calls.control.connection_stats()[a.addr] == {"idle": 1, "live": 1}
         assert eng.pool.get(a.addr).conns.stats() == {"idle": 0, "live": 0}
         assert [r for r, _ in a.calls] == ["/pause_generation", "/continue_generation"] * 3
         assert a.auth_headers[-1] == "Bearer k"

@@ -14,6 +14,7 @@ import pytest
 
 from arealite.inference_client.errors import ServerAdminError
 from arealite.inference_client.server_pool import ServerPool
+from arealite.inference_client.sglang_admin import SGLangAdmin
 from arealite.inference_client.sglang_wire import SGLangWire
 from arealite.rollout.loop_thread import LoopThread
 
@@ -89,19 +90,19 @@ def test_admin_calls_reach_every_server_while_the_rollout_loop_is_blocked(server
         pool = ServerPool(servers, wire=SGLangWire(), max_inflight=4, request_timeout_s=10)
         try:
             await pool.call_all("/warm", {})  # connections made, the admin's thread started
-            cpu0 = pool.admin_cpu_s()
+            cpu0 = pool.admin_calls.cpu_s()
             call = asyncio.ensure_future(pool.call_all("/pause_generation", {"mode": "in_place"}))
             await asyncio.sleep(0)  # the call hands its fan-out to the admin's thread
             blocked_at = time.time()
             burn(0.6)  # the rollout loop runs one long callback
             unblocked_at = time.time()
             out = await call
-            cpu = pool.admin_cpu_s() - cpu0
-            thread = pool.control.thread_id
+            cpu = pool.admin_calls.cpu_s() - cpu0
+            thread = pool.admin_calls.control.thread_id
             rollout_conns = [s.conns.stats()["live"] for s in pool.states]
         finally:
             await pool.aclose()
-        return out, cpu, blocked_at, unblocked_at, thread, pool.control.thread_id, rollout_conns
+        return out, cpu, blocked_at, unblocked_at, thread, pool.admin_calls.control.thread_id, rollout_conns
 
     out, cpu, blocked_at, unblocked_at, thread, after_close, rollout_conns = rollout.run(scenario(), 30)
     assert out == {a: {"success": True} for a in servers}
@@ -144,12 +145,12 @@ def test_warmed_connections_carry_the_next_fan_out(servers, rollout):
     # are staged; the pause that follows goes over them and opens none of its own.
     pool = ServerPool(servers, wire=SGLangWire(), max_inflight=4, request_timeout_s=10)
     rollout.run(asyncio.sleep(0))
-    pool.warm_admin_connections()  # this thread, not the rollout loop: returns at once
+    SGLangAdmin(pool).warm_connections()  # this thread, not the rollout loop: returns at once
     deadline = time.monotonic() + 10
-    while pool.control.connection_stats() != {a: {"idle": 1, "live": 1} for a in servers}:
-        assert time.monotonic() < deadline, pool.control.connection_stats()
+    while pool.admin_calls.control.connection_stats() != {a: {"idle": 1, "live": 1} for a in servers}:
+        assert time.monotonic() < deadline, pool.admin_calls.control.connection_stats()
         time.sleep(0.01)
     out = rollout.run(pool.call_all("/continue_generation", {}), 30)
     assert out == {a: {"success": True} for a in servers}
-    assert pool.control.connection_stats() == {a: {"idle": 1, "live": 1} for a in servers}
+    assert pool.admin_calls.control.connection_stats() == {a: {"idle": 1, "live": 1} for a in servers}
     rollout.run(pool.aclose(), 30)

@@ -26,16 +26,30 @@ import concurrent.futures
 import threading
 import time
 from collections.abc import Callable, Sequence
+from typing import Protocol
 
 import uvloop
 
+from arealite.inference_client.errors import ServerAdminError
 from arealite.inference_client.http1 import Http1Pool
-from arealite.inference_client.wire import describe
+from arealite.inference_client.wire import describe, error_message, loads
+from arealite.utils.json_types import JsonValue
 
-__all__ = ["Answer", "ControlPlane"]
+__all__ = ["AdminCalls", "Answer", "ControlPlane", "judge_answer", "results_of"]
+
+#: How long the admin's idle connections are reused. Longer than the generation path's 2 s:
+#: admin calls come once per step, a connection the server closes meanwhile is seen at once
+#: (its EOF) and dropped, and one closed just as it is reused is resent once on a fresh one
+#: (`Http1Pool`). Connecting anew costs ~70 us of CPU a server (256 simulated servers: 29 ms
+#: of CPU for a pause against 10 ms over open connections).
+ADMIN_IDLE_S = 30.0
 
 #: One server's side of a fan-out: (its answer judged, why it failed or None, no answer came).
 Answer = tuple[object, str | None, bool]
+class _Target(Protocol):
+    addr: str
+
+
 #: Judges an answer that came: ``judge(status, body) -> (answer, why it failed or None)``.
 Judge = Callable[[int, bytes], tuple[object, str | None]]
 
@@ -167,3 +181,95 @@ class ControlPlane:
         self._thread.join(timeout)
         if not self._thread.is_alive():
             self._loop.close()
+
+
+def judge_answer(status: int, raw: bytes) -> tuple[JsonValue, str | None]:
+    """An admin call's answer: (parsed answer, None) or (answer, why it failed: an HTTP error
+    or ``success: false``)."""
+    try:
+        result: JsonValue = loads(raw) if raw else None
+    except ValueError:
+        result = raw.decode("utf-8", "replace")
+    if status != 200:
+        return result, f"HTTP {status}: {error_message(raw)}"
+    if isinstance(result, dict) and result.get("success") is False:
+        return result, f"success false: {result.get('message', '(no message)')}"
+    return result, None
+
+
+def results_of(route: str, addrs: Sequence[str], answers: Sequence[tuple]) -> dict[str, JsonValue]:
+    """``{addr: answer}`` of a fan-out whose ``answers`` are ``(answer, why it failed or None, ...)``;
+    raises `ServerAdminError` naming every server that failed."""
+    results = {a: x[0] for a, x in zip(addrs, answers) if x[1] is None}
+    failures = {a: x[1] for a, x in zip(addrs, answers) if x[1] is not None}
+    if failures:
+        raise ServerAdminError(route, failures, results)
+    return results
+
+
+class AdminCalls:
+    """The rollout loop's side of the admin's thread: makes the `ControlPlane` on first use
+    (from any thread: ``_lock`` guards it), hands fan-outs over and applies their answers,
+    keeps the CPU they cost. ``headers`` go with every request."""
+
+    def __init__(self, owner: str, headers: dict[str, str] | None, max_body: int):
+        self._owner, self._headers, self._max_body = owner, headers, max_body
+        self._lock = threading.Lock()
+        self.control: ControlPlane | None = None
+        self.closed = False
+        self.loop_cpu_s = 0.0  # CPU the rollout loop spent on admin calls; written there only
+
+    def plane(self) -> ControlPlane:
+        """The admin's thread (started on first use)."""
+        with self._lock:
+            if self.closed:
+                raise RuntimeError(f"{self._owner} is closed (aclose() was called)")
+            if self.control is None:
+                self.control = ControlPlane(self._connections, name=f"{self._owner}-admin")
+            return self.control
+
+    def warm(self, addrs: Sequence[str], timeout: float) -> None:
+        """`ControlPlane.warm` (any thread; nothing once closed)."""
+        try:
+            self.plane().warm(addrs, timeout)
+        except RuntimeError:  # closed meanwhile: nothing to warm
+            pass
+
+    def _connections(self, addr: str) -> Http1Pool:
+        host, _, port = addr.rpartition(":")
+        return Http1Pool(host.strip("[]"), int(port), self._headers, max_idle_s=ADMIN_IDLE_S, max_body=self._max_body)
+
+    async def call(self, targets: Sequence[_Target], route: str, bodies: Sequence[bytes], timeout: float,
+                   on_no_answer: Callable[[_Target], None], cpu0: float) -> dict[str, JsonValue]:
+        """POST ``bodies[i]`` to ``targets[i]`` on the admin's thread; ``on_no_answer(target)``
+        for each that did not answer (on this loop), then `results_of`. The CPU this loop
+        spends on the call since ``cpu0`` (its ``time.thread_time()``) counts in `cpu_s`."""
+        addrs = [t.addr for t in targets]
+        fut = self.plane().fan_out(addrs, route, bodies, timeout, self._max_body, judge_answer)
+        self.count_since(cpu0)
+        answers = await asyncio.wrap_future(fut)
+        cpu1 = time.thread_time()
+        try:
+            for t, (_, _, no_answer) in zip(targets, answers):
+                if no_answer:
+                    on_no_answer(t)
+            return results_of(route, addrs, answers)
+        finally:
+            self.count_since(cpu1)
+
+    def count_since(self, cpu0: float) -> None:
+        """Count the calling (rollout) loop's CPU since ``cpu0`` as the admin calls'."""
+        self.loop_cpu_s += time.thread_time() - cpu0
+
+    def cpu_s(self) -> float:
+        """CPU seconds of the admin calls so far: the admin's thread plus the rollout loop's
+        share (any thread may read it; a difference of two readings is the CPU between them)."""
+        control = self.control
+        return (control.cpu_s() if control is not None else 0.0) + self.loop_cpu_s
+
+    def close(self) -> None:
+        with self._lock:
+            self.closed = True
+            control = self.control
+        if control is not None:
+            control.close()

@@ -28,17 +28,16 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import threading
 import time
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 from typing import TypeVar
 import aiohttp
 
-from arealite.inference_client.control_plane import Answer, ControlPlane
-from arealite.inference_client.errors import NoHealthyServerError, ServerAdminError, ServerStartupError
+from arealite.inference_client.control_plane import AdminCalls, judge_answer, results_of
+from arealite.inference_client.errors import NoHealthyServerError, ServerStartupError
 from arealite.inference_client.http1 import Http1Pool, HttpResponseTooLarge
-from arealite.inference_client.wire import JSON_HEADERS, WireFormat, describe, dumps, error_message, loads, snippet
+from arealite.inference_client.wire import JSON_HEADERS, WireFormat, describe, dumps, loads, snippet
 from arealite.utils.json_types import JsonObject, JsonValue
 
 logger = logging.getLogger(__name__)
@@ -48,7 +47,6 @@ T = TypeVar("T")
 __all__ = ["Attempt", "Router", "ServerPool", "ServerPoolView", "ServerState", "normalize_addr"]
 
 _AFFINITY_CACHE = 100_000  # affinity keys remembered (LRU); old groups are done anyway
-_ADMIN_IDLE_S = 30.0  # how long the admin's idle connections are reused (`_admin_connections`)
 
 
 def normalize_addr(addr: str) -> tuple[str, str]:
@@ -157,7 +155,6 @@ class ServerPool:
         self.unhealthy_after = int(unhealthy_after)
         self.probe_interval = float(probe_interval_s)
         self.probe_timeout = aiohttp.ClientTimeout(total=min(5.0, request_timeout_s))
-        self._api_key = api_key
         self.n_unhealthy = 0
         self.counts = {"marked_unhealthy": 0, "recovered": 0}
         # Cleared by the admin's pause_generation, set by continue_generation: while clear,
@@ -178,13 +175,8 @@ class ServerPool:
         self.closed = False
         self._bg_tasks: set[asyncio.Task] = set()
         self._headers: dict[str, str] | None = {"Authorization": f"Bearer {api_key}"} if api_key else None
-        # The admin's own thread (made on the first admin call) and the CPU the rollout loop
-        # spent on admin calls around it (`admin_cpu_s`).
-        # `_control_lock` guards its making: the rollout loop (`call_all`) and a weight
-        # publisher's thread (`warm_admin_connections`) may both be first.
-        self.control: ControlPlane | None = None
-        self._control_lock = threading.Lock()
-        self._admin_loop_cpu_s = 0.0  # written on the rollout loop only
+        # The admin's own thread (made on the first admin call) and the CPU admin calls cost.
+        self.admin_calls = AdminCalls(owner, self._headers, self.max_response_bytes)
 
     # ------------------------------------------------------------------ state
 
@@ -455,10 +447,7 @@ class ServerPool:
         for s in self.states:
             if s.conns is not None:
                 await s.conns.aclose()
-        with self._control_lock:
-            control = self.control
-        if control is not None:
-            control.close()
+        self.admin_calls.close()
         if self.session is not None:
             session, self.session = self.session, None
             await session.close()
@@ -485,82 +474,19 @@ class ServerPool:
             detail = "; ".join(f"{x.addr}: {x.excluded or x.reason}" for x in self.states)
             raise NoHealthyServerError(f"{route}: no healthy inference server ({detail})")
         total = timeout if timeout is not None else self.request_timeout_s
-        if method == "POST" and (payload is not None or per_server is not None):
-            if all(s.conns is not None for s in targets):
-                return await self._call_all_apart(route, payload, targets, per_server, total, cpu0)
-        self._admin_loop_cpu_s += time.thread_time() - cpu0
+        if method == "POST" and (payload is not None or per_server is not None) and all(
+                s.conns is not None for s in targets):
+            if per_server is None:
+                bodies = [dumps(payload)] * len(targets)  # encoded once, the same bytes to every server
+            else:
+                bodies = [dumps(per_server(i, s)) for i, s in enumerate(targets)]
+            return await self.admin_calls.call(targets, route, bodies, total, self.record_admin_fault, cpu0)
+        self.admin_calls.count_since(cpu0)
         t = aiohttp.ClientTimeout(total=total)
         answers = await asyncio.gather(*(
             self._call_one(s, route, per_server(i, s) if per_server is not None else payload, t, method)
             for i, s in enumerate(targets)))
-        return self._results(route, targets, answers)
-
-    async def _call_all_apart(self, route: str, payload: JsonObject | None, targets: list[ServerState],
-                              per_server: Callable[[int, ServerState], JsonObject] | None, total: float,
-                              cpu0: float) -> dict[str, JsonValue]:
-        """`call_all` on the admin's thread; the answers are applied here (the pool's state is
-        this loop's). The CPU this loop spends on it counts in `admin_cpu_s`."""
-        if per_server is None:
-            bodies = [dumps(payload)] * len(targets)
-        else:
-            bodies = [dumps(per_server(i, s)) for i, s in enumerate(targets)]
-        fut = self.admin_plane().fan_out([s.addr for s in targets], route, bodies, total, self.max_response_bytes,
-                                   judge_answer)
-        self._admin_loop_cpu_s += time.thread_time() - cpu0
-        answers = await asyncio.wrap_future(fut)
-        cpu1 = time.thread_time()
-        try:
-            for s, (_, _, no_answer) in zip(targets, answers):
-                if no_answer:
-                    self.record_admin_fault(s)
-            return self._results(route, targets, answers)
-        finally:
-            self._admin_loop_cpu_s += time.thread_time() - cpu1
-
-    def admin_plane(self) -> ControlPlane:
-        """The admin's own thread (started on first use; any thread may ask)."""
-        with self._control_lock:
-            if self.closed:
-                raise RuntimeError(f"{self.owner} is closed (aclose() was called)")
-            if self.control is None:
-                self.control = ControlPlane(self._admin_connections, name=f"{self.owner}-admin")
-            return self.control
-
-    def warm_admin_connections(self) -> None:
-        """Open the admin's connections to the plain-http servers in rotation now, so that the
-        next admin call (a weight update's pause) does not connect on its path; returns at once.
-        Any thread may call it (a weight publisher does, before it pauses the servers)."""
-        addrs = [s.addr for s in list(self.states) if s.healthy and s.base_url.startswith("http://")]
-        if addrs and not self.closed:
-            try:
-                self.admin_plane().warm(addrs, min(5.0, self.request_timeout_s))
-            except RuntimeError:  # closed meanwhile: nothing to warm
-                pass
-
-    def _admin_connections(self, addr: str) -> Http1Pool:
-        """New keep-alive connections to ``addr`` for the admin's thread (called there)."""
-        host, _, port = addr.rpartition(":")
-        # Kept idle longer than the generation path's 2 s: admin calls come once per step, a
-        # connection the server closes meanwhile is seen at once (its EOF) and dropped, and one
-        # closed just as it is reused is resent once on a fresh one (`Http1Pool`). Connecting
-        # anew costs ~70 us of CPU a server (256 servers: 29 ms for a pause against 10 ms).
-        return Http1Pool(host.strip("[]"), int(port), self._headers, max_idle_s=_ADMIN_IDLE_S,
-                         max_body=self.max_response_bytes)
-
-    def admin_cpu_s(self) -> float:
-        """CPU seconds spent on admin calls so far: the admin's thread's (all its life) plus what
-        this loop spent sending them and applying their answers. Read it from any thread (a
-        weight publisher's clock); a difference of two readings is the CPU between them."""
-        return (self.control.cpu_s() if self.control is not None else 0.0) + self._admin_loop_cpu_s
-
-    @staticmethod
-    def _results(route: str, targets: list[ServerState],
-                 answers: Sequence[tuple[JsonValue, str | None] | Answer]) -> dict[str, JsonValue]:
-        results = {s.addr: a[0] for s, a in zip(targets, answers) if a[1] is None}
-        failures = {s.addr: a[1] for s, a in zip(targets, answers) if a[1] is not None}
-        if failures:
-            raise ServerAdminError(route, failures, results)
-        return results
+        return results_of(route, [s.addr for s in targets], answers)
 
     async def _call_one(self, s: ServerState, route: str, body: JsonObject | None,
                         t: aiohttp.ClientTimeout, method: str) -> tuple[JsonValue, str | None]:
@@ -621,15 +547,18 @@ class ServerPoolView:
         return self.pool.out_of_rotation()
 
     def admin_cpu_s(self) -> float:
-        """CPU seconds the admin calls have cost the client so far (`ServerPool.admin_cpu_s`; any
+        """CPU seconds the admin calls have cost the client so far (`AdminCalls.cpu_s`; any
         thread may read it: a weight update's clock is the difference of two readings)."""
-        return self.pool.admin_cpu_s()
+        return self.pool.admin_calls.cpu_s()
 
     def warm_connections(self) -> None:
         """Open the admin's connections to every server now, without waiting (any thread): the
         weight publisher calls it before it stages the weights, so that the pause that follows
         does not connect on the update's critical path."""
-        self.pool.warm_admin_connections()
+        pool = self.pool
+        addrs = [s.addr for s in list(pool.states) if s.healthy and s.base_url.startswith("http://")]
+        if addrs and not pool.closed:
+            pool.admin_calls.warm(addrs, min(5.0, pool.request_timeout_s))
 
     async def drop_unreachable(self, addrs: Iterable[str] | None = None, why: str = "") -> list[str]:
         """Probe the given servers in rotation (default: all of them).
@@ -701,20 +630,6 @@ class Router:
             if len(self._affinity) > _AFFINITY_CACHE:
                 self._affinity.popitem(last=False)
         return best
-
-
-def judge_answer(status: int, raw: bytes) -> tuple[JsonValue, str | None]:
-    """An admin call's answer: (parsed answer, None) or (answer, why it failed: an HTTP error
-    or ``success: false``)."""
-    try:
-        result: JsonValue = loads(raw) if raw else None
-    except ValueError:
-        result = raw.decode("utf-8", "replace")
-    if status != 200:
-        return result, f"HTTP {status}: {error_message(raw)}"
-    if isinstance(result, dict) and result.get("success") is False:
-        return result, f"success false: {result.get('message', '(no message)')}"
-    return result, None
 
 
 async def read_body(resp: aiohttp.ClientResponse, cap: int) -> bytes:
