@@ -195,8 +195,8 @@ def weight_update(ctl, client, model_dir: Path, args, work: Path) -> dict:
     warm-up, then ``--update-rounds`` rounds of one publish in each pause mode (interleaved).
     Per mode, medians and spread (min-max) of: the pause -> resume wall time less the simulated
     transfer (``update_overhead_ms``), each phase, the client's CPU on the update's critical path
-    (the publisher's ``held_client_cpu_s``, pause to continue: its thread plus the client's loop
-    thread; ``publish_client_cpu_ms`` the whole publish) and this whole process's CPU meanwhile; the simulated servers' CPU of the last round."""
+    (the publisher's ``held_client_cpu_s``, pause to continue: its thread plus the admin calls' own
+    thread and the rollout loop's share in sending them; ``publish_client_cpu_ms`` the whole publish) and this whole process's CPU meanwhile; the simulated servers' CPU of the last round."""
     import torch
     from transformers import AutoModelForCausalLM
 

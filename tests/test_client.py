@@ -721,15 +721,17 @@ async def test_admin_failure_names_the_server(fakes):
 
 
 async def test_admin_calls_reuse_one_keep_alive_connection_and_name_a_dead_server(fakes):
-    # Admin POSTs go over the server's own HTTP/1.1 pool: one connection for every call,
-    # the api key sent, a server that stopped answering named with its connection error.
+    # Admin POSTs go over the admin thread's own HTTP/1.1 pool per server: one connection for
+    # every call, none of the generation path's, the api key sent, a server that stopped
+    # answering named with its connection error.
     a, b = await fakes(2, api_key="k")
     async with SGLangClient([a.addr, b.addr], cfg(), api_key="k") as eng:
         await eng.initialize(timeout=5)
         for _ in range(3):
             await eng.admin.pause_generation()
             await eng.admin.continue_generation()
-        assert eng.pool.get(a.addr).conns.stats() == {"idle": 1, "live": 1}
+        assert eng.pool.admin_calls.control.connection_stats()[a.addr] == {"idle": 1, "live": 1}
+        assert eng.pool.get(a.addr).conns.stats() == {"idle": 0, "live": 0}
         assert [r for r, _ in a.calls] == ["/pause_generation", "/continue_generation"] * 3
         assert a.auth_headers[-1] == "Bearer k"
         await b.stop()

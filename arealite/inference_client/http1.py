@@ -269,6 +269,16 @@ class Http1Pool:
             conn.close()
         return None
 
+    async def warm(self, timeout: float | None = None) -> None:
+        """Have an idle connection ready for the next request: one opened now unless a fresh
+        one is idle already (raises as `post` does when it cannot connect)."""
+        conn = self._take_idle()
+        if conn is None:
+            loop = asyncio.get_running_loop()
+            conn = await self._connect_by(loop, None if timeout is None else loop.time() + timeout)
+            conn.idle_since = time.monotonic()
+        self._idle.append(conn)
+
     async def post(self, path: str, body: bytes, timeout: float | None = None,
                    content_type: str = "application/json", max_body: int | None = None) -> tuple[int, bytes]:
         """POST ``body`` to ``path``; return (status, response body).

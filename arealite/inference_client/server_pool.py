@@ -9,9 +9,13 @@ generation path (`remote_client.py`) and the administration (`sglang_admin.py`):
   ``excluded`` and never comes back (it would serve an old policy).
 - **The servers' pause**: while an admin ``pause_generation`` lasts (`hold`), requests
   wait in the client rather than on the paused servers (`running`).
-- **HTTP**: one aiohttp session (admin calls, probes, https) and, per plain-http
-  server, an `Http1Pool` for the generation hot path; `call_all` sends one admin
-  call to many servers at once and raises one `ServerAdminError` naming every failure.
+- **HTTP**: one aiohttp session (probes, https) and, per plain-http server, an
+  `Http1Pool` for the generation hot path; `call_all` sends one admin call to many
+  servers at once and raises one `ServerAdminError` naming every failure. Its POSTs to
+  plain-http servers go out on the admin's own thread (`control_plane.ControlPlane`,
+  its own loop and connections), so that a weight update's fan-out waits behind none of
+  the rollout's callbacks; the answers are applied back here, on the rollout loop, which
+  alone owns the pool's state.
 
 `ServerPoolView` is what the client and the admin both show of their one pool (the
 servers, which are in rotation, what each said about itself, dropping the unreachable):
@@ -30,9 +34,10 @@ from collections.abc import Awaitable, Callable, Iterable, Sequence
 from typing import TypeVar
 import aiohttp
 
-from arealite.inference_client.errors import NoHealthyServerError, ServerAdminError, ServerStartupError
+from arealite.inference_client.control_plane import AdminCalls, judge_answer, results_of
+from arealite.inference_client.errors import NoHealthyServerError, ServerStartupError
 from arealite.inference_client.http1 import Http1Pool, HttpResponseTooLarge
-from arealite.inference_client.wire import JSON_HEADERS, WireFormat, describe, dumps, error_message, loads, snippet
+from arealite.inference_client.wire import JSON_HEADERS, WireFormat, describe, dumps, loads, snippet
 from arealite.utils.json_types import JsonObject, JsonValue
 
 logger = logging.getLogger(__name__)
@@ -150,7 +155,6 @@ class ServerPool:
         self.unhealthy_after = int(unhealthy_after)
         self.probe_interval = float(probe_interval_s)
         self.probe_timeout = aiohttp.ClientTimeout(total=min(5.0, request_timeout_s))
-        self._api_key = api_key
         self.n_unhealthy = 0
         self.counts = {"marked_unhealthy": 0, "recovered": 0}
         # Cleared by the admin's pause_generation, set by continue_generation: while clear,
@@ -170,6 +174,9 @@ class ServerPool:
         self.loop: asyncio.AbstractEventLoop | None = None
         self.closed = False
         self._bg_tasks: set[asyncio.Task] = set()
+        self._headers: dict[str, str] | None = {"Authorization": f"Bearer {api_key}"} if api_key else None
+        # The admin's own thread (made on the first admin call) and the CPU admin calls cost.
+        self.admin_calls = AdminCalls(owner, self._headers, self.max_response_bytes)
 
     # ------------------------------------------------------------------ state
 
@@ -319,7 +326,7 @@ class ServerPool:
             # during a weight update) never queue behind generation requests for a socket.
             connector = aiohttp.TCPConnector(limit=len(self.states) * (per_host + 16),
                                              limit_per_host=per_host + 16, keepalive_timeout=60)
-            headers = {"Authorization": f"Bearer {self._api_key}"} if self._api_key else None
+            headers = self._headers
             self.session = aiohttp.ClientSession(connector=connector, headers=headers,
                                                  timeout=aiohttp.ClientTimeout(total=None), trust_env=False)
             for s in self.states:
@@ -440,6 +447,7 @@ class ServerPool:
         for s in self.states:
             if s.conns is not None:
                 await s.conns.aclose()
+        self.admin_calls.close()
         if self.session is not None:
             session, self.session = self.session, None
             await session.close()
@@ -455,22 +463,30 @@ class ServerPool:
         """Send one call to every target (default: the servers in rotation) concurrently.
 
         Returns ``{addr: answer}``; raises `ServerAdminError` naming every server that failed
-        (no answer, HTTP error, or ``success: false``).
+        (no answer, HTTP error, or ``success: false``). POSTs to plain-http servers go out
+        on the admin's own thread (`ControlPlane`), the same encoded body to every server
+        unless ``per_server`` gives each its own.
         """
+        cpu0 = time.thread_time()
         self.ensure_session()
         targets = servers if servers is not None else [s for s in self.states if s.healthy]
         if not targets:
             detail = "; ".join(f"{x.addr}: {x.excluded or x.reason}" for x in self.states)
             raise NoHealthyServerError(f"{route}: no healthy inference server ({detail})")
-        t = aiohttp.ClientTimeout(total=timeout if timeout is not None else self.request_timeout_s)
+        total = timeout if timeout is not None else self.request_timeout_s
+        if method == "POST" and (payload is not None or per_server is not None) and all(
+                s.conns is not None for s in targets):
+            if per_server is None:
+                bodies = [dumps(payload)] * len(targets)  # encoded once, the same bytes to every server
+            else:
+                bodies = [dumps(per_server(i, s)) for i, s in enumerate(targets)]
+            return await self.admin_calls.call(targets, route, bodies, total, self.record_admin_fault, cpu0)
+        self.admin_calls.count_since(cpu0)
+        t = aiohttp.ClientTimeout(total=total)
         answers = await asyncio.gather(*(
             self._call_one(s, route, per_server(i, s) if per_server is not None else payload, t, method)
             for i, s in enumerate(targets)))
-        results = {s.addr: r for s, (r, err) in zip(targets, answers) if err is None}
-        failures = {s.addr: err for s, (r, err) in zip(targets, answers) if err is not None}
-        if failures:
-            raise ServerAdminError(route, failures, results)
-        return results
+        return results_of(route, [s.addr for s in targets], answers)
 
     async def _call_one(self, s: ServerState, route: str, body: JsonObject | None,
                         t: aiohttp.ClientTimeout, method: str) -> tuple[JsonValue, str | None]:
@@ -483,15 +499,7 @@ class ServerPool:
         except (aiohttp.ClientError, ConnectionError) as e:  # Http1Pool's errors are ConnectionErrors
             self.record_admin_fault(s)
             return None, describe(e)
-        try:
-            result: JsonValue = loads(raw) if raw else None
-        except ValueError:
-            result = raw.decode("utf-8", "replace")
-        if status != 200:
-            return result, f"HTTP {status}: {error_message(raw)}"
-        if isinstance(result, dict) and result.get("success") is False:
-            return result, f"success false: {result.get('message', '(no message)')}"
-        return result, None
+        return judge_answer(status, raw)
 
     async def _exchange(self, s: ServerState, route: str, body: JsonObject | None,
                         t: aiohttp.ClientTimeout, method: str) -> tuple[int, bytes]:
@@ -537,6 +545,20 @@ class ServerPoolView:
     def out_of_rotation(self) -> dict[str, str]:
         """Every server out of rotation and why."""
         return self.pool.out_of_rotation()
+
+    def admin_cpu_s(self) -> float:
+        """CPU seconds the admin calls have cost the client so far (`AdminCalls.cpu_s`; any
+        thread may read it: a weight update's clock is the difference of two readings)."""
+        return self.pool.admin_calls.cpu_s()
+
+    def warm_connections(self) -> None:
+        """Open the admin's connections to every server now, without waiting (any thread): the
+        weight publisher calls it before it stages the weights, so that the pause that follows
+        does not connect on the update's critical path."""
+        pool = self.pool
+        addrs = [s.addr for s in list(pool.states) if s.healthy and s.base_url.startswith("http://")]
+        if addrs and not pool.closed:
+            pool.admin_calls.warm(addrs, min(5.0, pool.request_timeout_s))
 
     async def drop_unreachable(self, addrs: Iterable[str] | None = None, why: str = "") -> list[str]:
         """Probe the given servers in rotation (default: all of them).

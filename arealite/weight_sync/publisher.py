@@ -29,8 +29,8 @@ the update goes on with the others.
 Each phase's wall time (``pause_s``, ``transfer_s``: sending and the servers' loading,
 ``verify_s``, ``continue_s``, ``probe_s``) and the client's CPU on it (``<phase>_client_cpu_s``,
 ``total_client_cpu_s``, and ``held_client_cpu_s`` from the pause to the continue: this thread plus
-the client's event-loop thread, where the admin calls and, in abort mode, the aborted answers are
-handled) are returned and logged every step. Any other failure, or no server left,
+the admin calls' own CPU, their thread's and the rollout loop's share in sending them, not the
+rollout's work meanwhile) are returned and logged every step. Any other failure, or no server left,
 raises `WeightSyncError` on every rank with the servers left paused and the controller
 not resumed, so that nothing generates with weights that are not the trainer's.
 """
@@ -246,6 +246,9 @@ class WeightPublisher:
     def _lead(self, version: int) -> dict[str, float]:
         """Rank 0: the whole sequence; the other ranks learn how it ended."""
         timer = Timer(self._client_cpu_clock())
+        warm = getattr(self.admin, "warm_connections", None)
+        if callable(warm):  # connect to the servers while the weights are staged, not in the pause
+            warm()
         observed = self.verifier.observe(self.source, version) if self.verifier is not None else self.source
         source = _InStep(observed, self.transfer.bucket_bytes)
         try:
@@ -283,11 +286,20 @@ class WeightPublisher:
         return out
 
     def _client_cpu_clock(self) -> Callable[[], float]:
-        """CPU seconds of the client's side of an update: this thread plus the event-loop thread
-        that runs the admin calls (found once, on the first publish)."""
+        """CPU seconds of the client's side of an update: this thread plus the admin calls'.
+
+        An admin with ``admin_cpu_s()`` (`SGLangAdmin`: its fan-outs run on a thread of their
+        own, `arealite.inference_client.control_plane`) counts exactly that; the rollout's work
+        meanwhile (answers, workflows, rewards; in abort mode the aborted answers' parsing and
+        resubmission) is not the update's critical path and is left out. Any other admin: the
+        event-loop thread that runs its calls (found once, on the first publish), whatever
+        else that thread runs."""
+        mine = thread_cpu_clock()
+        admin_cpu = getattr(self.admin, "admin_cpu_s", None)
+        if callable(admin_cpu):
+            return lambda: mine() + admin_cpu()
         if self._loop_thread is None:
             self._loop_thread = self.run(_current_thread())
-        mine = thread_cpu_clock()
         try:
             loop = thread_cpu_clock(self._loop_thread) if isinstance(self._loop_thread, int) else mine
             loop()
