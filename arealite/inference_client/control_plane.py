@@ -46,6 +46,8 @@ ADMIN_IDLE_S = 30.0
 
 #: One server's side of a fan-out: (its answer judged, why it failed or None, no answer came).
 Answer = tuple[object, str | None, bool]
+
+
 class _Target(Protocol):
     addr: str
 
