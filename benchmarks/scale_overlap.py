@@ -26,7 +26,8 @@ eta runs ``--repeats`` times (interleaved); one table per mode gives medians wit
 push's paused time and client CPU (``weight_sync/*`` stats), and the orchestration's CPU per step
 (every process of the run, read from /proc) and per trajectory. JSON: ``eta4_of_bound_<mode>``.
 
-    python benchmarks/scale_overlap.py [--quick] [--etas 0,1,2,4,8] [--repeats 3]
+    python benchmarks/scale_overlap.py [--quick] [--etas 0,1,2,4,8] [--repeats 3] [--eta0-once]
+        [--a-max-concurrent 64]
 """
 
 from __future__ import annotations
@@ -67,7 +68,8 @@ def run_config(args, demo: Path, runs: Path, eta: int, mode: str) -> dict:
         "launch": {"n_servers": args.gen_gpus, "n_trainer_procs": 1, "server_backend": "sim"},
         "server": {"context_length": 32768, "sim": {"gpu": "h100", "model": args.model, "time_scale": args.a_time_scale,
                            "length_median": args.a_length_median, "length_sigma": 1.0}},
-        "rollout": {"consumer_batch_size": args.batch, "max_head_offpolicyness": eta},
+        "rollout": {"consumer_batch_size": args.batch, "max_head_offpolicyness": eta,
+                    "max_concurrent_rollouts": args.a_max_concurrent},
         "generation": {"n_samples": args.n_samples, "max_new_tokens": args.a_max_new_tokens},
         "actor": {"model_path": str(demo / "model"), "backend": "sim",
                   "sim": {"gpu": "h800", "model": args.model, "n_gpus": args.train_gpus, "mfu": args.mfu}},
@@ -271,7 +273,8 @@ def run_part_a(args) -> dict:
                     r = runs[m][e]
                     r.append(one_run(args, demo, work, e, rep, m))
                     print(f"run {m} eta={e} repeat {rep}: {r[-1]['step_s']:.3f} s/step, wait {r[-1]['gen_s']:.3f} s, "
-                          f"train+push {r[-1]['train_s']:.3f} s, load {os.getloadavg()[0]:.1f}", file=sys.stderr, flush=True)
+                          f"train+push {r[-1]['train_s']:.3f} s, rows busy {r[-1]['rows_busy']:.2f}, "
+                          f"ready {r[-1]['ready_groups']:.0f}, load {os.getloadavg()[0]:.1f}", file=sys.stderr, flush=True)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     print(f"part (a): {args.gen_gpus} generation + {args.train_gpus} training GPUs, {args.model}, batch "
@@ -352,6 +355,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--n-samples", type=int, default=4, help="answers per prompt")
     g.add_argument("--a-max-new-tokens", dest="a_max_new_tokens", type=int, default=2048)
     g.add_argument("--a-length-median", dest="a_length_median", type=float, default=1024)
+    g.add_argument("--a-max-concurrent", dest="a_max_concurrent", type=int, default=64,
+                   help="rollout.max_concurrent_rollouts (groups in flight; 64, the default, binds at eta >= 4 "
+                        "together with the staleness budget: docs/scale.md)")
     g.add_argument("--steps", type=int, default=10)
     g.add_argument("--skip", type=int, default=2, help="steps left out of the throughput (warm-up)")
     g.add_argument("--a-time-scale", dest="a_time_scale", type=float, default=0.5,
