@@ -16,12 +16,18 @@ GPU split as AReaL's paper (arXiv 2505.24298): three generation GPUs for one tra
 H800s, a 1.5B model; the batch and the answer lengths are scaled down so that the
 orchestration fits two CPU cores (docs/scale.md).
 
+The servers' running rows are sampled (``/server_info``) through each run: *rows busy* is their
+mean over the measured steps as a share of every server's ``max_batch_size`` rows (the bound's
+never-idle generation is 1.0); *ready* the groups finished and waiting for the trainer at the
+push (``controller/output_queue``), which hold part of the staleness budget.
+
 Every pause mode (``--pause-modes``: abort, retract, in_place; ``weight_sync.pause_mode``) and
 eta runs ``--repeats`` times (interleaved); one table per mode gives medians with [min-max], the
 push's paused time and client CPU (``weight_sync/*`` stats), and the orchestration's CPU per step
 (every process of the run, read from /proc) and per trajectory. JSON: ``eta4_of_bound_<mode>``.
 
-    python benchmarks/scale_overlap.py [--quick] [--etas 0,1,2,4,8] [--repeats 3]
+    python benchmarks/scale_overlap.py [--quick] [--etas 0,1,2,4,8] [--repeats 3] [--eta0-once]
+        [--a-max-concurrent 64]
 """
 
 from __future__ import annotations
@@ -29,6 +35,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shutil
 import statistics
 import subprocess
@@ -36,11 +43,13 @@ import sys
 import tempfile
 import threading
 import time
+import urllib.request
 from pathlib import Path
 
 import yaml
 
 REPO = Path(__file__).resolve().parents[1]
+SERVER_ROWS = 64  # server.max_batch_size (default): the rows one simulated server decodes at once
 PAPER_SPEEDUP = 2.77  # AReaL's abstract: "up to 2.77x" over synchronous systems on the same GPUs
 
 
@@ -59,7 +68,8 @@ def run_config(args, demo: Path, runs: Path, eta: int, mode: str) -> dict:
         "launch": {"n_servers": args.gen_gpus, "n_trainer_procs": 1, "server_backend": "sim"},
         "server": {"context_length": 32768, "sim": {"gpu": "h100", "model": args.model, "time_scale": args.a_time_scale,
                            "length_median": args.a_length_median, "length_sigma": 1.0}},
-        "rollout": {"consumer_batch_size": args.batch, "max_head_offpolicyness": eta},
+        "rollout": {"consumer_batch_size": args.batch, "max_head_offpolicyness": eta,
+                    "max_concurrent_rollouts": args.a_max_concurrent},
         "generation": {"n_samples": args.n_samples, "max_new_tokens": args.a_max_new_tokens},
         "actor": {"model_path": str(demo / "model"), "backend": "sim",
                   "sim": {"gpu": "h800", "model": args.model, "n_gpus": args.train_gpus, "mfu": args.mfu}},
@@ -139,6 +149,46 @@ class CpuSampler:
         return out
 
 
+class RowSampler:
+    """Samples the simulated servers' running rows (``/server_info``: ``num_running_reqs``) every
+    ``period`` seconds; the servers' ports are read from the launcher's log as they start."""
+
+    def __init__(self, log: Path, n_servers: int, period: float = 0.25):
+        self.log, self.n_servers, self.period = log, n_servers, period
+        self.samples: list[tuple[float, int]] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, daemon=True)
+        self._thread.start()
+
+    def _ports(self) -> list[str]:
+        try:
+            return re.findall(r"started server\d+ \(pid \d+\) on 127\.0\.0\.1:(\d+)", self.log.read_text())
+        except OSError:
+            return []
+
+    def _loop(self) -> None:
+        ports: list[str] = []
+        while not self._stop.wait(self.period):
+            ports = ports if len(ports) >= self.n_servers else self._ports()
+            if len(ports) < self.n_servers:
+                continue
+            try:
+                rows = sum(json.load(urllib.request.urlopen(f"http://127.0.0.1:{p}/server_info", timeout=2))
+                           ["internal_states"][0]["num_running_reqs"] for p in ports)
+            except (OSError, ValueError, KeyError):  # not up yet, or shutting down
+                continue
+            self.samples.append((time.time(), rows))
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def mean_between(self, t0: float, t1: float) -> float:
+        """Mean running rows over all servers between ``t0`` and ``t1`` (0 if none sampled)."""
+        rows = [r for t, r in self.samples if t0 <= t <= t1]
+        return statistics.mean(rows) if rows else 0.0
+
+
 def one_run(args, demo: Path, work: Path, eta: int, rep: int = 0, mode: str = "in_place") -> dict:
     runs = work / f"runs_{mode}_eta{eta}_{rep}"
     cfg_path = work / f"{mode}_eta{eta}.yaml"
@@ -148,11 +198,12 @@ def one_run(args, demo: Path, work: Path, eta: int, rep: int = 0, mode: str = "i
     with open(log, "w") as out:
         proc = subprocess.Popen([sys.executable, "-m", "arealite.train", "--config", str(cfg_path)], cwd=work,
                                 env=env, stdout=out, stderr=subprocess.STDOUT, text=True)
-        sampler = CpuSampler(proc.pid)
+        sampler, rows = CpuSampler(proc.pid), RowSampler(log, args.gen_gpus)
         try:
             rc = proc.wait(timeout=1800)
         finally:
             sampler.stop()
+            rows.stop()
     if rc != 0:
         raise RuntimeError(f"{mode} eta={eta}: the run failed\n{log.read_text()[-4000:]}")
     recs = [json.loads(x) for x in (runs / "overlap" / f"eta{eta}" / "stats.jsonl").read_text().splitlines()]
@@ -170,7 +221,9 @@ def one_run(args, demo: Path, work: Path, eta: int, rep: int = 0, mode: str = "i
             "staleness_max": max(r["rollout/staleness_max"] for r in kept),
             "answer_len": med("rollout/response_len_mean"),
             "seq_len": med("rollout/n_tokens") / max(1.0, med("rollout/n_trajectories")),
-            "cpu_per_step": cpu}
+            "cpu_per_step": cpu,
+            "rows_busy": rows.mean_between(start, kept[-1]["time"]) / (args.gen_gpus * SERVER_ROWS),
+            "ready_groups": med("controller/output_queue")}
 
 
 def busy_generation_s(args, answer_len: float, seq_len: float) -> float:
@@ -180,7 +233,7 @@ def busy_generation_s(args, answer_len: float, seq_len: float) -> float:
     from arealite.sim.cost_model import SimSpec
 
     spec = SimSpec(gpu="h100", model=args.model)
-    rows = 64
+    rows = SERVER_ROWS
     kv = rows * (seq_len - answer_len / 2)  # on average half of each answer is in the cache
     tokens_per_s = args.gen_gpus * rows / spec.step_s(rows, int(kv))
     return args.batch * args.n_samples * answer_len / tokens_per_s * args.a_time_scale
@@ -214,7 +267,14 @@ def run_part_a(args) -> dict:
         for rep in range(args.repeats):
             for m in modes:
                 for e in etas:
-                    runs[m][e].append(one_run(args, demo, work, e, rep, m))
+                    if e == 0 and args.eta0_once and m != modes[0]:  # nothing in flight at a synchronous push
+                        runs[m][0].append(runs[modes[0]][0][rep])
+                        continue
+                    r = runs[m][e]
+                    r.append(one_run(args, demo, work, e, rep, m))
+                    print(f"run {m} eta={e} repeat {rep}: {r[-1]['step_s']:.3f} s/step, wait {r[-1]['gen_s']:.3f} s, "
+                          f"train+push {r[-1]['train_s']:.3f} s, rows busy {r[-1]['rows_busy']:.2f}, "
+                          f"ready {r[-1]['ready_groups']:.0f}, load {os.getloadavg()[0]:.1f}", file=sys.stderr, flush=True)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     print(f"part (a): {args.gen_gpus} generation + {args.train_gpus} training GPUs, {args.model}, batch "
@@ -246,7 +306,7 @@ def _mode_summary(args, mode: str, etas: list[int], runs: dict[int, list[dict]])
           f"seconds); overlap alone {overlap:.2f}x; busy generation of a batch {busy:.3f} s; "
           f"bound max(busy, train) {bound:.2f}x; paper {PAPER_SPEEDUP}x")
     print(f"{'eta':>4} {'step s':>21} {'push s':>7} {'paused':>7} {'cli CPU':>7} {'speed-up':>21} {'of bound':>8} "
-          f"{'stale max':>9} {'CPU s/step':>10} {'servers':>7} {'worker':>7} {'trainer':>7} {'ms/traj':>7}")
+          f"{'stale max':>9} {'rows busy':>9} {'ready':>5} {'CPU s/step':>10} {'servers':>7} {'worker':>7} {'trainer':>7} {'ms/traj':>7}")
     out_rows = {}
     for e in etas:
         speedups = [r["steps_per_s"] / s0["steps_per_s"] for r, s0 in zip(runs[e], sync)]
@@ -260,7 +320,8 @@ def _mode_summary(args, mode: str, etas: list[int], runs: dict[int, list[dict]])
         out_rows[e] = row
         print(f"{e:>4} {_spread([r['step_s'] for r in runs[e]]):>21} {med(runs[e], 'push_s'):>7.3f} "
               f"{med(runs[e], 'push_paused_s'):>7.3f} {med(runs[e], 'push_client_cpu_s') * 1e3:>7.1f} "
-              f"{_spread(speedups):>21} {row['of_bound']:>8.2f} {row['staleness_max']:>9} {cpu['total']:>10.3f} "
+              f"{_spread(speedups):>21} {row['of_bound']:>8.2f} {row['staleness_max']:>9} "
+              f"{med(runs[e], 'rows_busy'):>9.2f} {med(runs[e], 'ready_groups'):>5.0f} {cpu['total']:>10.3f} "
               f"{cpu['servers']:>7.3f} {cpu['rollout_worker']:>7.3f} {cpu['trainer']:>7.3f} "
               f"{cpu['per_trajectory_ms']:>7.2f}")
     out = {"bound_speedup": round(bound, 3), "overlap_only_speedup": round(overlap, 3),
@@ -272,6 +333,8 @@ def _mode_summary(args, mode: str, etas: list[int], runs: dict[int, list[dict]])
            "push_paused_s_by_eta": {str(e): round(med(runs[e], "push_paused_s"), 4) for e in etas},
            "push_client_cpu_ms_by_eta": {str(e): round(med(runs[e], "push_client_cpu_s") * 1e3, 2) for e in etas},
            "staleness_max_by_eta": {str(e): r["staleness_max"] for e, r in out_rows.items()},
+           "rows_busy_by_eta": {str(e): round(med(runs[e], "rows_busy"), 3) for e in etas},
+           "ready_groups_at_push_by_eta": {str(e): med(runs[e], "ready_groups") for e in etas},
            "orchestration_cpu_s_per_step": {str(e): round(r["cpu_per_step_s"], 3) for e, r in out_rows.items()},
            "orchestration_cpu_ms_per_trajectory": {str(e): round(r["cpu_per_trajectory_ms"], 2)
                                                    for e, r in out_rows.items()}}
@@ -292,12 +355,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--n-samples", type=int, default=4, help="answers per prompt")
     g.add_argument("--a-max-new-tokens", dest="a_max_new_tokens", type=int, default=2048)
     g.add_argument("--a-length-median", dest="a_length_median", type=float, default=1024)
+    g.add_argument("--a-max-concurrent", dest="a_max_concurrent", type=int, default=64,
+                   help="rollout.max_concurrent_rollouts (groups in flight; 64, the default, binds at eta >= 4 "
+                        "together with the staleness budget: docs/scale.md)")
     g.add_argument("--steps", type=int, default=10)
     g.add_argument("--skip", type=int, default=2, help="steps left out of the throughput (warm-up)")
     g.add_argument("--a-time-scale", dest="a_time_scale", type=float, default=0.5,
                    help="simulated compute takes this many real seconds per simulated second; 0.5 keeps "
                         "the orchestration's CPU (~0.4 s a step) a fraction of a step on two cores")
     g.add_argument("--repeats", type=int, default=3, help="runs per eta, interleaved; medians and spread")
+    g.add_argument("--eta0-once", dest="eta0_once", action="store_true",
+                   help="run eta = 0 once per repeat (with the first mode) and use it for every mode: a "
+                        "synchronous push has nothing in flight, so the pause mode cannot change it")
     g.add_argument("--pause-modes", default="abort,retract,in_place",
                    help="weight_sync.pause_mode values to run, each with every eta")
 
