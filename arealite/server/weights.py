@@ -13,7 +13,7 @@ touches a default process group. Per update, rank 0 broadcasts the tensors of
 ``names`` in order, either one broadcast per tensor or, with
 ``load_format: "flattened_bucket"`` (or ``flattened_bucket: true``), a single 1-D broadcast of all of them concatenated
 (one dtype). A server that finds the metadata inconsistent with its model still
-receives every broadcast into scratch buffers (so the sender is never left
+receives every broadcast into its receive buffers (so the sender is never left
 hanging), discards them, and answers ``success: false`` naming the tensor.
 
 Shared-memory protocol (trainer and server on one host): the trainer keeps one
@@ -30,6 +30,7 @@ import datetime
 import logging
 import mmap
 import os
+import threading
 import warnings
 from pathlib import Path
 
@@ -251,6 +252,16 @@ def check_shm_layout(state: dict[str, torch.Tensor], names: list[str], dtypes: l
     return None
 
 
+#: Receive buffers a group keeps between buckets: one being copied into the model while the
+#: next bucket arrives in the other.
+SPARE_BUFFERS = 2
+
+
+def _aligned(nbytes: int) -> int:
+    """`nbytes` rounded up to 64, so that every tensor of a receive buffer starts aligned."""
+    return -(-nbytes // 64) * 64
+
+
 class WeightUpdateGroup:
     """This server's membership in a trainer's weight-broadcast process group."""
 
@@ -274,6 +285,10 @@ class WeightUpdateGroup:
             self.pg = torch.distributed.ProcessGroupNCCL(prefix, rank, world_size, timeout)
         else:  # checked by the route; kept for direct callers
             raise WeightUpdateError(f"backend {backend!r} is not supported (gloo or nccl)")
+        # Receive buffers kept from earlier buckets and pushes: a fresh one per bucket cost its
+        # page faults on every push (docs/scale.md, "Weight push against a memory copy").
+        self._spare: list[torch.Tensor] = []
+        self._spare_lock = threading.Lock()
 
     def _broadcast(self, t: torch.Tensor) -> None:
         opts = torch.distributed.BroadcastOptions()
@@ -282,10 +297,29 @@ class WeightUpdateGroup:
         # gloo has no float8 type: FP8 weights arrive as their bytes (a uint8 view of `t`).
         self.pg.broadcast([t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t], opts).wait()
 
-    def receive(self, dtypes: list[torch.dtype], shapes: list[tuple[int, ...]], flattened: bool) -> list[torch.Tensor]:
-        """Receive the tensors rank 0 broadcasts, in order (per tensor, or one flat bucket)."""
+    def take_buffer(self, dtypes: list[torch.dtype], shapes: list[tuple[int, ...]]) -> torch.Tensor:
+        """Receive memory for one bucket of these tensors: a spare buffer of an earlier bucket
+        when one is large enough, else a new one (hand it back with `give_back`)."""
+        need = sum(_aligned(_numel(s) * dt.itemsize) for dt, s in zip(dtypes, shapes))
+        with self._spare_lock:
+            fits = [i for i, b in enumerate(self._spare) if b.numel() >= need]
+            if fits:  # the smallest that fits (the spares are kept sorted by size)
+                return self._spare.pop(fits[0])
+        return torch.empty(need, dtype=torch.uint8, device=self.device)
+
+    def give_back(self, buf: torch.Tensor) -> None:
+        """Keep `buf` for a later bucket (the largest `SPARE_BUFFERS` are kept), once nothing
+        reads the tensors received into it any more."""
+        with self._spare_lock:
+            self._spare = sorted(self._spare + [buf], key=torch.Tensor.numel)[-SPARE_BUFFERS:]
+
+    def receive(self, dtypes: list[torch.dtype], shapes: list[tuple[int, ...]], flattened: bool,
+                buf: torch.Tensor) -> list[torch.Tensor]:
+        """Receive the tensors rank 0 broadcasts, in order (per tensor, or one flat bucket),
+        into `buf` (from `take_buffer`); the tensors returned are views of it."""
         if flattened:
-            flat = torch.empty(sum(_numel(s) for s in shapes), dtype=dtypes[0], device=self.device)
+            n = sum(_numel(s) for s in shapes)
+            flat = buf[:n * dtypes[0].itemsize].view(dtypes[0])
             self._broadcast(flat)
             out, offset = [], 0
             for s in shapes:
@@ -293,9 +327,11 @@ class WeightUpdateGroup:
                 out.append(flat[offset:offset + n].view(s))
                 offset += n
             return out
-        out = []
+        out, offset = [], 0
         for dt, s in zip(dtypes, shapes):
-            t = torch.empty(s, dtype=dt, device=self.device)
+            nbytes = _numel(s) * dt.itemsize
+            t = buf[offset:offset + nbytes].view(dt).view(s)
+            offset += _aligned(nbytes)
             self._broadcast(t)
             out.append(t)
         return out
