@@ -351,7 +351,7 @@ class WeightRoutes:
                        f"receiving a flat {dtypes[0]} buffer and discarding it")
         group = self.groups[name]
         t0 = time.perf_counter()
-        buf = group.take_buffer(dtypes, shapes)
+        buf = group.buffers.take(dtypes, shapes)
         try:
             async with self.group_locks[name]:
                 try:
@@ -371,7 +371,7 @@ class WeightRoutes:
             raise
         finally:
             if buf is not None:
-                group.give_back(buf)
+                group.buffers.give_back(buf)
         msg = f"updated {len(names)} tensors in {time.perf_counter() - t0:.3f}s"
         logger.debug("%s: %s", route, msg)
         return web.json_response({"success": True, "message": msg})

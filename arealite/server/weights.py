@@ -252,14 +252,42 @@ def check_shm_layout(state: dict[str, torch.Tensor], names: list[str], dtypes: l
     return None
 
 
-#: Receive buffers a group keeps between buckets: one being copied into the model while the
-#: next bucket arrives in the other.
-SPARE_BUFFERS = 2
-
-
 def _aligned(nbytes: int) -> int:
     """`nbytes` rounded up to 64, so that every tensor of a receive buffer starts aligned."""
     return -(-nbytes // 64) * 64
+
+
+class ReceiveBuffers:
+    """The memory a weight-update group receives buckets into, kept across buckets and pushes.
+
+    A fresh buffer per bucket paid its page faults on every push (~6,000 a push of the 189 MB
+    model; docs/scale.md, "Weight push against a memory copy"). Up to `SPARE` buffers are kept:
+    one being copied into the model while the next bucket arrives in another. A buffer is
+    handed back only once nothing reads the tensors received into it.
+    """
+
+    #: Buffers kept between buckets (the largest ones).
+    SPARE = 2
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self._spare: list[torch.Tensor] = []  # uint8, sorted by size
+        self._lock = threading.Lock()  # taken on the event loop, handed back there or by a worker
+
+    def take(self, dtypes: list[torch.dtype], shapes: list[tuple[int, ...]]) -> torch.Tensor:
+        """A buffer for one bucket of these tensors: the smallest spare one large enough, else
+        a new one."""
+        need = sum(_aligned(_numel(s) * dt.itemsize) for dt, s in zip(dtypes, shapes))
+        with self._lock:
+            fits = [i for i, b in enumerate(self._spare) if b.numel() >= need]
+            if fits:
+                return self._spare.pop(fits[0])
+        return torch.empty(need, dtype=torch.uint8, device=self.device)
+
+    def give_back(self, buf: torch.Tensor) -> None:
+        """Keep `buf` for a later bucket (only the `SPARE` largest are kept)."""
+        with self._lock:
+            self._spare = sorted(self._spare + [buf], key=torch.Tensor.numel)[-self.SPARE:]
 
 
 class WeightUpdateGroup:
@@ -285,10 +313,7 @@ class WeightUpdateGroup:
             self.pg = torch.distributed.ProcessGroupNCCL(prefix, rank, world_size, timeout)
         else:  # checked by the route; kept for direct callers
             raise WeightUpdateError(f"backend {backend!r} is not supported (gloo or nccl)")
-        # Receive buffers kept from earlier buckets and pushes: a fresh one per bucket cost its
-        # page faults on every push (docs/scale.md, "Weight push against a memory copy").
-        self._spare: list[torch.Tensor] = []
-        self._spare_lock = threading.Lock()
+        self.buffers = ReceiveBuffers(self.device)
 
     def _broadcast(self, t: torch.Tensor) -> None:
         opts = torch.distributed.BroadcastOptions()
@@ -297,26 +322,10 @@ class WeightUpdateGroup:
         # gloo has no float8 type: FP8 weights arrive as their bytes (a uint8 view of `t`).
         self.pg.broadcast([t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t], opts).wait()
 
-    def take_buffer(self, dtypes: list[torch.dtype], shapes: list[tuple[int, ...]]) -> torch.Tensor:
-        """Receive memory for one bucket of these tensors: a spare buffer of an earlier bucket
-        when one is large enough, else a new one (hand it back with `give_back`)."""
-        need = sum(_aligned(_numel(s) * dt.itemsize) for dt, s in zip(dtypes, shapes))
-        with self._spare_lock:
-            fits = [i for i, b in enumerate(self._spare) if b.numel() >= need]
-            if fits:  # the smallest that fits (the spares are kept sorted by size)
-                return self._spare.pop(fits[0])
-        return torch.empty(need, dtype=torch.uint8, device=self.device)
-
-    def give_back(self, buf: torch.Tensor) -> None:
-        """Keep `buf` for a later bucket (the largest `SPARE_BUFFERS` are kept), once nothing
-        reads the tensors received into it any more."""
-        with self._spare_lock:
-            self._spare = sorted(self._spare + [buf], key=torch.Tensor.numel)[-SPARE_BUFFERS:]
-
     def receive(self, dtypes: list[torch.dtype], shapes: list[tuple[int, ...]], flattened: bool,
                 buf: torch.Tensor) -> list[torch.Tensor]:
         """Receive the tensors rank 0 broadcasts, in order (per tensor, or one flat bucket),
-        into `buf` (from `take_buffer`); the tensors returned are views of it."""
+        into `buf` (from ``self.buffers.take``); the tensors returned are views of it."""
         if flattened:
             n = sum(_numel(s) for s in shapes)
             flat = buf[:n * dtypes[0].itemsize].view(dtypes[0])
