@@ -263,7 +263,8 @@ class ReceiveBuffers:
     A fresh buffer per bucket paid its page faults on every push (~6,000 a push of the 189 MB
     model; docs/scale.md, "Weight push against a memory copy"). Up to `SPARE` buffers are kept:
     one being copied into the model while the next bucket arrives in another. A buffer is
-    handed back only once nothing reads the tensors received into it.
+    handed back only after its bucket loaded (nothing reads it any more, and its size is that of
+    real weights: a refused bucket's buffer, of unchecked shapes, is dropped).
     """
 
     #: Buffers kept between buckets (the largest ones).
