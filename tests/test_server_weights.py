@@ -318,3 +318,23 @@ async def test_update_weights_from_distributed(server, http, seed1_dir):
     res = await post(http, server, "/destroy_weights_update_group", {"group_name": "wsync-test"})
     assert res["success"] is True
     await post(http, server, "/destroy_weights_update_group", {"group_name": "wsync-test"}, status=400)
+
+
+def test_receive_buffers_are_reused_across_buckets_and_never_shared():
+    from arealite.server.weights import ReceiveBuffers
+
+    bufs = ReceiveBuffers(torch.device("cpu"))
+    a = bufs.take([torch.float32, torch.bfloat16], [(3, 5), (7,)])
+    assert a.numel() == 128, "each tensor starts on a 64-byte boundary"
+    b = bufs.take([torch.float32], [(10,)])
+    assert b.data_ptr() != a.data_ptr(), "a buffer still in use is not handed out twice"
+    bufs.give_back(a)
+    bufs.give_back(b)
+    c = bufs.take([torch.float32], [(4,)])
+    assert c.data_ptr() in (a.data_ptr(), b.data_ptr()), "the next bucket reuses a spare buffer"
+    assert bufs.take([torch.float32], [(4,)]).data_ptr() != c.data_ptr()
+    big = bufs.take([torch.uint8], [(4096,)])
+    assert big.numel() == 4096 and big.data_ptr() not in (a.data_ptr(), b.data_ptr())
+    for buf in (c, big, torch.empty(1, dtype=torch.uint8)):
+        bufs.give_back(buf)
+    assert bufs.take([torch.uint8], [(4096,)]).data_ptr() == big.data_ptr(), "the largest are kept"

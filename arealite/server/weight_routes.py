@@ -351,12 +351,13 @@ class WeightRoutes:
                        f"receiving a flat {dtypes[0]} buffer and discarding it")
         group = self.groups[name]
         t0 = time.perf_counter()
+        buf = group.buffers.take(dtypes, shapes)
         async with self.group_locks[name]:
             try:
                 # Received even when the metadata is wrong: rank 0 broadcasts
                 # regardless, and an unmatched broadcast would hang the group.
                 tensors = await asyncio.get_running_loop().run_in_executor(
-                    self._group_pool, group.receive, dtypes, shapes, flattened)
+                    self._group_pool, group.receive, dtypes, shapes, flattened, buf)
             except (RuntimeError, ValueError) as e:
                 logger.warning("%s: receiving from group %r failed: %s", route, name, e)
                 return web.json_response({"success": False, "message": f"receiving failed: {e}"}, status=400)
@@ -365,6 +366,9 @@ class WeightRoutes:
             return web.json_response({"success": False, "message": problem}, status=400)
 
         await self.load_between_steps(lambda: copy_into_model(self.state, dict(zip(names, tensors))), version)
+        # Kept for the next bucket only after a load: a refused bucket's buffer (of unchecked
+        # sizes) and one a failed or cancelled receive or copy may still hold are dropped.
+        group.buffers.give_back(buf)
         msg = f"updated {len(names)} tensors in {time.perf_counter() - t0:.3f}s"
         logger.debug("%s: %s", route, msg)
         return web.json_response({"success": True, "message": msg})

@@ -13,7 +13,7 @@ touches a default process group. Per update, rank 0 broadcasts the tensors of
 ``names`` in order, either one broadcast per tensor or, with
 ``load_format: "flattened_bucket"`` (or ``flattened_bucket: true``), a single 1-D broadcast of all of them concatenated
 (one dtype). A server that finds the metadata inconsistent with its model still
-receives every broadcast into scratch buffers (so the sender is never left
+receives every broadcast into its receive buffers (so the sender is never left
 hanging), discards them, and answers ``success: false`` naming the tensor.
 
 Shared-memory protocol (trainer and server on one host): the trainer keeps one
@@ -30,6 +30,7 @@ import datetime
 import logging
 import mmap
 import os
+import threading
 import warnings
 from pathlib import Path
 
@@ -251,6 +252,45 @@ def check_shm_layout(state: dict[str, torch.Tensor], names: list[str], dtypes: l
     return None
 
 
+def _aligned(nbytes: int) -> int:
+    """`nbytes` rounded up to 64, so that every tensor of a receive buffer starts aligned."""
+    return -(-nbytes // 64) * 64
+
+
+class ReceiveBuffers:
+    """The memory a weight-update group receives buckets into, kept across buckets and pushes.
+
+    A fresh buffer per bucket paid its page faults on every push (~6,000 a push of the 189 MB
+    model; docs/scale.md, "Weight push against a memory copy"). Up to `SPARE` buffers are kept:
+    one being copied into the model while the next bucket arrives in another. A buffer is
+    handed back only after its bucket loaded (nothing reads it any more, and its size is that of
+    real weights: a refused bucket's buffer, of unchecked shapes, is dropped).
+    """
+
+    #: Buffers kept between buckets (the largest ones).
+    SPARE = 2
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self._spare: list[torch.Tensor] = []  # uint8, sorted by size
+        self._lock = threading.Lock()  # taken on the event loop, handed back there or by a worker
+
+    def take(self, dtypes: list[torch.dtype], shapes: list[tuple[int, ...]]) -> torch.Tensor:
+        """A buffer for one bucket of these tensors: the smallest spare one large enough, else
+        a new one."""
+        need = sum(_aligned(_numel(s) * dt.itemsize) for dt, s in zip(dtypes, shapes))
+        with self._lock:
+            fits = [i for i, b in enumerate(self._spare) if b.numel() >= need]
+            if fits:
+                return self._spare.pop(fits[0])
+        return torch.empty(need, dtype=torch.uint8, device=self.device)
+
+    def give_back(self, buf: torch.Tensor) -> None:
+        """Keep `buf` for a later bucket (only the `SPARE` largest are kept)."""
+        with self._lock:
+            self._spare = sorted(self._spare + [buf], key=torch.Tensor.numel)[-self.SPARE:]
+
+
 class WeightUpdateGroup:
     """This server's membership in a trainer's weight-broadcast process group."""
 
@@ -274,6 +314,7 @@ class WeightUpdateGroup:
             self.pg = torch.distributed.ProcessGroupNCCL(prefix, rank, world_size, timeout)
         else:  # checked by the route; kept for direct callers
             raise WeightUpdateError(f"backend {backend!r} is not supported (gloo or nccl)")
+        self.buffers = ReceiveBuffers(self.device)
 
     def _broadcast(self, t: torch.Tensor) -> None:
         opts = torch.distributed.BroadcastOptions()
@@ -282,10 +323,13 @@ class WeightUpdateGroup:
         # gloo has no float8 type: FP8 weights arrive as their bytes (a uint8 view of `t`).
         self.pg.broadcast([t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t], opts).wait()
 
-    def receive(self, dtypes: list[torch.dtype], shapes: list[tuple[int, ...]], flattened: bool) -> list[torch.Tensor]:
-        """Receive the tensors rank 0 broadcasts, in order (per tensor, or one flat bucket)."""
+    def receive(self, dtypes: list[torch.dtype], shapes: list[tuple[int, ...]], flattened: bool,
+                buf: torch.Tensor) -> list[torch.Tensor]:
+        """Receive the tensors rank 0 broadcasts, in order (per tensor, or one flat bucket),
+        into `buf` (from ``self.buffers.take``); the tensors returned are views of it."""
         if flattened:
-            flat = torch.empty(sum(_numel(s) for s in shapes), dtype=dtypes[0], device=self.device)
+            n = sum(_numel(s) for s in shapes)
+            flat = buf[:n * dtypes[0].itemsize].view(dtypes[0])
             self._broadcast(flat)
             out, offset = [], 0
             for s in shapes:
@@ -293,9 +337,11 @@ class WeightUpdateGroup:
                 out.append(flat[offset:offset + n].view(s))
                 offset += n
             return out
-        out = []
+        out, offset = [], 0
         for dt, s in zip(dtypes, shapes):
-            t = torch.empty(s, dtype=dt, device=self.device)
+            nbytes = _numel(s) * dt.itemsize
+            t = buf[offset:offset + nbytes].view(dt).view(s)
+            offset += _aligned(nbytes)
             self._broadcast(t)
             out.append(t)
         return out
