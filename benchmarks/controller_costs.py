@@ -23,7 +23,6 @@ Prints tables; the last line is one JSON object.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import functools
 import json
 import os

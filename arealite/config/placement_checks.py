@@ -26,7 +26,7 @@ def check_placement(cfg: ArealiteConfig) -> list[ConfigProblem]:
         eta = cfg.rollout.max_head_offpolicyness
         if eta > 0:
             out.append(ConfigProblem(
-                "rollout.max_head_offpolicyness", f"must be 0 with launch.placement=colocated: the servers "
+                "rollout.max_head_offpolicyness", "must be 0 with launch.placement=colocated: the servers "
                 "sleep while the trainer trains, so no rollout can run ahead of the weights (synchronous RL); "
                 "set it to 0, or use launch.placement=shared to overlap generation and training", eta))
         if launch.server_backend == "sim":
