@@ -177,6 +177,7 @@ def _held_batch(ctl, engine, loader, wf, version: int):
 
     engine.version = version
     ctl.set_version(version)
+    held_before = ctl.stats()["overdue_wait_s"]
     got = []
     t = threading.Thread(target=lambda: got.append(ctl.prepare_batch(loader, wf)))
     t.start()
@@ -185,6 +186,8 @@ def _held_batch(ctl, engine, loader, wf, version: int):
     assert ctl.stats()["output_queue"] >= 2  # two groups were ready: enough for a batch
     engine.release.set()
     t.join(5)
+    # The hold is logged: the batch waited ~0.3 s with enough groups ready.
+    assert ctl.stats()["overdue_wait_s"] - held_before >= 0.2
     return got[0]
 
 

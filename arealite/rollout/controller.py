@@ -311,6 +311,7 @@ class RolloutController:
                 "version": self.staleness.version,
                 "capacity": adm.capacity(),
                 "paused": adm.paused,
+                "overdue_wait_s": self._feed.overdue_wait_s,
                 "staleness_hist": dict(sorted(self._ready.staleness_hist.items())),
                 **adm.workflow_stats(),
             }

@@ -48,6 +48,9 @@ class DataFeed:
         self._leftover: list[JsonObject] = []  # pulled from the dataloader, not queued yet
         #: The items of the last batch handed out (per-prompt accounting).
         self.last_batch_items: list[JsonObject] = []
+        #: Seconds training batches waited, with enough groups ready, for a running group that
+        #: the staleness bound says they must hold (`_overdue_running`); cumulative.
+        self.overdue_wait_s = 0.0
 
     # ---------------------------------------------------------------- items in
     @property
@@ -130,24 +133,37 @@ class DataFeed:
         adm = self._admission
         deadline = None if timeout is None else time.monotonic() + timeout
         self.unstash()  # groups are handed out in completion order
-        while True:
-            err = adm.take_error()
-            if err is not None:
-                raise err
-            if should_accept is not None:
-                self._filter(should_accept)
-            if len(self._ready) >= count and not (hold_overdue and self._overdue_running(count)):
-                return self._take(count)
-            if not adm.running and not adm.paused:
-                raise self._stuck_error(count)
-            remaining = None if deadline is None else deadline - time.monotonic()
-            if remaining is not None and remaining <= 0:
-                raise TimeoutError(
-                    f"wait({count}) timed out after {timeout}s with {len(self._ready)} groups ready, "
-                    f"{adm.running} running, {adm.queued} queued"
-                    + (" (controller is paused)" if adm.paused else "")
-                )
-            await adm.park(count, remaining)
+        held_since: float | None = None  # enough groups ready, a batch held for an overdue one
+        try:
+            while True:
+                err = adm.take_error()
+                if err is not None:
+                    raise err
+                if should_accept is not None:
+                    self._filter(should_accept)
+                if len(self._ready) >= count:
+                    if not (hold_overdue and self._overdue_running(count)):
+                        return self._take(count)
+                    if held_since is None:
+                        held_since = time.monotonic()
+                await self._park_or_raise(count, deadline, timeout)
+        finally:
+            if held_since is not None:
+                self.overdue_wait_s += time.monotonic() - held_since
+
+    async def _park_or_raise(self, count: int, deadline: float | None, timeout: float | None) -> None:
+        """Wait for the next change, or raise why none can come in time."""
+        adm = self._admission
+        if not adm.running and not adm.paused:
+            raise self._stuck_error(count)
+        remaining = None if deadline is None else deadline - time.monotonic()
+        if remaining is not None and remaining <= 0:
+            raise TimeoutError(
+                f"wait({count}) timed out after {timeout}s with {len(self._ready)} groups ready, "
+                f"{adm.running} running, {adm.queued} queued"
+                + (" (controller is paused)" if adm.paused else "")
+            )
+        await adm.park(count, remaining)
 
     def _overdue_running(self, count: int) -> bool:
         """Whether a running group must still join this batch of ``count`` to stay within the
