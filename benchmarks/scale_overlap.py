@@ -223,7 +223,11 @@ def one_run(args, demo: Path, work: Path, eta: int, rep: int = 0, mode: str = "i
             "seq_len": med("rollout/n_tokens") / max(1.0, med("rollout/n_trajectories")),
             "cpu_per_step": cpu,
             "rows_busy": rows.mean_between(start, kept[-1]["time"]) / (args.gen_gpus * SERVER_ROWS),
-            "ready_groups": med("controller/output_queue")}
+            "ready_groups": med("controller/output_queue"),
+            # Per step: a batch held, with enough groups ready, for a running group that the
+            # staleness bound makes it take (a cumulative counter, read at each push).
+            "overdue_wait_s": (kept[-1].get("controller/overdue_wait_s", 0.0)
+                               - (steps[args.skip - 1] if args.skip else kept[0]).get("controller/overdue_wait_s", 0.0)) / n}
 
 
 def busy_generation_s(args, answer_len: float, seq_len: float) -> float:
@@ -274,7 +278,7 @@ def run_part_a(args) -> dict:
                     r.append(one_run(args, demo, work, e, rep, m))
                     print(f"run {m} eta={e} repeat {rep}: {r[-1]['step_s']:.3f} s/step, wait {r[-1]['gen_s']:.3f} s, "
                           f"train+push {r[-1]['train_s']:.3f} s, rows busy {r[-1]['rows_busy']:.2f}, "
-                          f"ready {r[-1]['ready_groups']:.0f}, load {os.getloadavg()[0]:.1f}", file=sys.stderr, flush=True)
+                          f"ready {r[-1]['ready_groups']:.0f}, overdue hold {r[-1]['overdue_wait_s']:.3f} s, load {os.getloadavg()[0]:.1f}", file=sys.stderr, flush=True)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     print(f"part (a): {args.gen_gpus} generation + {args.train_gpus} training GPUs, {args.model}, batch "
@@ -335,6 +339,7 @@ def _mode_summary(args, mode: str, etas: list[int], runs: dict[int, list[dict]])
            "staleness_max_by_eta": {str(e): r["staleness_max"] for e, r in out_rows.items()},
            "rows_busy_by_eta": {str(e): round(med(runs[e], "rows_busy"), 3) for e in etas},
            "ready_groups_at_push_by_eta": {str(e): med(runs[e], "ready_groups") for e in etas},
+           "overdue_wait_s_per_step_by_eta": {str(e): round(med(runs[e], "overdue_wait_s"), 4) for e in etas},
            "orchestration_cpu_s_per_step": {str(e): round(r["cpu_per_step_s"], 3) for e, r in out_rows.items()},
            "orchestration_cpu_ms_per_trajectory": {str(e): round(r["cpu_per_trajectory_ms"], 2)
                                                    for e, r in out_rows.items()}}
