@@ -155,7 +155,7 @@ class _LongAnswerEngine:
         return Completion(req.rid, req.input_ids, [7, 7], [-0.1, -0.1], [version, version], "stop")
 
 
-def _held_run(eta: int, long_items: set[int], hold: bool = True):
+def _held_run(eta: int, long_items: set[int]):
     """A controller (2 groups a step, bound ``eta``) over 16 items whose ``long_items`` generate
     until the engine's ``release``; its engine, loader and workflow."""
     from arealite.config.schema import RolloutConfig
@@ -165,8 +165,7 @@ def _held_run(eta: int, long_items: set[int], hold: bool = True):
 
     engine = _LongAnswerEngine()
     ctl = RolloutController(engine, RolloutConfig(consumer_batch_size=2, max_head_offpolicyness=eta,
-                                                  max_concurrent_rollouts=16, queue_size=64,
-                                                  hold_overdue_groups=hold)).start()
+                                                  max_concurrent_rollouts=16, queue_size=64)).start()
     items = [{"prompt_id": i, "len": 9 if i in long_items else 3} for i in range(16)]
     return ctl, engine, StatefulDataLoader(items, batch_size=2, shuffle=False), ItemWorkflow()
 
@@ -232,35 +231,6 @@ def test_a_batch_waits_when_more_late_groups_run_than_the_next_batches_hold():
         batch = _held_batch(ctl, engine, loader, wf, 1)
         assert set(ids(batch)) <= {2, 3, 4, 5}  # version-0 groups only
         _finish(ctl, engine, loader, wf, seen + ids(batch), 2, eta=2)
-    finally:
-        ctl.stop()
-
-
-def test_without_the_hold_a_batch_goes_out_and_the_late_group_is_trained_past_the_bound():
-    """``rollout.hold_overdue_groups: false`` (AReaL's bound at admission only): the same run as
-    the eta = 1 test above, but the version-1 batch goes out at once without item 2, nothing
-    is counted as held, and item 2, admitted at version 0, is trained more than 1 version stale."""
-    import time
-
-    from tests.test_controller import ids
-
-    ctl, engine, loader, wf = _held_run(1, {2}, hold=False)
-    try:
-        seen = ids(ctl.prepare_batch(loader, wf))
-        engine.version = 1
-        ctl.set_version(1)
-        t0 = time.monotonic()
-        batch = ctl.prepare_batch(loader, wf)
-        assert time.monotonic() - t0 < 2.0 and 2 not in ids(batch)
-        assert ctl.stats()["overdue_wait_s"] == 0.0
-        engine.release.set()
-        for v in range(2, 8):  # item 2 joins a batch once its answer is in
-            engine.version = v
-            ctl.set_version(v)
-            seen += ids(ctl.prepare_batch(loader, wf))
-            if 2 in seen:
-                break
-        assert 2 in seen and max(ctl.stats()["staleness_hist"]) >= 2  # past eta = 1
     finally:
         ctl.stop()
 

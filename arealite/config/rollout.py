@@ -34,14 +34,6 @@ class RolloutConfig(Section):
     """Trajectory groups (prompts) per training step, over all trainer ranks."""
     max_head_offpolicyness: int = Field(2, ge=0)
     """Staleness bound eta in policy versions; 0 = synchronous RL."""
-    hold_overdue_groups: bool = True
-    """Keep every trained trajectory within ``max_head_offpolicyness`` of its oldest token: a
-    training batch waits for a still-running group that a later batch would train past the
-    bound (a long answer admitted eta versions ago). That wait is the bound's price when
-    answers have long tails (~0.1 s of a 1.1 s step in docs/scale.md, part (a)). ``false``:
-    the bound holds at admission only, as in AReaL: no batch waits once enough groups are
-    ready, and a long answer may be trained more than eta versions stale
-    (``rollout/staleness_max`` and the controller's ``staleness_hist`` show how often)."""
     request_timeout_s: float = Field(600.0, gt=0)
     """Timeout of one HTTP generation request before it is retried elsewhere."""
     request_retries: int = Field(3, ge=0)

@@ -171,8 +171,6 @@ class DataFeed:
         must be trained in this batch or the ``k`` after it; when more such groups run than those
         ``k`` batches hold, one of them belongs in this one, and the batch waits for it unless
         ``count`` ready groups are that stale already."""
-        if not self._admission.config.hold_overdue_groups:  # the bound at admission only
-            return False
         v, eta = self._staleness.version, self._staleness.max_head_offpolicyness
         # Only k that can hold: no group is admitted before version 0 (k >= eta - v), and no
         # more than all the running ones can be that stale (k * count < running). An
