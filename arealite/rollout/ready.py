@@ -27,7 +27,7 @@ from typing import Callable, TypedDict
 import torch
 from tensordict import TensorDict
 
-from arealite.rollout.staleness import NO_PRODUCED_TOKEN, oldest_versions, trajectory_staleness
+from arealite.rollout.staleness import NO_PRODUCED_TOKEN, oldest_versions, produced_versions, trajectory_staleness
 from arealite.utils.json_types import JsonObject
 from arealite.workflow.base import concat_trajectories
 
@@ -62,9 +62,9 @@ def _oldest_of_groups(tds: list[TensorDict]) -> list[int]:
     if len(tds) == 1:
         return [_oldest_version(tds[0])]
     vers = [td["versions"].reshape(-1) for td in tds]
-    mask = torch.cat([td["loss_mask"].reshape(-1) for td in tds]).bool()
+    mask = torch.cat([td["loss_mask"].reshape(-1) for td in tds])
     group = torch.repeat_interleave(torch.arange(len(tds)), torch.tensor([v.numel() for v in vers]))
-    produced = torch.where(mask, torch.cat(vers).long(), NO_PRODUCED_TOKEN)
+    produced = produced_versions(torch.cat(vers), mask)
     out = torch.full((len(tds),), NO_PRODUCED_TOKEN, dtype=torch.int64)
     return out.scatter_reduce_(0, group, produced, "amin").tolist()
 
@@ -109,18 +109,12 @@ class ReadyGroups:
         return sum(1 for seq in self._groups if self._oldest[seq] <= version)
 
     def _age_all(self, seqs) -> None:
-        """`_age` of every group of ``seqs`` not aged yet, in one batch (`_oldest_of_groups`)."""
+        """The oldest produced version (`_oldest_version`) of every group of ``seqs`` not aged yet,
+        computed once per group (its tokens never change) and in one batch (`_oldest_of_groups`)."""
         new = [seq for seq in seqs if seq in self._groups and seq not in self._oldest]
         if new:
             groups = self._groups
             self._oldest.update(zip(new, _oldest_of_groups([groups[seq][0] for seq in new])))
-
-    def _age(self, seq: int) -> int:
-        """`_oldest_version` of a waiting group, computed once (its tokens never change)."""
-        v = self._oldest.get(seq)
-        if v is None:
-            v = self._oldest[seq] = _oldest_version(self._groups[seq][0])
-        return v
 
     def take(self, count: int, version: int) -> tuple[TensorDict, list[JsonObject]]:
         """The stalest ``count`` groups as one right-padded batch, and their items."""
@@ -175,7 +169,7 @@ class ReadyGroups:
         self._age_all(self._unindexed)
         for seq in self._unindexed:
             if seq in groups:
-                heapq.heappush(by_age.setdefault(self._age(seq), []), seq)
+                heapq.heappush(by_age.setdefault(self._oldest[seq], []), seq)
         self._unindexed.clear()
 
     def _clear_index(self) -> None:

@@ -38,11 +38,17 @@ import torch
 NO_PRODUCED_TOKEN = torch.iinfo(torch.int64).max
 
 
+def produced_versions(versions: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:
+    """``versions`` (int64) where the policy produced the token (``loss_mask``), else
+    `NO_PRODUCED_TOKEN`: a minimum over any set of them is the oldest produced version."""
+    return torch.where(loss_mask.bool(), versions.long(), NO_PRODUCED_TOKEN)
+
+
 def oldest_versions(versions: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:
     """The oldest policy version among each trajectory's produced tokens (``loss_mask``), over
     the last dimension; `NO_PRODUCED_TOKEN` where there is none. One ``where`` and one ``min``:
     on the rollout loop, once per group, it costs ~5 us where boolean indexing cost ~12."""
-    return torch.where(loss_mask.bool(), versions.long(), NO_PRODUCED_TOKEN).amin(dim=-1)
+    return produced_versions(versions, loss_mask).amin(dim=-1)
 
 
 def trajectory_staleness(versions: torch.Tensor, loss_mask: torch.Tensor, version: int) -> torch.Tensor:
