@@ -25,6 +25,13 @@ import torch.nn.functional as F
 from arealite.quant.fp8 import BLOCK, FP8_DTYPE, FP8_MAX, dequantize_blockwise, quantize_blockwise, scale_name, stays_unquantised
 
 
+#: Rows (tokens) the FP8 GEMM's activations are padded to a multiple of: the 1x128 scales are
+#: stored outer-dim-major, and cuBLAS wants their leading dimension in whole 16 bytes. On an H200
+#: (torch 2.11, CUDA 13) it answered CUBLAS_STATUS_NOT_SUPPORTED for 1, 2, 3, 15 and 17 rows and
+#: ran 4, 8, 12, 16, 24, 32, 48 and 64 (28 Nov).
+ROWS_MULTIPLE = 4
+
+
 class Fp8Linear(torch.nn.Module):
     """``y = x @ dequant(weight, weight_scale_inv).T + bias``; weight and scale are buffers,
     so the model's state dict names them as an FP8 checkpoint does."""
@@ -66,6 +73,9 @@ def scaled_linear(x: torch.Tensor, q: torch.Tensor, scale_inv: torch.Tensor, bia
 
     shape = x.shape
     x2 = x.reshape(-1, shape[-1])
+    rows = x2.shape[0]
+    if rows % ROWS_MULTIPLE:  # zero rows: their scales clamp to a tiny value, their outputs are cut
+        x2 = F.pad(x2, (0, 0, 0, -rows % ROWS_MULTIPLE))
     groups = x2.float().view(x2.shape[0], -1, BLOCK)
     x_scale = (groups.abs().amax(-1) / FP8_MAX).clamp(min=1e-12)  # [M, K/128]
     xq = (groups / x_scale[..., None]).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE).view_as(x2)
@@ -73,11 +83,11 @@ def scaled_linear(x: torch.Tensor, q: torch.Tensor, scale_inv: torch.Tensor, bia
     # the column-major [K, N] operand, and its scales [K/128 rounded up to 4, N/128] K-major (the
     # padding rows stand for no K-block: any value).
     m, k_blocks = x_scale.shape
-    # (.t().contiguous() is a no-op when M = 1: the strides are set explicitly.)
     a_scale = torch.empty_strided((m, k_blocks), (1, m), dtype=torch.float32, device=x.device).copy_(x_scale)
     w_scale = F.pad(scale_inv.float(), (0, -k_blocks % 4), value=1.0)
     out = F.scaled_mm(xq, q.t(), a_scale, ScalingType.BlockWise1x128, w_scale.t(),
                       ScalingType.BlockWise128x128, output_dtype=x.dtype)
+    out = out[:rows]
     if bias is not None:
         out = out + bias
     return out.view(*shape[:-1], q.shape[0])
