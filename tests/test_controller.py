@@ -536,6 +536,23 @@ def test_gil_switch_interval_is_set_while_running_and_restored():
         ctl.stop()
 
 
+def test_gc_young_threshold_is_set_while_running_and_restored():
+    import gc
+
+    before = gc.get_threshold()
+    ctl = make(gc_young_threshold=12345)
+    try:
+        assert gc.get_threshold() == (12345, *before[1:])
+    finally:
+        ctl.stop()
+    assert gc.get_threshold() == before
+    ctl = make(gc_young_threshold=None)
+    try:
+        assert gc.get_threshold() == before
+    finally:
+        ctl.stop()
+
+
 async def test_reward_workers_run_torch_single_threaded():
     from arealite.reward.pool import RewardRunner
 
