@@ -635,6 +635,9 @@ def test_ready_groups_take_the_same_batches_with_builder_vouched_ages():
     vouched[7]["versions"][0, 2] = 9  # written after the build: its vouch no longer holds (age 9, not 4)
     assert [vouched_oldest_version(td) for td in vouched] == [4, 2, 5, None, 2, 3, 0, None]
     assert all(vouched_oldest_version(td) in (None, _oldest_version(td)) for td in vouched)
+    swapped = group(8, [([1], [4])])
+    swapped["versions"] = torch.tensor([[-1, -1, 1]])  # a new tensor (no writes counted): not what was vouched
+    assert vouched_oldest_version(swapped) is None
     plain = [TensorDict(td.to_dict(), batch_size=td.batch_size) for td in vouched]  # no vouch: tensor ops
     assert [vouched_oldest_version(td) for td in plain] == [None] * len(plain)
     takes = [(2, 6), (1, 6), (3, 7), (2, 7)]
