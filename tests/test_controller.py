@@ -519,36 +519,21 @@ def test_loop_thread_runs_torch_single_threaded_and_old_objects_are_frozen():
         ctl.stop()
 
 
-def test_gil_switch_interval_is_set_while_running_and_restored():
+def test_switch_interval_and_gc_threshold_are_set_while_running_and_restored():
+    import gc
     import sys
 
-    before = sys.getswitchinterval()
-    ctl = make(gil_switch_interval_ms=0.25)
+    before, gc_before = sys.getswitchinterval(), gc.get_threshold()
+    ctl = make(gil_switch_interval_ms=0.25, gc_young_threshold=12345)
     try:
         assert sys.getswitchinterval() == pytest.approx(0.00025)
+        assert gc.get_threshold() == (12345, *gc_before[1:])
     finally:
         ctl.stop()
-    assert sys.getswitchinterval() == before
-    ctl = make(gil_switch_interval_ms=None)
+    assert sys.getswitchinterval() == before and gc.get_threshold() == gc_before
+    ctl = make(gil_switch_interval_ms=None, gc_young_threshold=None)
     try:
-        assert sys.getswitchinterval() == before
-    finally:
-        ctl.stop()
-
-
-def test_gc_young_threshold_is_set_while_running_and_restored():
-    import gc
-
-    before = gc.get_threshold()
-    ctl = make(gc_young_threshold=12345)
-    try:
-        assert gc.get_threshold() == (12345, *before[1:])
-    finally:
-        ctl.stop()
-    assert gc.get_threshold() == before
-    ctl = make(gc_young_threshold=None)
-    try:
-        assert gc.get_threshold() == before
+        assert sys.getswitchinterval() == before and gc.get_threshold() == gc_before
     finally:
         ctl.stop()
 
