@@ -79,7 +79,7 @@ class RolloutConfig(Section):
     """The cyclic garbage collector's youngest-generation threshold (`gc.set_threshold`) while
     the controller runs; Python's is 700. The rollout keeps its queued episodes, running
     episodes and waiting groups alive for many collections at 700, and each collection
-    traverses them again: ~15-30 us of the loop thread's CPU per trajectory on
+    traverses them again: ~15 us of the loop thread's CPU per trajectory on
     bench_controller (docs/scale.md, 28 Nov). Garbage cycles live a little longer; `null`
     keeps the threshold."""
 
