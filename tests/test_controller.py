@@ -519,19 +519,21 @@ def test_loop_thread_runs_torch_single_threaded_and_old_objects_are_frozen():
         ctl.stop()
 
 
-def test_gil_switch_interval_is_set_while_running_and_restored():
+def test_switch_interval_and_gc_threshold_are_set_while_running_and_restored():
+    import gc
     import sys
 
-    before = sys.getswitchinterval()
-    ctl = make(gil_switch_interval_ms=0.25)
+    before, gc_before = sys.getswitchinterval(), gc.get_threshold()
+    ctl = make(gil_switch_interval_ms=0.25, gc_young_threshold=12345)
     try:
         assert sys.getswitchinterval() == pytest.approx(0.00025)
+        assert gc.get_threshold() == (12345, *gc_before[1:])
     finally:
         ctl.stop()
-    assert sys.getswitchinterval() == before
-    ctl = make(gil_switch_interval_ms=None)
+    assert sys.getswitchinterval() == before and gc.get_threshold() == gc_before
+    ctl = make(gil_switch_interval_ms=None, gc_young_threshold=None)
     try:
-        assert sys.getswitchinterval() == before
+        assert sys.getswitchinterval() == before and gc.get_threshold() == gc_before
     finally:
         ctl.stop()
 
@@ -593,3 +595,46 @@ def test_ready_groups_keep_their_order_across_takes_put_backs_and_filters():
     again = ReadyGroups()
     again.load_state_dict(state)
     assert [i["tag"] for i in again.take(1, version=2)[1]] == [7]
+
+
+def test_ready_groups_take_the_same_batches_with_builder_vouched_ages():
+    """A fast builder vouches each group's oldest version (`mark_well_formed`); the ready set
+    uses it instead of tensor ops. The same groups without the vouch must give the same batches."""
+    from array import array
+
+    from tensordict import TensorDict
+
+    from arealite.api.types import vouched_oldest_version
+    from arealite.rollout.ready import ReadyGroups, _oldest_version
+    from arealite.workflow.base import group_from_outputs
+
+    def group(tag: int, outputs) -> TensorDict:
+        n = len(outputs)
+        return group_from_outputs([5, 6], [(ids, [-0.1] * len(ids), vers) for ids, vers in outputs],
+                                  {"group_id": torch.frombuffer(array("q", [tag] * n), dtype=torch.int64)})
+
+    long = list(range(300))  # over the cheap bound: left to the tensor path
+    specs = [[([1], [4])], [([1, 2], [3, 3]), ([1], [2])], [([1], [5])], [(long, [1] * 300)],
+             [([1, 2, 3], [4, 2, 3])], [([1], [3])], [([1], [0])], [([1], [4])]]
+    vouched = [group(tag, outs) for tag, outs in enumerate(specs)]
+    vouched[7]["versions"][0, 2] = 9  # written after the build: its vouch no longer holds (age 9, not 4)
+    assert [vouched_oldest_version(td) for td in vouched] == [4, 2, 5, None, 2, 3, 0, None]
+    assert all(vouched_oldest_version(td) in (None, _oldest_version(td)) for td in vouched)
+    swapped = group(8, [([1], [4])])
+    swapped["versions"] = torch.tensor([[-1, -1, 1]])  # a new tensor (no writes counted): not what was vouched
+    assert vouched_oldest_version(swapped) is None
+    plain = [TensorDict(td.to_dict(), batch_size=td.batch_size) for td in vouched]  # no vouch: tensor ops
+    assert [vouched_oldest_version(td) for td in plain] == [None] * len(plain)
+    takes = [(2, 6), (1, 6), (3, 7), (2, 7)]
+    results = []
+    for tds in (vouched, plain):
+        ready = ReadyGroups()
+        for tag, td in enumerate(tds):
+            ready.put(td, {"tag": tag})
+        out = []
+        for count, version in takes:
+            batch, items = ready.take(count, version)
+            out.append(([i["tag"] for i in items], batch["input_ids"].tolist(), batch["versions"].tolist()))
+        results.append((out, dict(ready.staleness_hist)))
+    assert results[0] == results[1]
+    assert [tags for tags, _, _ in results[0][0]] == [[3, 6], [1], [0, 4, 5], [2, 7]]

@@ -75,6 +75,13 @@ class RolloutConfig(Section):
     trigger scan only young objects instead of stopping the process for the whole heap
     (~0.2 s each on a CPU host). Cycles among those older objects are then never
     collected; turn off to keep them. (Servers: ``--no-freeze-gc``.)"""
+    gc_young_threshold: int | None = Field(50_000, ge=1)
+    """The cyclic garbage collector's youngest-generation threshold (`gc.set_threshold`) while
+    the controller runs; Python's is 700. The rollout keeps its queued episodes, running
+    episodes and waiting groups alive for many collections at 700, and each collection
+    traverses them again: ~15 us of the loop thread's CPU per trajectory on
+    bench_controller (docs/scale.md, 28 Nov). Garbage cycles live a little longer; `null`
+    keeps the threshold."""
 
 
 class GenerationConfig(Section):

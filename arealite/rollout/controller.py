@@ -35,8 +35,9 @@ from arealite.rollout.ledger import RolloutLedger
 from arealite.rollout.loop_thread import (
     ControllerStopped,
     LoopThread,
+    ProcessSettings,
     cancel_other_tasks,
-    restore_switch_interval,
+    restore_process,
     tune_process,
 )
 from arealite.rollout.ready import ReadyGroups, ReadyState
@@ -89,7 +90,7 @@ class RolloutController:
             config.max_concurrent_rollouts, self.batch_size, config.max_head_offpolicyness
         )
         self._lt = LoopThread("arealite-rollout")
-        self._old_switch_interval: float | None = None  # restored by stop()
+        self._old_settings: ProcessSettings | None = None  # restored by stop()
         self._ready = ReadyGroups()
         self._ledger = RolloutLedger()
         # Per-prompt accounting (arealite.utils.accounting): when ``record_dropped`` is set,
@@ -111,7 +112,8 @@ class RolloutController:
         """Start the event loop thread; initialise the client on it (if it has ``initialize``)."""
         if self._thread is not None:
             raise RuntimeError("controller already started")
-        self._old_switch_interval = tune_process(self.config.gil_switch_interval_ms, self.config.freeze_gc)
+        self._old_settings = tune_process(self.config.gil_switch_interval_ms, self.config.freeze_gc,
+                                          self.config.gc_young_threshold)
         self._lt.start()
         init = getattr(self._client, "initialize", None)
         if init is not None:
@@ -134,8 +136,8 @@ class RolloutController:
             # Episodes that never finished stay known, so that state_dict() after stop still lists them.
             self._admission.requeue_unfinished()
             self._feed.unstash()  # the loop is gone: nothing else touches the queue now
-            restore_switch_interval(self._old_switch_interval)
-            self._old_switch_interval = None
+            restore_process(self._old_settings)
+            self._old_settings = None
 
     async def _shutdown_on_loop(self) -> None:
         await self._admission.cancel_all()

@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import gc
 import sys
 import threading
+from dataclasses import dataclass
 from typing import Any, Callable, Coroutine, TypeVar
 
 import torch
@@ -111,24 +113,42 @@ async def cancel_other_tasks() -> None:
     await asyncio.gather(*rest, return_exceptions=True)
 
 
-def tune_process(switch_interval_ms: float | None, freeze_gc: bool) -> float | None:
-    """Process-wide settings for a loop thread beside a training thread; returns the old switch
-    interval to give back to `restore_switch_interval` (None when unchanged).
+@dataclass(frozen=True)
+class ProcessSettings:
+    """What `tune_process` changed, to give back to `restore_process` (None: unchanged)."""
+
+    switch_interval: float | None = None
+    gc_threshold: tuple[int, ...] | None = None
+
+
+def tune_process(switch_interval_ms: float | None, freeze_gc: bool,
+                 gc_young_threshold: int | None = None) -> ProcessSettings:
+    """Process-wide settings for a loop thread beside a training thread; returns what to give
+    back to `restore_process`.
 
     The two threads share the GIL: a shorter switch interval bounds how long one waits for
     the other. ``gc.freeze()`` moves the objects alive so far (model, modules: ~10^5-10^6 in a
     trainer process) out of the collector's reach, so the collections the rollout's
-    allocations trigger do not scan them all.
+    allocations trigger do not scan them all. ``gc_young_threshold`` spaces those
+    collections out (``rollout.gc_young_threshold``).
     """
-    old = None
+    old_interval = old_threshold = None
     if switch_interval_ms is not None:
-        old = sys.getswitchinterval()
+        old_interval = sys.getswitchinterval()
         sys.setswitchinterval(switch_interval_ms / 1000)
     if freeze_gc:
         freeze_heap()
-    return old
+    if gc_young_threshold is not None:
+        old_threshold = gc.get_threshold()
+        gc.set_threshold(gc_young_threshold, *old_threshold[1:])
+    return ProcessSettings(old_interval, old_threshold)
 
 
-def restore_switch_interval(old: float | None) -> None:
-    if old is not None:
-        sys.setswitchinterval(old)
+def restore_process(old: ProcessSettings | None) -> None:
+    """Give back what `tune_process` changed."""
+    if old is None:
+        return
+    if old.switch_interval is not None:
+        sys.setswitchinterval(old.switch_interval)
+    if old.gc_threshold is not None:
+        gc.set_threshold(*old.gc_threshold)

@@ -27,6 +27,7 @@ from typing import Callable, TypedDict
 import torch
 from tensordict import TensorDict
 
+from arealite.api.types import vouched_oldest_version
 from arealite.rollout.staleness import NO_PRODUCED_TOKEN, oldest_versions, produced_versions, trajectory_staleness
 from arealite.utils.json_types import JsonObject
 from arealite.workflow.base import concat_trajectories
@@ -110,11 +111,19 @@ class ReadyGroups:
 
     def _age_all(self, seqs) -> None:
         """The oldest produced version (`_oldest_version`) of every group of ``seqs`` not aged yet,
-        computed once per group (its tokens never change) and in one batch (`_oldest_of_groups`)."""
-        new = [seq for seq in seqs if seq in self._groups and seq not in self._oldest]
+        computed once per group (its tokens never change): the one its builder vouched for
+        (`vouched_oldest_version`), else all the others in one batch (`_oldest_of_groups`)."""
+        groups, oldest = self._groups, self._oldest
+        new = []
+        for seq in seqs:
+            if seq in groups and seq not in oldest:
+                v = vouched_oldest_version(groups[seq][0])
+                if v is None:
+                    new.append(seq)
+                else:
+                    oldest[seq] = v
         if new:
-            groups = self._groups
-            self._oldest.update(zip(new, _oldest_of_groups([groups[seq][0] for seq in new])))
+            oldest.update(zip(new, _oldest_of_groups([groups[seq][0] for seq in new])))
 
     def take(self, count: int, version: int) -> tuple[TensorDict, list[JsonObject]]:
         """The stalest ``count`` groups as one right-padded batch, and their items."""

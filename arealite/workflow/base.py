@@ -26,7 +26,7 @@ from tensordict import TensorDict
 
 from arealite.api.contracts import InferenceClient
 from arealite.utils.json_types import JsonObject
-from arealite.workflow.fast_group import single_turn_group
+from arealite.workflow.fast_group import single_turn_group, unchecked_tensordict
 
 
 class RolloutWorkflow:
@@ -169,23 +169,26 @@ def concat_trajectories(tds: Sequence[TensorDict]) -> TensorDict:
     if len(tds) == 1:
         return tds[0]
     dicts = [dict(td.items()) for td in tds]
-    keys = set(dicts[0])
+    keys = dicts[0].keys()
     for i, d in enumerate(dicts[1:], 1):
-        if set(d) != keys:
+        if d.keys() != keys:
             raise ValueError(
                 f"trajectory {i} has keys {sorted(d)}, trajectory 0 has {sorted(keys)}; "
                 "all trajectories of one batch need the same keys"
             )
     out: dict[str, torch.Tensor] = {}
-    for key in dicts[0]:
+    for key in keys:
         parts = [d[key] for d in dicts]
         if parts[0].dim() >= 2:
-            widest = max(t.shape[1] for t in parts)
-            parts = [t if t.shape[1] == widest else torch.cat(
-                [t, torch.full((t.shape[0], widest - t.shape[1], *t.shape[2:]), PAD_VALUES.get(key, 0), dtype=t.dtype)],
-                dim=1) for t in parts]
+            widths = [t.shape[1] for t in parts]
+            widest = max(widths)
+            if widest != min(widths):  # the same width (a fixed-length benchmark): no pass over the parts
+                parts = [t if t.shape[1] == widest else torch.cat(
+                    [t, torch.full((t.shape[0], widest - t.shape[1], *t.shape[2:]), PAD_VALUES.get(key, 0),
+                                   dtype=t.dtype)], dim=1) for t in parts]
         out[key] = torch.cat(parts, dim=0)
-    return TensorDict(out, batch_size=[out["input_ids"].shape[0]])
+    # Every part is a TensorDict, so each key's rows are its batch: no constructor checks needed.
+    return unchecked_tensordict(out, out["input_ids"].shape[0])
 
 
 def reject_equal_rewards(td: TensorDict) -> bool:
