@@ -11,6 +11,10 @@ eta = 0.
 The bound is what the same cost model allows with perfect overlap: from the eta = 0 run,
 a step is generation (the trainer's wait for its batch) plus training and the weight push;
 overlapped, it is the longer of the two. ``bound = (gen + train) / max(gen, train)``.
+It assumes servers that never idle, which the staleness bound does not allow: *attainable* is the
+same run played in virtual time with free orchestration (`arealite.sim.pipeline`: the servers'
+cost model, the staleness bound, the groups' tails and the trainer's measured seconds, nothing
+else), the fastest any orchestration could go; *of att.* is the measured speed-up over it.
 
 GPU split as AReaL's paper (arXiv 2505.24298): three generation GPUs for one training GPU,
 H800s, a 1.5B model; the batch and the answer lengths are scaled down so that the
@@ -24,7 +28,8 @@ push (``controller/output_queue``), which hold part of the staleness budget.
 Every pause mode (``--pause-modes``: abort, retract, in_place; ``weight_sync.pause_mode``) and
 eta runs ``--repeats`` times (interleaved); one table per mode gives medians with [min-max], the
 push's paused time and client CPU (``weight_sync/*`` stats), and the orchestration's CPU per step
-(every process of the run, read from /proc) and per trajectory. JSON: ``eta4_of_bound_<mode>``.
+(every process of the run, read from /proc) and per trajectory. JSON: ``eta4_of_bound_<mode>``,
+``eta4_of_attainable_<mode>``.
 
     python benchmarks/scale_overlap.py [--quick] [--etas 0,1,2,4,8] [--repeats 3] [--eta0-once]
         [--a-max-concurrent 64]
@@ -243,6 +248,33 @@ def busy_generation_s(args, answer_len: float, seq_len: float) -> float:
     return args.batch * args.n_samples * answer_len / tokens_per_s * args.a_time_scale
 
 
+def attainable_step_s(args, eta: int, sync: list[dict], seeds: int = 5) -> float:
+    """Median seconds per step (over ``seeds`` length draws) of the same run played in virtual time
+    with free orchestration (`arealite.sim.pipeline`): the servers' cost model, the staleness
+    bound and the group tails; from the eta = 0 runs, the mean answer length, the push's seconds
+    and the training seconds per token (a batch of long groups trains longer)."""
+    from arealite.sim.cost_model import SimSpec
+    from arealite.sim.pipeline import PipelineSetup, median_for_mean, simulate_pipeline
+
+    med = lambda k: statistics.median(r[k] for r in sync)
+    # The run's answers as long on average as the eta = 0 runs measured (a few hundred answers
+    # differ from the distribution's mean by a few percent, and the step follows them).
+    median = median_for_mean(med("answer_len"), 1.0, args.a_max_new_tokens)
+    per_step = args.batch * args.n_samples
+    spec = SimSpec(gpu="h100", model=args.model, time_scale=args.a_time_scale,
+                   length_median=median, length_sigma=1.0)
+    steps = []
+    for seed in range(seeds):
+        setup = PipelineSetup(spec, n_servers=args.gen_gpus, rows_per_server=SERVER_ROWS, batch_groups=args.batch,
+                              group_size=args.n_samples, eta=eta, max_concurrent=args.a_max_concurrent,
+                              max_new_tokens=args.a_max_new_tokens,
+                              prompt_tokens=max(1, round(med("seq_len") - med("answer_len"))),
+                              train_s=0.0, push_s=med("push_s"), seed=seed,
+                              train_s_per_token=(med("train_s") - med("push_s")) / (per_step * med("seq_len")))
+        steps.append(simulate_pipeline(setup, args.steps, args.skip).step_s(args.skip))
+    return statistics.median(steps)
+
+
 def _spread(xs: list[float]) -> str:
     return f"{statistics.median(xs):.3f} [{min(xs):.3f}-{max(xs):.3f}]"
 
@@ -292,6 +324,7 @@ def run_part_a(args) -> dict:
         out["by_mode"][m] = row
         if "eta4_of_bound" in row:
             out[f"eta4_of_bound_{m}"] = row["eta4_of_bound"]
+            out[f"eta4_of_attainable_{m}"] = row["eta4_of_attainable"]
     default = modes[0] if "in_place" not in modes else "in_place"
     out["eta4_of_bound"] = out["by_mode"][default].get("eta4_of_bound")
     return out
@@ -305,12 +338,15 @@ def _mode_summary(args, mode: str, etas: list[int], runs: dict[int, list[dict]])
     overlap = (gen + train) / max(gen, train)  # eta=0's generation, tail included, hidden behind training
     busy = busy_generation_s(args, med(sync, "answer_len"), med(sync, "seq_len"))
     bound = med(sync, "step_s") / max(busy, train)  # generation never idle and overlapped with training
+    free = {e: attainable_step_s(args, e, sync) for e in etas}  # the same rules, orchestration free
     per_step = args.batch * args.n_samples
     print(f"pause_mode {mode}: eta=0 step: generation wait {gen:.3f} s + train and push {train:.3f} s (real "
           f"seconds); overlap alone {overlap:.2f}x; busy generation of a batch {busy:.3f} s; "
-          f"bound max(busy, train) {bound:.2f}x; paper {PAPER_SPEEDUP}x")
+          f"bound max(busy, train) {bound:.2f}x; paper {PAPER_SPEEDUP}x; attainable: the run in virtual time "
+          f"with free orchestration (arealite.sim.pipeline), eta=0 {free[0]:.3f} s/step; answers "
+          f"{med(sync, 'answer_len'):.0f} tokens on average, {med(sync, 'seq_len'):.0f} with the prompt")
     print(f"{'eta':>4} {'step s':>21} {'push s':>7} {'paused':>7} {'cli CPU':>7} {'speed-up':>21} {'of bound':>8} "
-          f"{'stale max':>9} {'rows busy':>9} {'ready':>5} {'CPU s/step':>10} {'servers':>7} {'worker':>7} {'trainer':>7} {'ms/traj':>7}")
+          f"{'attain':>6} {'of att.':>7} {'stale max':>9} {'rows busy':>9} {'ready':>5} {'CPU s/step':>10} {'servers':>7} {'worker':>7} {'trainer':>7} {'ms/traj':>7}")
     out_rows = {}
     for e in etas:
         speedups = [r["steps_per_s"] / s0["steps_per_s"] for r, s0 in zip(runs[e], sync)]
@@ -319,12 +355,17 @@ def _mode_summary(args, mode: str, etas: list[int], runs: dict[int, list[dict]])
                "speedup_min": min(speedups), "speedup_max": max(speedups),
                "of_bound": statistics.median(speedups) / bound,
                "of_bound_min": min(speedups) / bound, "of_bound_max": max(speedups) / bound,
+               "attainable": free[0] / free[e],
+               "of_attainable": statistics.median(speedups) / (free[0] / free[e]),
+               "of_attainable_min": min(speedups) / (free[0] / free[e]),
+               "of_attainable_max": max(speedups) / (free[0] / free[e]),
                "staleness_max": max(r["staleness_max"] for r in runs[e]), "cpu_per_step_s": cpu["total"],
                "cpu_per_trajectory_ms": cpu["per_trajectory_ms"]}
         out_rows[e] = row
         print(f"{e:>4} {_spread([r['step_s'] for r in runs[e]]):>21} {med(runs[e], 'push_s'):>7.3f} "
               f"{med(runs[e], 'push_paused_s'):>7.3f} {med(runs[e], 'push_client_cpu_s') * 1e3:>7.1f} "
-              f"{_spread(speedups):>21} {row['of_bound']:>8.2f} {row['staleness_max']:>9} "
+              f"{_spread(speedups):>21} {row['of_bound']:>8.2f} "
+              f"{row['attainable']:>6.2f} {row['of_attainable']:>7.2f} {row['staleness_max']:>9} "
               f"{med(runs[e], 'rows_busy'):>9.2f} {med(runs[e], 'ready_groups'):>5.0f} {cpu['total']:>10.3f} "
               f"{cpu['servers']:>7.3f} {cpu['rollout_worker']:>7.3f} {cpu['trainer']:>7.3f} "
               f"{cpu['per_trajectory_ms']:>7.2f}")
@@ -334,6 +375,10 @@ def _mode_summary(args, mode: str, etas: list[int], runs: dict[int, list[dict]])
            "speedup_spread_by_eta": {str(e): [round(r["speedup_min"], 3), round(r["speedup_max"], 3)]
                                      for e, r in out_rows.items()},
            "of_bound_by_eta": {str(e): round(r["of_bound"], 3) for e, r in out_rows.items()},
+           "attainable_step_s_by_eta": {str(e): round(t, 4) for e, t in free.items()},
+           "attainable_speedup_by_eta": {str(e): round(r["attainable"], 3) for e, r in out_rows.items()},
+           "attainable_of_bound_by_eta": {str(e): round(r["attainable"] / bound, 3) for e, r in out_rows.items()},
+           "of_attainable_by_eta": {str(e): round(r["of_attainable"], 3) for e, r in out_rows.items()},
            "push_paused_s_by_eta": {str(e): round(med(runs[e], "push_paused_s"), 4) for e in etas},
            "push_client_cpu_ms_by_eta": {str(e): round(med(runs[e], "push_client_cpu_s") * 1e3, 2) for e in etas},
            "staleness_max_by_eta": {str(e): r["staleness_max"] for e, r in out_rows.items()},
@@ -346,6 +391,10 @@ def _mode_summary(args, mode: str, etas: list[int], runs: dict[int, list[dict]])
     if 4 in out_rows:
         out["eta4_of_bound"] = round(out_rows[4]["of_bound"], 3)
         out["eta4_of_bound_spread"] = [round(out_rows[4]["of_bound_min"], 3), round(out_rows[4]["of_bound_max"], 3)]
+        out["eta4_of_attainable"] = round(out_rows[4]["of_attainable"], 3)
+        out["eta4_of_attainable_spread"] = [round(out_rows[4]["of_attainable_min"], 3),
+                                            round(out_rows[4]["of_attainable_max"], 3)]
+        out["eta4_attainable_of_bound"] = round(out_rows[4]["attainable"] / bound, 3)
     return out
 
 
