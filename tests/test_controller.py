@@ -597,44 +597,36 @@ def test_ready_groups_keep_their_order_across_takes_put_backs_and_filters():
     assert [i["tag"] for i in again.take(1, version=2)[1]] == [7]
 
 
-def test_ready_groups_take_the_same_batches_with_builder_vouched_ages():
-    """A fast builder vouches each group's oldest version (`mark_well_formed`); the ready set
-    uses it instead of tensor ops. The same groups without the vouch must give the same batches."""
-    from array import array
-
+def test_ready_groups_age_by_admission_version_through_stash_and_checkpoint():
+    """A group the controller puts with its admission version is aged by it, not by its tokens
+    (newer when an answer waited in a server's queue past a push): the overdue rule counts
+    running groups by admission, so ready ones must be counted alike. The age survives a
+    stash put back and a checkpoint; a group put without one is aged by its tokens."""
     from tensordict import TensorDict
 
-    from arealite.api.types import vouched_oldest_version
-    from arealite.rollout.ready import ReadyGroups, _oldest_version
-    from arealite.workflow.base import group_from_outputs
+    from arealite.rollout.ready import ReadyGroups
 
-    def group(tag: int, outputs) -> TensorDict:
-        n = len(outputs)
-        return group_from_outputs([5, 6], [(ids, [-0.1] * len(ids), vers) for ids, vers in outputs],
-                                  {"group_id": torch.frombuffer(array("q", [tag] * n), dtype=torch.int64)})
+    def group(token_version: int, tag: int) -> TensorDict:
+        return TensorDict({"input_ids": torch.full((1, 2), tag), "loss_mask": torch.tensor([[0, 1]]).bool(),
+                           "attention_mask": torch.ones(1, 2, dtype=torch.bool),
+                           "versions": torch.tensor([[-1, token_version]])}, batch_size=[1])
 
-    long = list(range(300))  # over the cheap bound: left to the tensor path
-    specs = [[([1], [4])], [([1, 2], [3, 3]), ([1], [2])], [([1], [5])], [(long, [1] * 300)],
-             [([1, 2, 3], [4, 2, 3])], [([1], [3])], [([1], [0])], [([1], [4])]]
-    vouched = [group(tag, outs) for tag, outs in enumerate(specs)]
-    vouched[7]["versions"][0, 2] = 9  # written after the build: its vouch no longer holds (age 9, not 4)
-    assert [vouched_oldest_version(td) for td in vouched] == [4, 2, 5, None, 2, 3, 0, None]
-    assert all(vouched_oldest_version(td) in (None, _oldest_version(td)) for td in vouched)
-    swapped = group(8, [([1], [4])])
-    swapped["versions"] = torch.tensor([[-1, -1, 1]])  # a new tensor (no writes counted): not what was vouched
-    assert vouched_oldest_version(swapped) is None
-    plain = [TensorDict(td.to_dict(), batch_size=td.batch_size) for td in vouched]  # no vouch: tensor ops
-    assert [vouched_oldest_version(td) for td in plain] == [None] * len(plain)
-    takes = [(2, 6), (1, 6), (3, 7), (2, 7)]
-    results = []
-    for tds in (vouched, plain):
-        ready = ReadyGroups()
-        for tag, td in enumerate(tds):
-            ready.put(td, {"tag": tag})
-        out = []
-        for count, version in takes:
-            batch, items = ready.take(count, version)
-            out.append(([i["tag"] for i in items], batch["input_ids"].tolist(), batch["versions"].tolist()))
-        results.append((out, dict(ready.staleness_hist)))
-    assert results[0] == results[1]
-    assert [tags for tags, _, _ in results[0][0]] == [[3, 6], [1], [0, 4, 5], [2, 7]]
+    ready = ReadyGroups()
+    ready.put(group(2, 0), {"tag": 0}, admitted_at=2)
+    ready.put(group(3, 1), {"tag": 1}, admitted_at=0)  # queued past three pushes: tokens of 3, admitted at 0
+    ready.put(group(1, 2), {"tag": 2})  # no admission version (restored): its tokens' 1
+    ready.put(group(2, 3), {"tag": 3}, admitted_at=1)
+    assert ready.count_from(0) == 1 and ready.count_from(1) == 3 and ready.count_from(2) == 4
+    ready.stash(2, version=3)
+    assert ready.unstash() == 2
+    assert ready.count_from(0) == 1 and ready.count_from(1) == 3  # ages kept across the put back
+    state = ready.state_dict()
+    assert state["admitted_at"] == [0, 1, 2, 1]  # completion order: 1 and 2 went back in front
+    again = ReadyGroups()
+    again.load_state_dict(state)
+    _, items = again.take(3, version=3)
+    assert [i["tag"] for i in items] == [1, 2, 3]  # by age 0, 1, 1; not by tokens (3, 1, 2)
+    old = {k: v for k, v in state.items() if k != "admitted_at"}  # a checkpoint from before ages
+    again = ReadyGroups()
+    again.load_state_dict(old)
+    assert [i["tag"] for i in again.take(1, version=3)[1]] == [2]  # by tokens: 2 has version 1

@@ -168,7 +168,7 @@ def _write_count(per_token: tuple[torch.Tensor, ...]) -> int:
     return ids._version + am._version + lm._version + lp._version + ve._version  # private-ok: torch has no public one
 
 
-def mark_well_formed(td: _TD, per_token: tuple[torch.Tensor, ...], oldest_version: int | None = None) -> _TD:
+def mark_well_formed(td: _TD, per_token: tuple[torch.Tensor, ...]) -> _TD:
     """Vouch that ``td``'s per-token tensors are well-formed by construction; return ``td``.
 
     For trajectory builders on the rollout hot path (one call per group), whose
@@ -177,26 +177,9 @@ def mark_well_formed(td: _TD, per_token: tuple[torch.Tensor, ...], oldest_versio
     then skips its per-token checks for ``td`` as long as it still holds these
     very tensors, not modified in place since this call; per-row keys (rewards,
     group ids) are always checked.
-
-    ``oldest_version``: the oldest version among the group's produced tokens, when the
-    builder knows it cheaply (``vouched_oldest_version`` hands it to the ready set, which
-    otherwise computes it with tensor ops); None when it does not.
     """
-    setattr(td, _WELL_FORMED, (per_token, _write_count(per_token), oldest_version))
+    setattr(td, _WELL_FORMED, (per_token, _write_count(per_token)))
     return td
-
-
-def vouched_oldest_version(td: TensorDictBase) -> int | None:
-    """The ``oldest_version`` a builder vouched for with ``mark_well_formed``, while ``td``
-    still holds the very per-token tensors vouched for, unwritten; else None."""
-    built = getattr(td, "__dict__", _NO_ATTRS).get(_WELL_FORMED)
-    if built is None or built[2] is None:
-        return None
-    tensors, writes, oldest = built
-    # The age depends on these two keys alone; any in-place write to the five shows in `writes`.
-    if td.get("versions") is tensors[4] and td.get("loss_mask") is tensors[2] and _write_count(tensors) == writes:
-        return oldest
-    return None
 
 
 def _still_vouched(td: TensorDictBase, found: dict[str, object], B: int) -> bool:
@@ -205,7 +188,7 @@ def _still_vouched(td: TensorDictBase, found: dict[str, object], B: int) -> bool
     built = getattr(td, "__dict__", _NO_ATTRS).get(_WELL_FORMED)
     if built is None:
         return False
-    tensors, writes, _ = built
+    tensors, writes = built
     ids, am, lm, lp, ve = tensors
     get = found.get
     return (get("input_ids") is ids and get("attention_mask") is am and get("loss_mask") is lm

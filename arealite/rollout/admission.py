@@ -228,7 +228,7 @@ class Admission:
             if accept:
                 self._staleness.on_accept()
                 self._ledger.count("accepted")
-                self._ready.put(td, ep.item)
+                self._ready.put(td, ep.item, ep.version)
             else:
                 self._staleness.on_reject()
                 self._ledger.count("rejected")

@@ -1,12 +1,20 @@
 """The accepted groups waiting to be trained on, how a batch is assembled from them, and the
 callers waiting for them.
 
-Groups wait in completion order and a batch takes the stalest of them (its tokens' oldest
-policy version; completion order among equals), each with the dataset item it came from, so
+Groups wait in completion order and a batch takes the stalest of them (completion order among
+equals), each with the dataset item it came from, so
 that the trainer knows which prompts a batch holds (per-prompt accounting) and a
 checkpoint can save the groups produced but not yet trained on. Taking a batch
 records the staleness of its trajectories in a histogram. (A training batch also waits for
 a running group that would overrun the staleness bound in the next one: `DataFeed.wait`.)
+
+A group's age is the version it was admitted at, when the controller gives it (`put`): its
+tokens are no older, and it is the version `Admission.running_admitted_by` counts running
+groups by, so the overdue rule compares like with like. Counting ready groups by their tokens'
+versions instead (newer when an answer waited in a server's queue past a push) made that rule
+hold batches for running groups no staler than ready ones: at eta = 8 with 128 concurrent
+rollouts, 0.37 s of a 1.39 s step (docs/scale.md, 28 Nov). A group put without it (restored
+from a checkpoint) is aged by its tokens' oldest version.
 
 A batch can also be taken ahead of its ``prepare_batch`` (`ReadyGroups.stash`): when a
 weight update resumes generation with a whole batch already ready, the controller takes
@@ -22,12 +30,11 @@ import collections
 import heapq
 import threading
 from dataclasses import dataclass
-from typing import Callable, TypedDict
+from typing import Callable, NotRequired, TypedDict
 
 import torch
 from tensordict import TensorDict
 
-from arealite.api.types import vouched_oldest_version
 from arealite.rollout.staleness import NO_PRODUCED_TOKEN, oldest_versions, produced_versions, trajectory_staleness
 from arealite.utils.json_types import JsonObject
 from arealite.workflow.base import concat_trajectories
@@ -39,6 +46,8 @@ class ReadyState(TypedDict):
 
     ready: list[tuple[dict[str, torch.Tensor], JsonObject]]
     staleness_hist: dict[int, int]
+    admitted_at: NotRequired[list[int | None]]
+    """Each waiting group's age (`ReadyGroups.put`), in the order of ``ready``."""
 
 
 @dataclass
@@ -46,6 +55,7 @@ class _Stash:
     """A batch taken ahead of its `prepare_batch`: its groups, the batch, items and staleness."""
 
     groups: list[tuple[TensorDict, JsonObject]]
+    ages: list[int | None]
     batch: TensorDict
     items: list[JsonObject]
     stale: list[int]
@@ -82,7 +92,7 @@ class ReadyGroups:
         # The stalest-first index, filled lazily (`_index`): each group's age computed once
         # and its number pushed on its age's heap. A number whose group is gone stays in a
         # heap until popped (skipped then), so a take costs O(count log n), not O(n).
-        self._oldest: dict[int, int] = {}  # seq -> its oldest produced token's version
+        self._oldest: dict[int, int] = {}  # seq -> its age: admission version, else oldest token's
         self._unindexed: list[int] = []
         self._by_age: dict[int, list[int]] = {}  # age -> heap of seqs
         self.staleness_hist: collections.Counter[int] = collections.Counter()
@@ -92,7 +102,10 @@ class ReadyGroups:
     def __len__(self) -> int:
         return len(self._groups)
 
-    def put(self, td: TensorDict, item: JsonObject) -> None:
+    def put(self, td: TensorDict, item: JsonObject, admitted_at: int | None = None) -> None:
+        """A finished group; ``admitted_at``: the version it was admitted at (its age), if known."""
+        if admitted_at is not None:
+            self._oldest[self._next] = admitted_at
         self._add(self._next, td, item)
         self._next += 1
 
@@ -100,28 +113,16 @@ class ReadyGroups:
         self._groups[seq] = (td, item)
         self._unindexed.append(seq)
 
-    def _in_order(self) -> list[tuple[TensorDict, JsonObject]]:
-        """The waiting groups in completion order (a batch put back first)."""
-        return [self._groups[s] for s in sorted(self._groups)]
-
     def count_from(self, version: int) -> int:
-        """How many waiting groups hold a produced token of ``version`` or older."""
+        """How many waiting groups are of age ``version`` or older."""
         self._age_all(self._groups)
         return sum(1 for seq in self._groups if self._oldest[seq] <= version)
 
     def _age_all(self, seqs) -> None:
-        """The oldest produced version (`_oldest_version`) of every group of ``seqs`` not aged yet,
-        computed once per group (its tokens never change): the one its builder vouched for
-        (`vouched_oldest_version`), else all the others in one batch (`_oldest_of_groups`)."""
+        """Age every group of ``seqs`` put without its admission version by its tokens' oldest
+        (`_oldest_version`), all in one batch (`_oldest_of_groups`), once per group."""
         groups, oldest = self._groups, self._oldest
-        new = []
-        for seq in seqs:
-            if seq in groups and seq not in oldest:
-                v = vouched_oldest_version(groups[seq][0])
-                if v is None:
-                    new.append(seq)
-                else:
-                    oldest[seq] = v
+        new = [seq for seq in seqs if seq in groups and seq not in oldest]
         if new:
             oldest.update(zip(new, _oldest_of_groups([groups[seq][0] for seq in new])))
 
@@ -131,28 +132,30 @@ class ReadyGroups:
         return s.batch, s.items
 
     def _pop(self, count: int, version: int) -> _Stash:
-        taken = self._stalest(count)
+        taken, ages = self._stalest(count)
         batch = concat_trajectories([td for td, _ in taken])
         stale = trajectory_staleness(batch["versions"], batch["loss_mask"], version).tolist()
         self.staleness_hist.update(stale)
-        return _Stash(taken, batch, [item for _, item in taken], stale)
+        return _Stash(taken, ages, batch, [item for _, item in taken], stale)
 
-    def _stalest(self, count: int) -> list[tuple[TensorDict, JsonObject]]:
-        """Remove and return the ``count`` groups whose oldest produced token is oldest (ties and
+    def _stalest(self, count: int) -> tuple[list[tuple[TensorDict, JsonObject]], list[int | None]]:
+        """Remove and return the ``count`` oldest groups by age (ties and
         the batch itself in completion order). A group that finished late behind a long answer
         thus goes before the fresher groups that overtook it, instead of waiting behind them
         and growing staler. With no choice to make (``count`` or fewer waiting) it costs nothing.
 
         The choice pops the oldest ages' heaps: a backlog of thousands of groups (a producer
-        ahead of its trainer, bench_controller) cost a sort of all of them per batch before."""
-        groups = self._groups
+        ahead of its trainer, bench_controller) cost a sort of all of them per batch before.
+        Their ages come with them (None where not known), for `unstash`."""
+        groups, oldest = self._groups, self._oldest
         if len(groups) <= count:
             if len(groups) < count:
                 raise IndexError(f"take({count}) with {len(groups)} groups waiting")
-            taken = [groups[seq] for seq in sorted(groups)]
+            order = sorted(groups)
+            taken, ages = [groups[seq] for seq in order], [oldest.get(seq) for seq in order]
             groups.clear()
             self._clear_index()
-            return taken
+            return taken, ages
         self._index()
         chosen: list[int] = []
         by_age = self._by_age
@@ -167,10 +170,8 @@ class ReadyGroups:
             if len(chosen) == count:
                 break
         chosen.sort()
-        oldest = self._oldest
-        for seq in chosen:
-            oldest.pop(seq, None)
-        return [groups.pop(seq) for seq in chosen]
+        ages = [oldest.pop(seq, None) for seq in chosen]
+        return [groups.pop(seq) for seq in chosen], ages
 
     def _index(self) -> None:
         """Age the groups not indexed yet and push them on their age's heap."""
@@ -216,8 +217,10 @@ class ReadyGroups:
             s, self._stash = self._stash, None
         if s is None:
             return 0
-        for td, item in reversed(s.groups):
+        for (td, item), age in zip(reversed(s.groups), reversed(s.ages)):
             self._first -= 1
+            if age is not None:
+                self._oldest[self._first] = age
             self._add(self._first, td, item)
         self.staleness_hist.subtract(s.stale)
         self.staleness_hist = +self.staleness_hist  # drop the counts that went back to 0
@@ -236,18 +239,21 @@ class ReadyGroups:
         return dropped
 
     def state_dict(self) -> ReadyState:
-        """The waiting groups (as plain dicts) and the histogram."""
+        """The waiting groups (as plain dicts) with their ages, and the histogram."""
+        order = sorted(self._groups)
         return {
-            "ready": [(td.to_dict(), item) for td, item in self._in_order()],
+            "ready": [(self._groups[seq][0].to_dict(), self._groups[seq][1]) for seq in order],
             "staleness_hist": dict(self.staleness_hist),
+            "admitted_at": [self._oldest.get(seq) for seq in order],
         }
 
     def load_state_dict(self, state: ReadyState) -> None:
         self.staleness_hist = collections.Counter({int(k): int(v) for k, v in state["staleness_hist"].items()})
         self._groups.clear()
         self._clear_index()
-        for d, item in state["ready"]:
-            self.put(TensorDict(d, batch_size=[d["input_ids"].shape[0]]), item)
+        ages = state.get("admitted_at") or [None] * len(state["ready"])  # older checkpoints: by tokens
+        for (d, item), age in zip(state["ready"], ages):
+            self.put(TensorDict(d, batch_size=[d["input_ids"].shape[0]]), item, age)
 
 
 class Waiters:

@@ -72,7 +72,6 @@ def single_turn_group(prompt_ids: Sequence[int], outputs: Sequence[Output], per_
         torch.frombuffer(vers, dtype=torch.int64).view(shape),
         per_row,
         n,
-        _oldest([o[2] for o in outputs], sum(lens)),
     )
 
 
@@ -98,25 +97,7 @@ def _one_sample(prompt_ids: Sequence[int], output: Output, per_row: dict[str, to
         torch.frombuffer(vers, dtype=torch.int64)[None],
         per_row,
         1,
-        _oldest((o_vers,), g),
     )
-
-
-#: Produced tokens up to which a group's oldest version is taken in Python while it is built.
-_CHEAP_OLDEST_TOKENS = 256
-
-
-def _oldest(versions: Sequence[Sequence[int]], total: int) -> int | None:
-    """The oldest version among the samples' produced tokens, for ``mark_well_formed``.
-
-    The ready set needs it for its stalest-first take; with few tokens ``min`` over the
-    client's lists costs ~0.2-2 us, where the ready set's tensor ops cost 6-10 us of loop
-    CPU per group on bench_controller (n=1, one token; docs/scale.md, 28 Nov). Longer
-    answers (Python's ``min`` costs ~15 ns a token) and groups with no produced token are
-    left to the ready set (None)."""
-    if total == 0 or total > _CHEAP_OLDEST_TOKENS:
-        return None
-    return min(min(v) for v in versions if len(v))
 
 
 def _check_piece(n: int, lps: Sequence[float] | None, vers: Sequence[int] | None) -> None:
@@ -129,12 +110,12 @@ def _check_piece(n: int, lps: Sequence[float] | None, vers: Sequence[int] | None
 
 def _vouched_group(input_ids: torch.Tensor, attention_mask: torch.Tensor, loss_mask: torch.Tensor,
                    logprobs: torch.Tensor, versions: torch.Tensor, per_row: dict[str, torch.Tensor],
-                   n: int, oldest_version: int | None) -> TensorDict:
+                   n: int) -> TensorDict:
     """The group's TensorDict, vouched for as well-formed per token (``mark_well_formed``)."""
     tensors = {"input_ids": input_ids, "attention_mask": attention_mask, "loss_mask": loss_mask,
                "logprobs": logprobs, "versions": versions, **per_row}
     td = unchecked_tensordict(tensors, n)
-    return mark_well_formed(td, (input_ids, attention_mask, loss_mask, logprobs, versions), oldest_version)
+    return mark_well_formed(td, (input_ids, attention_mask, loss_mask, logprobs, versions))
 
 
 def unchecked_tensordict(tensors: dict[str, torch.Tensor], n: int) -> TensorDict:
