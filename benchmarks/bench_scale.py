@@ -312,7 +312,7 @@ def main() -> None:
     args = p.parse_args()
     if args.quick:
         args.servers, args.items = "8,32", 4
-        args.etas, args.steps, args.repeats, args.update_rounds = "0,4", 6, 1, 1
+        args.etas, args.steps, args.skip, args.repeats, args.update_rounds = "0,4", 6, 2, 1, 1
     part_a = run_part_a(args) if args.part in ("a", "all") else {}
     if args.part == "a":
         print(json.dumps(part_a))

@@ -412,8 +412,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--a-max-concurrent", dest="a_max_concurrent", type=int, default=64,
                    help="rollout.max_concurrent_rollouts (groups in flight; 64, the default, binds at eta >= 4 "
                         "together with the staleness budget: docs/scale.md)")
-    g.add_argument("--steps", type=int, default=10)
-    g.add_argument("--skip", type=int, default=2, help="steps left out of the throughput (warm-up)")
+    g.add_argument("--steps", type=int, default=24)
+    g.add_argument("--skip", type=int, default=10,
+                   help="steps left out of the throughput (warm-up): the groups admitted before the first "
+                        "push come in over that long first step, all of version 0, and hold batches for "
+                        "up to eta steps; 10 leaves them out at eta 8")
     g.add_argument("--a-time-scale", dest="a_time_scale", type=float, default=0.5,
                    help="simulated compute takes this many real seconds per simulated second; 0.5 keeps "
                         "the orchestration's CPU (~0.4 s a step) a fraction of a step on two cores")
@@ -431,7 +434,7 @@ def main() -> None:
     p.add_argument("--quick", action="store_true", help="eta 0 and 4, 6 steps")
     args = p.parse_args()
     if args.quick:
-        args.etas, args.steps, args.repeats = "0,4", 6, 1
+        args.etas, args.steps, args.skip, args.repeats = "0,4", 6, 2, 1
     print(json.dumps(run_part_a(args)))
 
 

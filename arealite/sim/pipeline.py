@@ -64,8 +64,6 @@ class PipelineSetup:
     train_s_per_token: float = 0.0
     """Real seconds per token (prompt and answer) of the batch: training time follows its
     tokens, as the simulated train engine's does, so batches of long groups take longer."""
-    trainer_start_s: float = 0.0
-    """When the trainer asks for its first batch, after generation started at 0."""
     hold_overdue: bool = True
     seed: int = 0
 
@@ -284,9 +282,7 @@ class _Pipeline:
         self.running: list[_Group] = []
         self.ready: list[_Group] = []
         self.latencies: list[float] = []
-        self.trainer = _Trainer(busy=setup.trainer_start_s > 0, waiting_since=setup.trainer_start_s)
-        if setup.trainer_start_s > 0:
-            self.clock.at(setup.trainer_start_s, self._trainer_ready)
+        self.trainer = _Trainer()
 
     def admit(self) -> None:
         s = self.s
@@ -331,10 +327,6 @@ class _Pipeline:
         tr.waits.append(self.clock.now - tr.waiting_since)
         tr.busy = True
         self.clock.at(self.clock.now + s.train_s + s.train_s_per_token * tokens, self._trained)
-
-    def _trainer_ready(self) -> None:
-        self.trainer.busy = False
-        self.take()
 
     def _overdue_running(self) -> bool:
         """The controller's rule (`arealite.rollout.feed.DataFeed`): a group admitted at
