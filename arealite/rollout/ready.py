@@ -10,11 +10,11 @@ a running group that would overrun the staleness bound in the next one: `DataFee
 
 A group's age is the version it was admitted at, when the controller gives it (`put`): its
 tokens are no older, and it is the version `Admission.running_admitted_by` counts running
-groups by, so the overdue rule compares like with like. Counting ready groups by their tokens'
-versions instead (newer when an answer waited in a server's queue past a push) made that rule
-hold batches for running groups no staler than ready ones: at eta = 8 with 128 concurrent
-rollouts, 0.37 s of a 1.39 s step (docs/scale.md, 28 Nov). A group put without it (restored
-from a checkpoint) is aged by its tokens' oldest version.
+groups by (the client cannot see a running answer's tokens), so the overdue rule compares like
+with like. Ready groups counted by their tokens' versions instead (newer when an answer waited in
+a server's queue past a push) could make a batch wait for a running group no staler than ready
+ones. A group put without it (restored from an older checkpoint) is aged by its tokens' oldest
+version. The staleness histogram still counts tokens.
 
 A batch can also be taken ahead of its ``prepare_batch`` (`ReadyGroups.stash`): when a
 weight update resumes generation with a whole batch already ready, the controller takes
