@@ -350,15 +350,16 @@ def _mode_summary(args, mode: str, etas: list[int], runs: dict[int, list[dict]])
     out_rows = {}
     for e in etas:
         speedups = [r["steps_per_s"] / s0["steps_per_s"] for r, s0 in zip(runs[e], sync)]
+        attainable = free[0] / free[e]
         cpu = _cpu_row(runs[e], per_step)
         row = {"step_s": med(runs[e], "step_s"), "speedup": statistics.median(speedups),
                "speedup_min": min(speedups), "speedup_max": max(speedups),
                "of_bound": statistics.median(speedups) / bound,
                "of_bound_min": min(speedups) / bound, "of_bound_max": max(speedups) / bound,
-               "attainable": free[0] / free[e],
-               "of_attainable": statistics.median(speedups) / (free[0] / free[e]),
-               "of_attainable_min": min(speedups) / (free[0] / free[e]),
-               "of_attainable_max": max(speedups) / (free[0] / free[e]),
+               "attainable": attainable,
+               "of_attainable": statistics.median(speedups) / attainable,
+               "of_attainable_min": min(speedups) / attainable,
+               "of_attainable_max": max(speedups) / attainable,
                "staleness_max": max(r["staleness_max"] for r in runs[e]), "cpu_per_step_s": cpu["total"],
                "cpu_per_trajectory_ms": cpu["per_trajectory_ms"]}
         out_rows[e] = row

@@ -25,7 +25,7 @@ from arealite.rollout.admission import Admission, ShouldAccept
 from arealite.rollout.dropped import DroppedItems
 from arealite.rollout.ledger import RolloutLedger
 from arealite.rollout.ready import ReadyGroups
-from arealite.rollout.staleness import StalenessManager
+from arealite.rollout.staleness import StalenessManager, overdue_running
 from arealite.utils.json_types import JsonObject
 from arealite.workflow.base import RolloutWorkflow
 
@@ -167,19 +167,10 @@ class DataFeed:
 
     def _overdue_running(self, count: int) -> bool:
         """Whether a running group must still join this batch of ``count`` to stay within the
-        staleness bound. A group admitted at ``v - eta + k`` or before (``v`` the version now)
-        must be trained in this batch or the ``k`` after it; when more such groups run than those
-        ``k`` batches hold, one of them belongs in this one, and the batch waits for it unless
-        ``count`` ready groups are that stale already."""
-        v, eta = self._staleness.version, self._staleness.max_head_offpolicyness
-        # Only k that can hold: no group is admitted before version 0 (k >= eta - v), and no
-        # more than all the running ones can be that stale (k * count < running). An
-        # unbounded eta (a benchmark's 10**6) so costs a few steps per wake, not eta.
-        for k in range(max(0, eta - v), min(eta, self._admission.running // count) + 1):
-            last = v - eta + k
-            if self._admission.running_admitted_by(last) > k * count and self._ready.count_from(last) < count:
-                return True
-        return False
+        staleness bound (`overdue_running`)."""
+        sm, adm = self._staleness, self._admission
+        return overdue_running(sm.version, sm.max_head_offpolicyness, count, adm.running,
+                               adm.running_admitted_by, self._ready.count_from)
 
     def _filter(self, should_accept: ShouldAccept) -> None:
         dropped = self._ready.filter(should_accept)

@@ -29,6 +29,7 @@ controller's histogram and by the training stats alike.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -64,6 +65,24 @@ def trajectory_staleness(versions: torch.Tensor, loss_mask: torch.Tensor, versio
     oldest = oldest_versions(versions, loss_mask)
     stale = torch.where(oldest == NO_PRODUCED_TOKEN, 0, version - oldest)
     return stale.clamp(min=0)
+
+
+def overdue_running(version: int, eta: int, batch: int, running: int,
+                    running_admitted_by: Callable[[int], int], ready_admitted_by: Callable[[int], int]) -> bool:
+    """Whether a batch of ``batch`` taken at ``version`` must wait for a running group: one
+    admitted at ``version - eta + k`` or before must be trained in this batch or the ``k`` after
+    it; when more such groups run than those ``k`` batches hold, one of them belongs in this one,
+    and the batch waits for it unless ``batch`` ready groups are that stale already.
+    ``running_admitted_by(v)`` / ``ready_admitted_by(v)``: running / ready groups admitted at ``v``
+    or before. The controller's rule (`DataFeed.wait`), and the virtual-time pipeline's."""
+    # Only k that can hold: no group is admitted before version 0 (k >= eta - version), and no
+    # more than all the running ones can be that stale (k * batch < running). An unbounded eta
+    # (a benchmark's 10**6) so costs a few steps per call, not eta.
+    for k in range(max(0, eta - version), min(eta, running // batch) + 1):
+        last = version - eta + k
+        if running_admitted_by(last) > k * batch and ready_admitted_by(last) < batch:
+            return True
+    return False
 
 
 @dataclass

@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from arealite.rollout.staleness import StalenessManager
+from arealite.rollout.staleness import StalenessManager, overdue_running
 
 from .cost_model import SimSpec
 
@@ -94,13 +94,18 @@ def median_for_mean(mean: float, sigma: float, cap: int) -> float:
     than the distribution's own mean (a few hundred answers vary by a few percent)."""
     if not 0 < mean < cap:
         raise ValueError(f"mean answer length {mean} must be in (0, cap={cap})")
-    grid = [math.exp(sigma * statistics.NormalDist().inv_cdf((i + 0.5) / 2000)) for i in range(2000)]
+    normal = statistics.NormalDist()
+    grid = [math.exp(sigma * normal.inv_cdf((i + 0.5) / 2000)) for i in range(2000)]
+
+    def capped_mean(median: float) -> float:
+        return sum(min(median * g, cap) for g in grid) / len(grid)
+
     lo, hi = 1e-3, float(cap)
-    while sum(min(hi * g, cap) for g in grid) / len(grid) < mean:
+    while capped_mean(hi) < mean:
         hi *= 2
     for _ in range(60):  # bisection on the median: the capped mean grows with it
         mid = math.sqrt(lo * hi)
-        if sum(min(mid * g, cap) for g in grid) / len(grid) < mean:
+        if capped_mean(mid) < mean:
             lo = mid
         else:
             hi = mid
@@ -164,9 +169,9 @@ class _Server:
         self._area += len(self.running) * (t - self._last)
         self._last = t
 
-    def busy_rows_area(self, since_area: float = 0.0) -> float:
+    def busy_rows_area(self) -> float:
         self._account()
-        return self._area - since_area
+        return self._area
 
     def submit(self, answer: _Answer) -> None:
         self.waiting.append(answer)
@@ -209,7 +214,7 @@ class _Server:
             self.running.extend(admitted)
             self.phase = "prefill"
             self.clock.at(self.clock.now + self.spec.prefill_s(new_tokens) * scale,
-                          lambda: self._prefilled(seg, admitted))
+                          lambda: self._prefilled(admitted))
         elif self.running:
             batch = len(self.running)
             kv = sum(self.prompt_tokens + a.made for a in self.running)
@@ -221,7 +226,7 @@ class _Server:
         else:
             self.phase = "idle"
 
-    def _prefilled(self, seg: int, admitted: list[_Answer]) -> None:
+    def _prefilled(self, admitted: list[_Answer]) -> None:
         for a in admitted:
             a.made = min(a.target, a.made + 1)
         self._retire()
@@ -317,7 +322,9 @@ class _Pipeline:
         s, tr, version = self.s, self.trainer, self.manager.version
         if tr.busy or len(self.ready) < s.batch_groups:
             return
-        if s.hold_overdue and self._overdue_running():
+        if s.hold_overdue and overdue_running(
+                version, s.eta, s.batch_groups, len(self.running),
+                lambda v: sum(g.version <= v for g in self.running), lambda v: sum(g.version <= v for g in self.ready)):
             return
         self.ready.sort(key=lambda g: g.version)  # stable: the stalest first, then in finishing order
         tr.ready_at_take.append(len(self.ready))
@@ -327,19 +334,6 @@ class _Pipeline:
         tr.waits.append(self.clock.now - tr.waiting_since)
         tr.busy = True
         self.clock.at(self.clock.now + s.train_s + s.train_s_per_token * tokens, self._trained)
-
-    def _overdue_running(self) -> bool:
-        """The controller's rule (`arealite.rollout.feed.DataFeed`): a group admitted at
-        ``v - eta + k`` or before must be trained in this batch or the ``k`` after it; when more
-        of them run than those batches hold, the batch waits, unless ``B`` ready groups are that
-        stale already."""
-        v, eta, b = self.manager.version, self.s.eta, self.s.batch_groups
-        for k in range(max(0, eta - v), min(eta, len(self.running) // b) + 1):
-            last = v - eta + k
-            if (sum(g.version <= last for g in self.running) > k * b
-                    and sum(g.version <= last for g in self.ready) < b):
-                return True
-        return False
 
     def _trained(self) -> None:
         for server in self.servers:
