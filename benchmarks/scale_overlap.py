@@ -240,12 +240,10 @@ def busy_generation_s(args, answer_len: float, seq_len: float) -> float:
     server decoding a full batch (``server.max_batch_size`` = 64 rows), under the servers' own
     cost model (`SimSpec`)."""
     from arealite.sim.cost_model import SimSpec
+    from arealite.sim.pipeline import busy_generation_s as busy
 
-    spec = SimSpec(gpu="h100", model=args.model)
-    rows = SERVER_ROWS
-    kv = rows * (seq_len - answer_len / 2)  # on average half of each answer is in the cache
-    tokens_per_s = args.gen_gpus * rows / spec.step_s(rows, int(kv))
-    return args.batch * args.n_samples * answer_len / tokens_per_s * args.a_time_scale
+    spec = SimSpec(gpu="h100", model=args.model, time_scale=args.a_time_scale)
+    return busy(spec, args.gen_gpus, SERVER_ROWS, args.batch * args.n_samples, answer_len, seq_len)
 
 
 def attainable_step_s(args, eta: int, sync: list[dict], seeds: int = 5) -> float:

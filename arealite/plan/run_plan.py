@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 
 from arealite.config.problems import ConfigProblem
 from arealite.config.schema import ArealiteConfig
+from arealite.plan.attainable import AttainablePlan
 from arealite.plan.breakdown import GIB, MemoryBreakdown
 from arealite.plan.gpus import Cluster, parse_gpus
 from arealite.plan.server_memory import ServerPlan, answer_tokens, server_memory
@@ -39,6 +40,8 @@ class RunPlan:
     """The largest rank of each train engine (``actor``, and ``critic`` when enabled)."""
     server: ServerPlan | None = None
     throughput: ThroughputPlan | None = None
+    attainable: AttainablePlan | None = None
+    """Set by `python -m arealite.plan` (`plan_attainable`): the speed-up the staleness bound allows."""
 
     @property
     def capacity(self) -> int:
@@ -60,6 +63,8 @@ class RunPlan:
             parts.append(self.server.table())
         if self.throughput is not None:
             parts.append(self.throughput.table())
+        if self.attainable is not None:
+            parts.append(self.attainable.table())
         return "\n\n".join(parts)
 
 

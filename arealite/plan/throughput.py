@@ -6,8 +6,8 @@ trainer that balances the two, and the asynchronous speed-up bound at the config
 The speed-up bound is the one docs/scale.md states: with generation and training on separate
 GPUs, a synchronous step (eta = 0) waits for one and then the other, ``gen + train``; an
 asynchronous one overlaps them, ``max(gen, train)``. With every answer of the configured maximum
-length, eta >= 1 already allows the whole overlap; a larger eta absorbs long-tailed lengths and
-servers that wait for a batch's longest answer, which this plan does not model.
+length, eta >= 1 already allows the whole overlap. Long-tailed lengths and the staleness bound's
+hold on the servers are played by `arealite.plan.attainable`.
 """
 
 from __future__ import annotations
@@ -16,13 +16,13 @@ from dataclasses import dataclass, field
 
 from arealite.config.schema import ArealiteConfig
 from arealite.server.command_line import gpus_per_server
-from arealite.sim.cost_model import ModelSpec, SimSpec
+from arealite.sim.cost_model import ModelSpec, SimSpec, load_lengths
 from arealite.train_engine.parallel.layout import ParallelLayout
 
 from .gpus import Cluster
 from .server_memory import ModelSize, answer_tokens, model_size, read_model_config, server_memory
 
-__all__ = ["MEASURED_MFU", "ThroughputPlan", "plan_throughput"]
+__all__ = ["MEASURED_MFU", "ThroughputPlan", "plan_throughput", "server_spec"]
 
 #: Training MFU measured by `benchmarks/bench_mfu.py` (docs/training.md): a Qwen2.5-1.5B-shaped
 #: model, bf16, packed long-tailed RL batches, on one NVIDIA H200; one run of 4 timed steps.
@@ -39,6 +39,8 @@ class ThroughputPlan:
     batch: int
     """Answers decoding together on one server (its concurrency, capped by
     ``rollout.max_inflight_per_server``)."""
+    spec: SimSpec
+    """One server in the simulator's cost model (`server_spec`)."""
     gen_tokens_per_s: float
     """Generated tokens per second of one server."""
     train_tokens_per_s: float
@@ -103,9 +105,10 @@ def plan_throughput(cfg: ArealiteConfig, cluster: Cluster, hf_config: dict | Non
     server = server_memory(cfg, cluster.spec, hf_config)
     tp = gpus_per_server(cfg) if cfg.launch.server_backend != "sim" else cfg.server.sim.gpus_per_server
     batch = min(server.concurrent_answers, cfg.rollout.max_inflight_per_server)
+    spec = server_spec(cfg, cluster, size, tp)
     plan = ThroughputPlan(
-        cluster=cluster, gpus_per_server=tp, batch=batch,
-        gen_tokens_per_s=_server_tokens_per_s(cfg, cluster, size, tp, batch),
+        cluster=cluster, gpus_per_server=tp, batch=batch, spec=spec,
+        gen_tokens_per_s=_server_tokens_per_s(cfg, spec, batch),
         train_tokens_per_s=0.0, mfu=mfu or MEASURED_MFU, mfu_source="given" if mfu else _MFU_SOURCE,
         answers_per_step=cfg.rollout.consumer_batch_size * cfg.generation.n_samples,
         answer_tokens=answer_tokens(cfg), new_tokens=cfg.generation.max_new_tokens,
@@ -129,16 +132,23 @@ def plan_throughput(cfg: ArealiteConfig, cluster: Cluster, hf_config: dict | Non
     return plan
 
 
-def _server_tokens_per_s(cfg: ArealiteConfig, cluster: Cluster, size: ModelSize, tp: int, batch: int) -> float:
+def server_spec(cfg: ArealiteConfig, cluster: Cluster, size: ModelSize, tp: int) -> SimSpec:
+    """One server of ``cfg`` on ``cluster`` as the simulator's cost model prices it: the card, the
+    run's own model shape, ``server.sim``'s efficiencies, answer lengths and weight bandwidth."""
+    o = cfg.server.sim
+    return SimSpec(gpu_shape=cluster.spec, gpus_per_server=tp, mem_fraction=1.0, mbu=o.mbu,
+                   mfu_decode=o.mfu_decode, mfu_prefill=o.mfu_prefill, step_overhead_ms=o.step_overhead_ms,
+                   length_median=o.length_median, length_sigma=o.length_sigma,
+                   lengths=load_lengths(o.lengths_file) if o.lengths_file else (), weight_gbps=o.weight_gbps,
+                   model_shape=ModelSpec(params_b=size.params / 1e9, n_layers=size.layers,
+                                         kv_heads=size.kv_heads, head_dim=size.head_dim))
+
+
+def _server_tokens_per_s(cfg: ArealiteConfig, spec: SimSpec, batch: int) -> float:
     """Generated tokens/s of one server: ``batch`` answers prefilled together (a group's samples
     share their prompt in the prefix cache), then decoded to ``max_new_tokens``."""
     if batch < 1:
         return 0.0
-    o = cfg.server.sim
-    spec = SimSpec(gpu_shape=cluster.spec, gpus_per_server=tp, mem_fraction=1.0, mbu=o.mbu,
-                   mfu_decode=o.mfu_decode, mfu_prefill=o.mfu_prefill, step_overhead_ms=o.step_overhead_ms,
-                   model_shape=ModelSpec(params_b=size.params / 1e9, n_layers=size.layers,
-                                         kv_heads=size.kv_heads, head_dim=size.head_dim))
     prompt, new = cfg.data.max_prompt_len or 0, cfg.generation.max_new_tokens
     prefill = spec.prefill_s(max(1, batch * prompt // cfg.generation.n_samples)) if prompt else 0.0
     return batch * new / (prefill + spec.steps_s(new, batch, batch * prompt))
