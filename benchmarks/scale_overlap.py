@@ -430,10 +430,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     add_arguments(p)
-    p.add_argument("--quick", action="store_true", help="eta 0 and 4, 6 steps")
+    p.add_argument("--quick", action="store_true",
+                   help="eta 0 and 4, 6 steps: a smoke run, its steps 3-6 inside the start-up transient")
     args = p.parse_args()
     if args.quick:
         args.etas, args.steps, args.skip, args.repeats = "0,4", 6, 2, 1
+        print("--quick: steps 3-6 are inside the start-up transient (groups of version 0 still arriving); "
+              "the steady-state figures need the default --steps 24 --skip 10", flush=True)
     print(json.dumps(run_part_a(args)))
 
 
