@@ -246,7 +246,7 @@ def busy_generation_s(args, answer_len: float, seq_len: float) -> float:
     return busy(spec, args.gen_gpus, SERVER_ROWS, args.batch * args.n_samples, answer_len, seq_len)
 
 
-def attainable_step_s(args, eta: int, sync: list[dict], seeds: int = 5) -> float:
+def attainable_step_s(args, eta: int, sync: list[dict], mode: str = "in_place", seeds: int = 5) -> float:
     """Median seconds per step (over ``seeds`` length draws) of the same run played in virtual time
     with free orchestration (`arealite.sim.pipeline`): the servers' cost model, the staleness
     bound and the group tails; from the eta = 0 runs, the mean answer length, the push's seconds
@@ -267,7 +267,7 @@ def attainable_step_s(args, eta: int, sync: list[dict], seeds: int = 5) -> float
                               group_size=args.n_samples, eta=eta, max_concurrent=args.a_max_concurrent,
                               max_new_tokens=args.a_max_new_tokens,
                               prompt_tokens=max(1, round(med("seq_len") - med("answer_len"))),
-                              train_s=0.0, push_s=med("push_s"), seed=seed,
+                              train_s=0.0, push_s=med("push_s"), seed=seed, pause_mode=mode,
                               train_s_per_token=(med("train_s") - med("push_s")) / (per_step * med("seq_len")))
         steps.append(simulate_pipeline(setup, args.steps, args.skip).step_s(args.skip))
     return statistics.median(steps)
@@ -336,7 +336,7 @@ def _mode_summary(args, mode: str, etas: list[int], runs: dict[int, list[dict]])
     overlap = (gen + train) / max(gen, train)  # eta=0's generation, tail included, hidden behind training
     busy = busy_generation_s(args, med(sync, "answer_len"), med(sync, "seq_len"))
     bound = med(sync, "step_s") / max(busy, train)  # generation never idle and overlapped with training
-    free = {e: attainable_step_s(args, e, sync) for e in etas}  # the same rules, orchestration free
+    free = {e: attainable_step_s(args, e, sync, mode) for e in etas}  # the same rules, orchestration free
     per_step = args.batch * args.n_samples
     print(f"pause_mode {mode}: eta=0 step: generation wait {gen:.3f} s + train and push {train:.3f} s (real "
           f"seconds); overlap alone {overlap:.2f}x; busy generation of a batch {busy:.3f} s; "

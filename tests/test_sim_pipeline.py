@@ -72,3 +72,16 @@ def test_groups_alike_are_kept_apart():
     running = [a, b]
     running.remove(b)
     assert running[0] is a
+
+
+def test_a_retract_pause_costs_only_when_answers_are_in_flight():
+    """``retract`` (and ``abort``) prefill the answers in flight again after a push: nothing to
+    redo at eta 0 (the same steps to the bit), a slower step at eta 4; an unknown mode is named."""
+    sync = [simulate_pipeline(_setup(0, pause_mode=m), steps=6).step_ends for m in ("in_place", "retract")]
+    assert sync[0] == sync[1]
+    for seed in range(2):
+        kept = simulate_pipeline(_setup(4, seed=seed), steps=25, skip=10).step_s(10)
+        redone = simulate_pipeline(_setup(4, seed=seed, pause_mode="retract"), steps=25, skip=10).step_s(10)
+        assert redone > kept * 1.03
+    with pytest.raises(ValueError, match="pause_mode 'freeze'"):
+        _setup(4, pause_mode="freeze")

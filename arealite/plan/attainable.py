@@ -14,7 +14,8 @@ of it); here it is given the plan's own figures:
 - the rules: ``rollout.consumer_batch_size`` groups of ``generation.n_samples`` a step, the
   staleness bound at each eta, ``rollout.max_concurrent_rollouts`` per trainer rank;
 - training at the plan's trained tokens/s on the split's trainer GPUs, by each batch's tokens,
-  and a push that holds generation for the weights' bytes over ``server.sim.weight_gbps``.
+  and a push that holds generation for the weights' bytes over ``server.sim.weight_gbps``, then
+  ``weight_sync.pause_mode``'s cost (``retract`` / ``abort``: the answers in flight prefilled again).
 
 A cluster of many servers is played on at most `MAX_SERVERS` of them with the batch and the
 concurrency cut in proportion (each server sees the same share of the work); the table says so.
@@ -64,6 +65,7 @@ class AttainablePlan:
     """Speed-up with servers never idle and generation overlapped with training (same lengths)."""
     mean_answer: float
     lengths: str
+    pause_mode: str
     rows: list[EtaRow] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
 
@@ -72,7 +74,8 @@ class AttainablePlan:
 
     def table(self) -> str:
         lines = [f"attainable under the staleness bound ({self.label} split, {self.server_gpus} server + "
-                 f"{self.trainer_gpus} trainer GPUs; answers {self.lengths}, mean {self.mean_answer:,.0f} tokens): "
+                 f"{self.trainer_gpus} trainer GPUs; answers {self.lengths}, mean {self.mean_answer:,.0f} tokens; "
+                 f"pushes pause_mode {self.pause_mode}): "
                  f"synchronous step {self.sync_step_s:.1f} s, bound {self.bound:.2f}x with servers never idle",
                  "  eta   s/step   speed-up   of the bound   rows busy"]
         for r in self.rows:
@@ -119,14 +122,15 @@ def plan_attainable(cfg: ArealiteConfig, tp: ThroughputPlan, *, etas: tuple[int,
         steps, skip = window(eta)
         runs = [simulate_pipeline(PipelineSetup(
             spec, played, tp.batch, batch, n, eta, concurrent, cap, prompt, train_s=0.0, push_s=push,
-            train_s_per_token=per_token, seed=seed), steps, skip) for seed in range(seeds)]
+            train_s_per_token=per_token, seed=seed, pause_mode=cfg.weight_sync.pause_mode), steps, skip)
+            for seed in range(seeds)]
         return statistics.median(r.step_s(skip) for r in runs), statistics.fmean(r.rows_busy for r in runs)
 
     sync, _ = step_s(0)
     busy = busy_generation_s(spec, played, tp.batch, batch * n, mean, prompt + mean)
     train = per_token * batch * n * (prompt + mean) + push
     out = AttainablePlan(label, server_gpus, trainer_gpus, cfg.rollout.max_head_offpolicyness, sync,
-                         sync / max(busy, train), mean, _lengths(cfg, spec, cap))
+                         sync / max(busy, train), mean, _lengths(cfg, spec, cap), cfg.weight_sync.pause_mode)
     for eta in sorted({*etas, out.eta} - {0}):
         s, rows_busy = step_s(eta)
         out.rows.append(EtaRow(eta, s, sync / s, sync / s / out.bound, rows_busy))

@@ -20,7 +20,8 @@ What is modelled, as `arealite.sim.runner.SimRunner` and the controller do it:
 - the trainer takes the ``B`` stalest ready groups as soon as it is free and they are there,
   waiting, if ``hold_overdue``, for running groups the staleness bound puts in this batch (the
   controller's rule);
-  it trains for ``train_s``, then the servers freeze (``in_place``) for ``push_s`` and the
+  it trains for ``train_s``, then the servers freeze for ``push_s`` (``pause_mode``: ``in_place``
+  decodes on after it; ``retract`` and ``abort`` prefill the answers in flight again) and the
   version moves on.
 
 All times are real seconds: the servers' simulated seconds times ``spec.time_scale``.
@@ -68,6 +69,14 @@ class PipelineSetup:
     tokens, as the simulated train engine's does, so batches of long groups take longer."""
     hold_overdue: bool = True
     seed: int = 0
+    pause_mode: str = "in_place"
+    """``in_place``: the running answers freeze and decode on; ``retract`` and ``abort``: they are
+    prefilled again over prompt + tokens made after the push (abort's resubmission by the client
+    costs nothing here, so it plays as retract)."""
+
+    def __post_init__(self) -> None:
+        if self.pause_mode not in ("in_place", "retract", "abort"):
+            raise ValueError(f"pause_mode {self.pause_mode!r}: expected in_place, retract or abort")
 
 
 @dataclass
@@ -186,6 +195,7 @@ class _Server:
         self._targets_less_ends = 0  # sum over running answers of target - end: made = that + _steps
         self.phase = "idle"  # idle | prefill | decode | frozen
         self.frozen = False
+        self._retract_at_freeze = False
         self._seg = 0  # the pending step's number: a later one cancels it
         self._debt = 0.0
         self._decode: tuple[float, int, int, int] = (0.0, 0, 0, 0)  # start, n_max, batch, kv
@@ -208,13 +218,28 @@ class _Server:
             self._cut()
             self._next()
 
-    def freeze(self) -> None:
-        self.frozen = True
+    def freeze(self, retract: bool = False) -> None:
+        """Hold generation for a push; ``retract``: the running answers go back to the head of
+        the queue, to be prefilled again over prompt + tokens made (a prefill under way ends
+        first, as the decode step under way does)."""
+        self.frozen, self._retract_at_freeze = True, retract
         if self.phase == "decode":
             self._cut()
-            self.phase = "frozen"
+            self._park()
         elif self.phase == "idle":
-            self.phase = "frozen"
+            self._park()
+
+    def _park(self) -> None:
+        self.phase = "frozen"
+        if self._retract_at_freeze:
+            self._retract_at_freeze = False
+            self._account()
+            made = self._steps
+            back = sorted(self._ends, key=lambda e: e[1])  # the running answers in arrival order
+            for end, _, a in back:
+                a.made = a.target - (end - made)
+            self.waiting.extendleft(a for _, _, a in reversed(back))
+            self._ends, self._targets_less_ends = [], 0
 
     def thaw(self) -> None:
         self.frozen = False
@@ -226,7 +251,7 @@ class _Server:
         """Prefill what waits and fits, else decode, else idle (or stay frozen)."""
         self._seg += 1
         if self.frozen:
-            self.phase = "frozen"
+            self._park()
             return
         admitted = []
         while self.waiting and len(self._ends) + len(admitted) < self.rows:
@@ -235,7 +260,10 @@ class _Server:
         if admitted:
             new_tokens = 0
             for a in admitted:
-                new_tokens += self.prompt_tokens if a.group.first_of_prompt else 1
+                if a.made:  # retracted: prompt and answer so far computed again
+                    new_tokens += self.prompt_tokens + a.made
+                else:
+                    new_tokens += self.prompt_tokens if a.group.first_of_prompt else 1
                 a.group.first_of_prompt = False
             self._account()
             for a in admitted:  # the prefill makes each answer's first token
@@ -369,7 +397,7 @@ class _Pipeline:
 
     def _trained(self) -> None:
         for server in self.servers:
-            server.freeze()
+            server.freeze(retract=self.s.pause_mode != "in_place")
         self.clock.at(self.clock.now + self.s.push_s, self._pushed)
 
     def _pushed(self) -> None:
