@@ -526,3 +526,107 @@ async def test_multi_turn_rows_carry_the_routing_of_the_turn_that_first_ran_each
         for j in range(n - 1):  # position j + 1 holds token j's routing
             first = next(k for k, r in enumerate(ran) if j < r)
             assert routing[row, j + 1].tolist() == [first, j]
+
+
+# ------------------------------------------- groups kept in buffers until the batch
+
+
+def _outs(seed: int, n: int, *, gen_max: int = 6):
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(n):
+        k = int(torch.randint(0, gen_max + 1, (1,), generator=g))
+        out.append((torch.randint(1, 90, (k,), generator=g).tolist(), torch.rand(k, generator=g).tolist(),
+                    torch.randint(0, 9, (k,), generator=g).tolist()))
+    return out
+
+
+def _buffers(prompt, outs, gid):
+    from array import array
+
+    from arealite.workflow.fast_group import GroupBuffers
+
+    n = len(outs)
+    return GroupBuffers(prompt, outs, {"rewards": array("f", [0.5 * i for i in range(n)]),
+                                       "group_id": array("q", [gid] * n),
+                                       "truncated": bytearray([i % 2 for i in range(n)])})
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_a_batch_built_from_buffers_equals_the_concatenated_groups(seed):
+    """Groups of different sizes, prompts and answer lengths (one prompt empty): the batch built
+    at once from their buffers is the concatenation of their own TensorDicts, key by key, and a
+    batch mixing buffers and TensorDicts is the same."""
+    from arealite.workflow.base import concat_trajectories
+
+    groups = [_buffers([3, 4, 5], _outs(seed, 3), 1), _buffers([], _outs(seed + 10, 1, gen_max=9), 2),
+              _buffers([7] * 11, _outs(seed + 20, 2), 3)]
+    tds = [g.to_tensordict() for g in groups]
+    for td in tds:
+        validate_trajectory(td)
+    ref = concat_trajectories(tds)
+    for batch in (concat_trajectories(groups), concat_trajectories([groups[0], tds[1], groups[2]])):
+        assert batch.batch_size == ref.batch_size and set(batch.keys()) == set(ref.keys())
+        for k in ref.keys():
+            assert batch[k].dtype == ref[k].dtype and torch.equal(batch[k], ref[k]), k
+    assert ref["truncated"].dtype == torch.bool and ref["rewards"].dtype == torch.float32
+
+
+def test_full_width_groups_take_whole_buffers_and_match():
+    """Rows all as wide as the batch (a fixed-length run) skip the per-row padding pass."""
+    from arealite.workflow.base import concat_trajectories
+
+    same = [([5, 6], [-0.5, -0.25], [3, 4])]
+    groups = [_buffers([1, 2], same * 2, 1), _buffers([8, 9], same, 2)]
+    batch = concat_trajectories(groups)
+    assert batch["attention_mask"].all() and batch["input_ids"].tolist() == [[1, 2, 5, 6]] * 2 + [[8, 9, 5, 6]]
+    assert batch["loss_mask"].tolist() == [[False, False, True, True]] * 3
+    assert batch["group_id"].tolist() == [1, 1, 2]
+
+
+def test_group_buffers_refuse_what_a_batch_cannot_hold():
+    from array import array
+
+    from arealite.workflow.base import concat_trajectories
+    from arealite.workflow.fast_group import GroupBuffers
+
+    one = [([5], [-0.5], [3])]
+    with pytest.raises(ValueError, match="per-row key 'rewards': expected 1 values"):
+        GroupBuffers([1], one, {"rewards": array("f", [1.0, 2.0])})
+    with pytest.raises(ValueError, match="per-row key 'rewards'.*list"):
+        GroupBuffers([1], one, {"rewards": [1.0]})
+    with pytest.raises(ValueError, match="1 tokens but 0 logprobs"):
+        GroupBuffers([1], [([5], [], [3])], {})
+    with pytest.raises(ValueError, match="all trajectories of one batch need the same keys"):
+        concat_trajectories([GroupBuffers([1], one, {"rewards": array("f", [1.0])}), GroupBuffers([1], one, {})])
+    with pytest.raises(ValueError, match="'rewards' holds a non-finite value"):
+        GroupBuffers([1], one, {"rewards": array("f", [float("nan")])})
+    from arealite.api.types import TrajectoryError
+
+    with pytest.raises(TrajectoryError, match=r"workflow W: missing key\(s\) \['group_id'\]"):
+        GroupBuffers([1], one, {"rewards": array("f", [1.0])}).validate("workflow W")
+
+
+async def test_rlvr_hands_the_controller_its_group_in_buffers_and_a_subclass_its_tensordict(tok):
+    """`arun_group` returns the buffers, `arun_episode` the same group as a TensorDict; a subclass
+    that reshapes `arun_episode`'s TensorDict gets its own shape through `arun_group` too."""
+    from arealite.workflow.fast_group import GroupBuffers
+
+    item = {"prompt": "What is 1 + 1?", "answer": "2", "prompt_id": 7}
+    wf = RLVRWorkflow(math_reward, gcfg(2), tok)
+    group = await wf.arun_group(ScriptedEngine(tok, ["#### 2", "so it is 3"]), item)
+    td = await wf.arun_episode(ScriptedEngine(tok, ["#### 2", "so it is 3"]), item)
+    assert isinstance(group, GroupBuffers)
+    built = group.to_tensordict()
+    for k in td.keys():
+        if k != "group_id":  # a fresh id per episode
+            assert torch.equal(built[k], td[k]), k
+
+    class Tagged(RLVRWorkflow):
+        async def arun_episode(self, client, item):
+            td = await super().arun_episode(client, item)
+            td["turn"] = torch.zeros(td.batch_size[0], dtype=torch.int64)
+            return td
+
+    tagged = await Tagged(math_reward, gcfg(2), tok).arun_group(ScriptedEngine(tok, ["#### 2"]), item)
+    assert "turn" in tagged.keys()

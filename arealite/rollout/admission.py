@@ -31,6 +31,7 @@ from arealite.rollout.ready import ReadyGroups, Waiters
 from arealite.rollout.staleness import StalenessManager
 from arealite.utils.json_types import JsonObject
 from arealite.workflow.base import RolloutWorkflow
+from arealite.workflow.fast_group import GroupBuffers
 
 logger = logging.getLogger("arealite.rollout")
 
@@ -212,9 +213,14 @@ class Admission:
     # --------------------------------------------------------------- episodes
     async def _run(self, eid: int, ep: Episode) -> None:
         try:
-            td = await ep.workflow.arun_episode(self.client, ep.item)
-            if td is not None:
-                validate_trajectory(td, where=f"workflow {type(ep.workflow).__name__}")
+            wf = ep.workflow  # a duck-typed workflow has arun_episode alone
+            td = await (wf.arun_group if isinstance(wf, RolloutWorkflow) else wf.arun_episode)(self.client, ep.item)
+            if isinstance(td, GroupBuffers) and ep.should_accept is not None:
+                td = td.to_tensordict()  # the filter reads a TensorDict
+            if isinstance(td, GroupBuffers):  # per token well-formed when built
+                td.validate(where=f"workflow {type(wf).__name__}")
+            elif td is not None:
+                validate_trajectory(td, where=f"workflow {type(wf).__name__}")
             accept = td is not None and (ep.should_accept is None or bool(ep.should_accept(td)))
         except asyncio.CancelledError:
             raise  # stop(): the episode stays listed as unfinished

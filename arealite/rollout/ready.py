@@ -37,7 +37,8 @@ from tensordict import TensorDict
 
 from arealite.rollout.staleness import NO_PRODUCED_TOKEN, oldest_versions, produced_versions, trajectory_staleness
 from arealite.utils.json_types import JsonObject
-from arealite.workflow.base import concat_trajectories
+from arealite.workflow.base import TrajectoryGroup, concat_trajectories
+from arealite.workflow.fast_group import GroupBuffers
 
 
 class ReadyState(TypedDict):
@@ -54,7 +55,7 @@ class ReadyState(TypedDict):
 class _Stash:
     """A batch taken ahead of its `prepare_batch`: its groups, the batch, items and staleness."""
 
-    groups: list[tuple[TensorDict, JsonObject]]
+    groups: list[tuple[TrajectoryGroup, JsonObject]]
     ages: list[int | None]
     batch: TensorDict
     items: list[JsonObject]
@@ -66,10 +67,11 @@ def _oldest_version(td: TensorDict) -> int:
     return int(oldest_versions(td["versions"], td["loss_mask"]).min())
 
 
-def _oldest_of_groups(tds: list[TensorDict]) -> list[int]:
+def _oldest_of_groups(groups: list[TrajectoryGroup]) -> list[int]:
     """`_oldest_version` of each of ``tds``, with one set of tensor ops for all of them: per
     group, the ``where`` + ``amin`` cost ~12 us of the loop's CPU per trajectory on
     bench_controller (every take ages the groups that came since the last one)."""
+    tds = [_tensordict(g) for g in groups]
     if len(tds) == 1:
         return [_oldest_version(tds[0])]
     vers = [td["versions"].reshape(-1) for td in tds]
@@ -80,6 +82,10 @@ def _oldest_of_groups(tds: list[TensorDict]) -> list[int]:
     return out.scatter_reduce_(0, group, produced, "amin").tolist()
 
 
+def _tensordict(group: TrajectoryGroup) -> TensorDict:
+    return group.to_tensordict() if isinstance(group, GroupBuffers) else group
+
+
 class ReadyGroups:
     """The waiting ``(trajectory group, item)`` pairs, taken stalest first, with the staleness
     histogram of what was taken, and at most one batch taken ahead (the stash)."""
@@ -87,7 +93,7 @@ class ReadyGroups:
     def __init__(self) -> None:
         # Waiting groups by sequence number: completion order, a batch put back in front
         # (`unstash`) numbered below every other (`_first`), new ones above (`_next`).
-        self._groups: dict[int, tuple[TensorDict, JsonObject]] = {}
+        self._groups: dict[int, tuple[TrajectoryGroup, JsonObject]] = {}
         self._first, self._next = 0, 0
         # The stalest-first index, filled lazily (`_index`): each group's age computed once
         # and its number pushed on its age's heap. A number whose group is gone stays in a
@@ -102,14 +108,14 @@ class ReadyGroups:
     def __len__(self) -> int:
         return len(self._groups)
 
-    def put(self, td: TensorDict, item: JsonObject, admitted_at: int | None = None) -> None:
+    def put(self, td: TrajectoryGroup, item: JsonObject, admitted_at: int | None = None) -> None:
         """A finished group; ``admitted_at``: the version it was admitted at (its age), if known."""
         if admitted_at is not None:
             self._oldest[self._next] = admitted_at
         self._add(self._next, td, item)
         self._next += 1
 
-    def _add(self, seq: int, td: TensorDict, item: JsonObject) -> None:
+    def _add(self, seq: int, td: TrajectoryGroup, item: JsonObject) -> None:
         self._groups[seq] = (td, item)
         self._unindexed.append(seq)
 
@@ -138,7 +144,7 @@ class ReadyGroups:
         self.staleness_hist.update(stale)
         return _Stash(taken, ages, batch, [item for _, item in taken], stale)
 
-    def _stalest(self, count: int) -> tuple[list[tuple[TensorDict, JsonObject]], list[int | None]]:
+    def _stalest(self, count: int) -> tuple[list[tuple[TrajectoryGroup, JsonObject]], list[int | None]]:
         """Remove and return the ``count`` oldest groups by age (ties and
         the batch itself in completion order). A group that finished late behind a long answer
         thus goes before the fresher groups that overtook it, instead of waiting behind them
@@ -231,6 +237,9 @@ class ReadyGroups:
         dropped = []
         for seq in sorted(self._groups):
             td, item = self._groups[seq]
+            if isinstance(td, GroupBuffers):  # the filter reads a TensorDict: built once, kept
+                td = _tensordict(td)
+                self._groups[seq] = (td, item)
             if not should_accept(td):
                 dropped.append(item)
                 del self._groups[seq]
@@ -242,7 +251,7 @@ class ReadyGroups:
         """The waiting groups (as plain dicts) with their ages, and the histogram."""
         order = sorted(self._groups)
         return {
-            "ready": [(self._groups[seq][0].to_dict(), self._groups[seq][1]) for seq in order],
+            "ready": [(_tensordict(self._groups[seq][0]).to_dict(), self._groups[seq][1]) for seq in order],
             "staleness_hist": dict(self.staleness_hist),
             "admitted_at": [self._oldest.get(seq) for seq in order],
         }

@@ -26,7 +26,10 @@ from tensordict import TensorDict
 
 from arealite.api.contracts import InferenceClient
 from arealite.utils.json_types import JsonObject
-from arealite.workflow.fast_group import single_turn_group, unchecked_tensordict
+from arealite.workflow.fast_group import GroupBuffers, batch_from_buffers, single_turn_group, unchecked_tensordict
+
+#: What a workflow hands the controller for one item: a TensorDict, or a group still in its buffers.
+TrajectoryGroup = TensorDict | GroupBuffers
 
 
 class RolloutWorkflow:
@@ -48,6 +51,12 @@ class RolloutWorkflow:
     async def arun_episode(self, client: InferenceClient, item: JsonObject) -> TensorDict | None:
         """Turn one dataset item into a TensorDict of trajectories, or ``None`` to reject it."""
         raise NotImplementedError
+
+    async def arun_group(self, client: InferenceClient, item: JsonObject) -> TrajectoryGroup | None:
+        """What the controller calls: `arun_episode`. A workflow may instead return its group
+        still in buffers (`GroupBuffers`), whose tensors the controller then builds with the
+        rest of the batch at once (`RLVRWorkflow` does)."""
+        return await self.arun_episode(client, item)
 
     def stats(self) -> dict[str, int]:
         """Counters the controller folds into its stats (reward errors, ...)."""
@@ -155,8 +164,11 @@ def group_from_outputs(
     return single_turn_group(prompt_ids, outputs, per_row)
 
 
-def concat_trajectories(tds: Sequence[TensorDict]) -> TensorDict:
+def concat_trajectories(tds: Sequence[TrajectoryGroup]) -> TensorDict:
     """Concatenate trajectory TensorDicts of different lengths along the batch.
+
+    Groups still in their buffers (`GroupBuffers`) are built as one batch (`batch_from_buffers`)
+    when all parts are; mixed with TensorDicts, each becomes its own TensorDict first.
 
     Every key of two or more dims is right-padded along dim 1 to the largest across the parts:
     per-token keys (``[B, L, ...]``, L the width of ``input_ids``) to the longest L with
@@ -166,6 +178,11 @@ def concat_trajectories(tds: Sequence[TensorDict]) -> TensorDict:
     """
     if not tds:
         raise ValueError("concat_trajectories needs at least one TensorDict")
+    buffered = [isinstance(td, GroupBuffers) for td in tds]
+    if all(buffered):
+        return batch_from_buffers(tds)
+    if any(buffered):
+        tds = [td.to_tensordict() if b else td for td, b in zip(tds, buffered)]
     if len(tds) == 1:
         return tds[0]
     dicts = [dict(td.items()) for td in tds]
