@@ -177,17 +177,17 @@ def instrument() -> list[tuple[object, str, object]]:
     from arealite.rollout import admission, feed, ready
     from arealite.workflow import common, rlvr
 
-    E, W, C = "episode (Admission._run, all of it)", "workflow (RLVRWorkflow.arun_episode)", "client (agenerate)"
+    E, W, C = "episode (Admission._run, all of it)", "workflow (RLVRWorkflow._group)", "client (agenerate)"
     P = "batch coroutine (DataFeed.prepare)"
     plan = [  # (owner, attribute, stage name, coroutine?, parent)
         (admission.Admission, "_run", E, True, None),
-        (rlvr.RLVRWorkflow, "arun_episode", W, True, E),
+        (rlvr.RLVRWorkflow, "_group", W, True, E),
         (remote_client.RemoteInferenceClient, "agenerate", C, True, W),
         (pool.RewardRunner, "__call__", "reward call, loop side", True, W),
         (common, "encode_prompt", "prompt decode (encode_prompt)", False, W),
         (rlvr, "decode", "answer decode", False, W),
         (rlvr, "item_fields", "item_fields", False, W),
-        (rlvr, "group_from_outputs", "trajectory TensorDict", False, W),
+        (rlvr, "GroupBuffers", "group buffers (GroupBuffers)", False, W),
         (rlvr, "routed_experts_of", "routed_experts_of", False, W),
         (rlvr, "GenerationRequest", "GenerationRequest", False, W),
         (remote_client, "encode_request", "request body (orjson)", False, C),
@@ -199,7 +199,7 @@ def instrument() -> list[tuple[object, str, object]]:
         (ready.ReadyGroups, "put", "ReadyGroups.put", False, E),
         (admission.Admission, "admit", "Admission.admit (+ task creation)", False, None),
         (feed.DataFeed, "prepare", P, True, None),
-        (ready.ReadyGroups, "take", "ReadyGroups.take (batch concat)", False, P),
+        (ready.ReadyGroups, "take", "ReadyGroups.take (the batch's tensors)", False, P),
         (feed.DataFeed, "top_up", "DataFeed.top_up", False, P),
         (feed.DataFeed, "_overdue_running", "DataFeed._overdue_running", False, P),
         (http1._Conn, "data_received", "HTTP data_received (loop callback)", False, None),
