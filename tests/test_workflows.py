@@ -630,3 +630,26 @@ async def test_rlvr_hands_the_controller_its_group_in_buffers_and_a_subclass_its
 
     tagged = await Tagged(math_reward, gcfg(2), tok).arun_group(ScriptedEngine(tok, ["#### 2"]), item)
     assert "turn" in tagged.keys()
+
+
+def test_the_ready_set_keeps_buffers_through_a_filter_and_a_checkpoint():
+    """Waiting groups in buffers: a filter reads their TensorDicts, a checkpoint stores them, and
+    the batch taken after a restore is the batch taken without one."""
+    from arealite.rollout.ready import ReadyGroups
+
+    def filled() -> ReadyGroups:
+        ready = ReadyGroups()
+        for i in range(4):
+            ready.put(_buffers([1, 2, 3][: i + 1], _outs(i, 2), i), {"prompt_id": i}, admitted_at=0)
+        return ready
+
+    ref, _ = filled().take(4, version=1)
+    restored = ReadyGroups()
+    restored.load_state_dict(filled().state_dict())
+    batch, items = restored.take(4, version=1)
+    assert [it["prompt_id"] for it in items] == [0, 1, 2, 3]
+    for k in ref.keys():
+        assert torch.equal(batch[k], ref[k]), k
+    ready = filled()
+    dropped = ready.filter(lambda td: int(td["group_id"][0]) % 2 == 0)
+    assert [it["prompt_id"] for it in dropped] == [1, 3] and len(ready) == 2

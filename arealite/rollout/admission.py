@@ -215,11 +215,11 @@ class Admission:
         try:
             wf = ep.workflow  # a duck-typed workflow has arun_episode alone
             td = await (wf.arun_group if isinstance(wf, RolloutWorkflow) else wf.arun_episode)(self.client, ep.item)
-            if isinstance(td, GroupBuffers) and ep.should_accept is not None:
-                td = td.to_tensordict()  # the filter reads a TensorDict
-            if isinstance(td, GroupBuffers):  # per token well-formed when built
-                td.validate(where=f"workflow {type(wf).__name__}")
+            if isinstance(td, GroupBuffers) and ep.should_accept is None:
+                td.validate(where=f"workflow {type(wf).__name__}")  # per token well-formed when built
             elif td is not None:
+                if isinstance(td, GroupBuffers):
+                    td = td.to_tensordict()  # the filter reads a TensorDict
                 validate_trajectory(td, where=f"workflow {type(wf).__name__}")
             accept = td is not None and (ep.should_accept is None or bool(ep.should_accept(td)))
         except asyncio.CancelledError:
