@@ -11,7 +11,7 @@ the plain path instead costs 82-114 us more loop CPU per trajectory, 1.9x in all
 
 The controller goes one step further with `GroupBuffers`: a group stays in its buffers until
 its batch is taken, and `batch_from_buffers` makes the whole batch's tensors at once. On
-bench_controller that is ~45 us less loop CPU per trajectory (the group's nine tensors, its
+bench_controller that is 30-45 us less CPU per trajectory (the group's nine tensors, its
 TensorDict, their ``torch.cat`` into the batch and their deallocation; docs/scale.md).
 """
 
