@@ -143,7 +143,8 @@ TRAJECTORY_KEYS: dict[str, tuple[torch.dtype, bool]] = {
 
 #: The per-token keys, in the order ``mark_well_formed`` takes their tensors.
 PER_TOKEN_KEYS = tuple(k for k, (_, per_token) in TRAJECTORY_KEYS.items() if per_token)
-_PER_ROW = tuple(k for k, (_, per_token) in TRAJECTORY_KEYS.items() if not per_token)
+#: The per-row keys (``[B]``).
+PER_ROW_KEYS = tuple(k for k, (_, per_token) in TRAJECTORY_KEYS.items() if not per_token)
 _NO_ATTRS: dict[str, object] = {}
 _TensorDictBase: type | None = None  # imported on first use: tensordict is heavy to import
 # Where mark_well_formed keeps the vouched tensors: an instance attribute of the TensorDict.
@@ -219,7 +220,7 @@ def validate_trajectory(td: object, where: str = "trajectory") -> None:
     # would save another ~0.6 us: not measurable on bench_workflow_cpu.)
     found = dict(td.items())
     vouched = _still_vouched(td, found, B)
-    keys: Iterable[str] = _PER_ROW if vouched else TRAJECTORY_KEYS
+    keys: Iterable[str] = PER_ROW_KEYS if vouched else TRAJECTORY_KEYS
     for key in keys:
         dtype, per_token = TRAJECTORY_KEYS[key]
         t = found.get(key)

@@ -27,6 +27,7 @@ import statistics
 from dataclasses import dataclass, field, replace
 
 from arealite.config.schema import ArealiteConfig
+from arealite.sim.cost_model import SimSpec, load_lengths
 from arealite.sim.pipeline import PipelineSetup, busy_generation_s, capped_mean, simulate_pipeline
 
 from .throughput import ThroughputPlan
@@ -37,6 +38,8 @@ __all__ = ["AttainablePlan", "MAX_SERVERS", "plan_attainable", "window"]
 MAX_SERVERS = 4
 #: The etas always shown beside the configured one.
 ETAS = (1, 2, 4, 8, 16)
+#: Steps measured in each play, after its start (`window`).
+MEASURED_STEPS = 28
 
 
 @dataclass(frozen=True)
@@ -86,11 +89,11 @@ class AttainablePlan:
         return "\n".join(lines)
 
 
-def window(eta: int, measured: int = 28) -> tuple[int, int]:
+def window(eta: int) -> tuple[int, int]:
     """``(steps, skip)`` of one play: the groups admitted at the start are all of version 0 and
     stay in flight for up to eta steps, so the first ``12 + 2 eta`` steps are left out."""
     skip = 12 + 2 * eta
-    return skip + measured, skip
+    return skip + MEASURED_STEPS, skip
 
 
 def plan_attainable(cfg: ArealiteConfig, tp: ThroughputPlan, *, etas: tuple[int, ...] = ETAS,
@@ -107,7 +110,9 @@ def plan_attainable(cfg: ArealiteConfig, tp: ThroughputPlan, *, etas: tuple[int,
     B = cfg.rollout.consumer_batch_size
     batch = max(1, round(B * share))
     concurrent = max(1, round(cfg.rollout.max_concurrent_rollouts * cfg.launch.n_trainer_procs * share))
-    spec = replace(tp.spec, time_scale=1.0)
+    o = cfg.server.sim
+    spec = replace(tp.spec, time_scale=1.0, length_median=o.length_median, length_sigma=o.length_sigma,
+                   lengths=load_lengths(o.lengths_file) if o.lengths_file else ())
     cap = cfg.generation.max_new_tokens
     prompt = max(1, cfg.data.max_prompt_len or 1)
     mean = (statistics.fmean(min(n, cap) for n in spec.lengths) if spec.lengths
@@ -138,13 +143,13 @@ def plan_attainable(cfg: ArealiteConfig, tp: ThroughputPlan, *, etas: tuple[int,
         out.notes.append(f"played on {played} of {servers} servers with {batch} of {B} groups a step and "
                          f"{concurrent} concurrent rollouts: each server's share of the work kept"
                          + ("" if batch == B * share else f" to rounding ({batch / share:.1f} groups)"))
-    out.notes.append(f"virtual time, {window(0)[0] - window(0)[1]} steps after a start of 12 + 2 eta, "
+    out.notes.append(f"virtual time, {MEASURED_STEPS} steps after a start of 12 + 2 eta, "
                      f"medians of {seeds} length draws; orchestration costs nothing here (the real system "
                      "reached 0.96 of it at eta 4: docs/scale.md)")
     return out
 
 
-def _lengths(cfg: ArealiteConfig, spec, cap: int) -> str:
+def _lengths(cfg: ArealiteConfig, spec: SimSpec, cap: int) -> str:
     o = cfg.server.sim
     if spec.lengths:
         return f"drawn from {o.lengths_file}, cut at {cap:,}"

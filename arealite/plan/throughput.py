@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 from arealite.config.schema import ArealiteConfig
 from arealite.server.command_line import gpus_per_server
-from arealite.sim.cost_model import ModelSpec, SimSpec, load_lengths
+from arealite.sim.cost_model import ModelSpec, SimSpec
 from arealite.train_engine.parallel.layout import ParallelLayout
 
 from .gpus import Cluster
@@ -134,12 +134,12 @@ def plan_throughput(cfg: ArealiteConfig, cluster: Cluster, hf_config: dict | Non
 
 def server_spec(cfg: ArealiteConfig, cluster: Cluster, size: ModelSize, tp: int) -> SimSpec:
     """One server of ``cfg`` on ``cluster`` as the simulator's cost model prices it: the card, the
-    run's own model shape, ``server.sim``'s efficiencies, answer lengths and weight bandwidth."""
+    run's own model shape, ``server.sim``'s efficiencies and weight bandwidth (answer lengths are
+    `arealite.plan.attainable`'s, which alone uses them)."""
     o = cfg.server.sim
     return SimSpec(gpu_shape=cluster.spec, gpus_per_server=tp, mem_fraction=1.0, mbu=o.mbu,
                    mfu_decode=o.mfu_decode, mfu_prefill=o.mfu_prefill, step_overhead_ms=o.step_overhead_ms,
-                   length_median=o.length_median, length_sigma=o.length_sigma,
-                   lengths=load_lengths(o.lengths_file) if o.lengths_file else (), weight_gbps=o.weight_gbps,
+                   weight_gbps=o.weight_gbps,
                    model_shape=ModelSpec(params_b=size.params / 1e9, n_layers=size.layers,
                                          kv_heads=size.kv_heads, head_dim=size.head_dim))
 

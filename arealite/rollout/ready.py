@@ -236,10 +236,9 @@ class ReadyGroups:
         """Drop the groups ``should_accept`` refuses; return their items."""
         dropped = []
         for seq in sorted(self._groups):
-            td, item = self._groups[seq]
-            if isinstance(td, GroupBuffers):  # the filter reads a TensorDict: built once, kept
-                td = _tensordict(td)
-                self._groups[seq] = (td, item)
+            group, item = self._groups[seq]
+            td = _tensordict(group)  # the filter reads a TensorDict: built once, kept
+            self._groups[seq] = (td, item)
             if not should_accept(td):
                 dropped.append(item)
                 del self._groups[seq]

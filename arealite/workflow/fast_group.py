@@ -24,7 +24,7 @@ from typing import Sequence
 import torch
 from tensordict import TensorDict
 
-from arealite.api.types import TRAJECTORY_KEYS, TrajectoryError, mark_well_formed
+from arealite.api.types import PER_ROW_KEYS, TRAJECTORY_KEYS, TrajectoryError, mark_well_formed
 
 #: ``(ids, logprobs, versions)`` of one generated sample.
 Output = tuple[Sequence[int], Sequence[float], Sequence[int]]
@@ -71,7 +71,7 @@ class GroupBuffers:
         if width == 0:
             raise ValueError("group_from_outputs: empty prompt and empty outputs give no tokens")
         for key, buf in per_row.items():
-            if len(buf) != n or _dtype_of(buf, key) is None:
+            if len(buf) != n or _dtype_of(buf) is None:
                 raise ValueError(f"per-row key {key!r}: expected {n} values in an array('f'), array('q') or "
                                  f"bytearray, got {len(buf)} in a {type(buf).__name__}")
             if isinstance(buf, array) and buf.typecode == "f" and not all(map(math.isfinite, buf)):
@@ -82,7 +82,7 @@ class GroupBuffers:
     def validate(self, where: str) -> None:
         """Raise `TrajectoryError` unless the group holds every per-row key a trajectory needs
         (the per-token ones it holds by construction)."""
-        missing = [k for k, (_, per_token) in TRAJECTORY_KEYS.items() if not per_token and k not in self.per_row]
+        missing = [k for k in PER_ROW_KEYS if k not in self.per_row]
         if missing:
             raise TrajectoryError(f"{where}: missing key(s) {missing} (required: {sorted(TRAJECTORY_KEYS)})")
 
@@ -91,7 +91,7 @@ class GroupBuffers:
         return batch_from_buffers([self])
 
 
-def _dtype_of(buf: array | bytearray, key: str) -> torch.dtype | None:
+def _dtype_of(buf: array | bytearray) -> torch.dtype | None:
     if isinstance(buf, bytearray):
         return torch.bool
     return _ARRAY_DTYPES.get(getattr(buf, "typecode", ""))
@@ -150,7 +150,7 @@ def batch_from_buffers(groups: Sequence[GroupBuffers], extra: dict[str, torch.Te
         buf = type(first)() if isinstance(first, bytearray) else array(first.typecode)
         for g in groups:
             buf += g.per_row[key]
-        tensors[key] = torch.frombuffer(buf, dtype=_dtype_of(first, key))
+        tensors[key] = torch.frombuffer(buf, dtype=_dtype_of(first))
     if extra:
         tensors.update(extra)
     return mark_well_formed(unchecked_tensordict(tensors, B), per_token)
